@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Creates .venv and installs multigpu with its test tools; re-running is cheap (a stamp skips pip).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.multigpu-installed
+want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test]"
+  echo "$want" > "$stamp"
+fi

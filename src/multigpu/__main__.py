@@ -1,0 +1,3 @@
+from multigpu.cli import main
+
+raise SystemExit(main())

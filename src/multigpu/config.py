@@ -1,0 +1,48 @@
+"""Typed dataclass configs <-> argparse: every field is one flag, its metadata the help, so --help is complete."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def _base_type(annotation: Any) -> type:
+    """`int | None` -> int; `float` -> float."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        (base,) = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        return base
+    return annotation
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """One `--field-name` flag per dataclass field of `cls`."""
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(cls.__name__)
+    for field in dataclasses.fields(cls):
+        if field.name in skip:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        kind = _base_type(hints[field.name])
+        help_text = field.metadata.get("help", "")
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
+            continue
+        group.add_argument(
+            flag,
+            type=kind,
+            default=field.default,
+            choices=field.metadata.get("choices"),
+            metavar=field.metadata.get("metavar"),
+            help=f"{help_text} (default: {field.default})",
+        )
+
+
+def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
+    """Builds `cls` from the parsed flags; its __post_init__ validates them."""
+    names = {field.name for field in dataclasses.fields(cls)}
+    return cls(**{name: value for name, value in vars(args).items() if name in names})

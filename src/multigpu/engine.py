@@ -1,0 +1,301 @@
+"""The Engine: the few calls a training loop makes, the same for every strategy and number of processes."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Dataset
+
+from multigpu.data import Batch, DistributedLoader
+from multigpu.env import BACKENDS, DistEnv, check_backend, init_process_group
+from multigpu.errors import UsageError
+from multigpu.precision import PRECISIONS, Precision
+from multigpu.strategies import STRATEGIES, Strategy, resolve_strategy
+
+REDUCE_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+@dataclass
+class EngineConfig:
+    strategy: str = field(default="auto", metadata={"help": "how to spread training over processes", "choices": STRATEGIES})
+    precision: str = field(default="32", metadata={"help": "number format for training", "choices": PRECISIONS})
+    grad_accum_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    max_grad_norm: float | None = field(default=None, metadata={"help": "clip the global gradient norm to this"})
+    seed: int = field(default=0, metadata={"help": "seed for model init and data order (the same on every rank)"})
+    cpu_offload: bool = field(default=False, metadata={"help": "keep zero3's sharded parameters in CPU memory"})
+    backend: str | None = field(
+        default=None, metadata={"help": "process-group backend (default: nccl on GPUs, gloo on CPU)", "choices": BACKENDS}
+    )
+    timeout_s: float = field(default=1800.0, metadata={"help": "seconds a collective may wait before the run fails"})
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise UsageError(f"Unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}.")
+        if self.precision not in PRECISIONS:
+            raise UsageError(f"Unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}.")
+        if self.grad_accum_steps < 1:
+            raise UsageError(f"grad_accum_steps must be 1 or more (got {self.grad_accum_steps}).")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise UsageError(f"max_grad_norm must be positive (got {self.max_grad_norm}); leave it unset for none.")
+        if self.timeout_s <= 0:
+            raise UsageError(f"timeout_s must be positive (got {self.timeout_s}).")
+
+
+class Engine:
+    def __init__(
+        self,
+        strategy: str | Strategy = "auto",
+        precision: str = "32",
+        grad_accum_steps: int = 1,
+        max_grad_norm: float | None = None,
+        seed: int = 0,
+        cpu_offload: bool = False,
+        backend: str | None = None,
+        timeout_s: float = 1800.0,
+    ) -> None:
+        name = strategy if isinstance(strategy, str) else strategy.name
+        self.config = EngineConfig(
+            name, precision, grad_accum_steps, max_grad_norm, seed, cpu_offload, backend, timeout_s
+        )
+        self.env = DistEnv.from_environ()
+        self._strategy = resolve_strategy(strategy, self.env, cpu_offload, say=self.print)
+        self.precision = Precision(precision)
+        self.device = self.env.device
+        if self._strategy.needs_process_group:
+            backend = backend or self.env.default_backend()
+            init_process_group(self.env, backend, timedelta(seconds=timeout_s))
+        elif backend is not None:
+            check_backend(backend, self.device)
+        # The same seed on every rank: models built after this start identical everywhere.
+        torch.manual_seed(seed)
+        np.random.seed(seed)
+        random.seed(seed)
+        self._scaler: torch.amp.GradScaler | None = None
+        self._micro_steps = 0  # micro-steps since the last optimizer step
+        self._batch: Batch | None = None  # the engine-loader batch being trained on, if any
+        self._loader: DistributedLoader | None = None
+        self._printed_batch_size = False
+        self.last_grad_norm: float | None = None
+
+    # -- who am I ---------------------------------------------------------------------------------------------
+    @property
+    def strategy(self) -> str:
+        return self._strategy.name
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.env.rank == 0
+
+    # -- setup ------------------------------------------------------------------------------------------------
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """Moves the model to this rank's device and wraps model and optimizer for the strategy.
+
+        Build schedulers on the optimizer returned here (zero1 replaces it with a sharded one).
+        """
+        if self.precision.name == "bf16-true":
+            model.to(torch.bfloat16)
+        model, optimizer = self._strategy.setup(model, optimizer, self.env, self.precision)
+        if self.precision.compute_dtype is not None and self._strategy.uses_autocast:
+            model.forward = _autocast_forward(model.forward, self.precision, self.device)
+        if self.precision.needs_grad_scaler:
+            self._scaler = self._strategy.grad_scaler(self.device)
+        return model, optimizer
+
+    def dataloader(
+        self,
+        dataset: Dataset,
+        batch_size: int = 32,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ) -> DistributedLoader:
+        """This rank's shard of `dataset`, `batch_size` samples per device, moved to `engine.device`."""
+        loader = DistributedLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            rank=self.rank,
+            world_size=self.world_size,
+            grad_accum_steps=self.config.grad_accum_steps,
+            seed=self.config.seed,
+            device=self.device,
+            on_batch=self._on_batch,
+        )
+        if not self._printed_batch_size:
+            self._printed_batch_size = True
+            accum, world = self.config.grad_accum_steps, self.world_size
+            self.print(
+                f"effective batch size {batch_size * accum * world} = {batch_size} per device x "
+                f"{accum} accumulation step{'s' if accum > 1 else ''} x {world} process{'es' if world > 1 else ''}"
+            )
+        return loader
+
+    def _on_batch(self, loader: DistributedLoader, batch: Batch) -> None:
+        self._loader, self._batch = loader, batch
+
+    # -- the training step ------------------------------------------------------------------------------------
+    def _syncs_now(self) -> bool:
+        """Whether this micro-step ends the accumulation window (and so must synchronise gradients)."""
+        if self._batch is not None:
+            return self._batch.ends_window
+        return (self._micro_steps + 1) % self.config.grad_accum_steps == 0
+
+    @contextlib.contextmanager
+    def accumulate(self, model: nn.Module) -> Iterator[None]:
+        """Skips gradient communication on every micro-step but the last of an accumulation window."""
+        if self._syncs_now():
+            yield
+        else:
+            with self._strategy.no_sync(model):
+                yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss`, the mean over this rank's batch, weighted so each step averages its global batch.
+
+        With the engine's loader the weight accounts for uneven last batches and padding exactly; without it,
+        the loss is divided by grad_accum_steps.
+        """
+        weight = self._batch.weight if self._batch is not None else 1.0 / self.config.grad_accum_steps
+        loss = loss * weight
+        if self._scaler is not None:
+            loss = self._scaler.scale(loss)
+        loss.backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """On the last micro-step: unscale, clip, step, zero the gradients and return True; else False."""
+        syncs = self._syncs_now()
+        self._batch = None
+        if not syncs:
+            self._micro_steps += 1
+            return False
+        self._micro_steps = 0
+        if self._scaler is not None:
+            self._scaler.unscale_(optimizer)
+        if self.config.max_grad_norm is not None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            norm = self._strategy.total_grad_norm(params)
+            torch.nn.utils.clip_grads_with_norm_(params, self.config.max_grad_norm, norm)
+            self.last_grad_norm = float(norm)
+        if self._scaler is not None:
+            self._scaler.step(optimizer)
+            self._scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return True
+
+    # -- collectives ------------------------------------------------------------------------------------------
+    @property
+    def _grouped(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def _comm_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def reduce(self, value: float | torch.Tensor, op: str = "mean") -> float | torch.Tensor:
+        """`value` combined over all ranks ("mean", "sum" or "max"), returned on every rank as the same type."""
+        if op not in REDUCE_OPS:
+            raise UsageError(f"Unknown reduce op {op!r}; choose one of {', '.join(REDUCE_OPS)}.")
+        if not self._grouped:
+            return value
+        is_tensor = isinstance(value, torch.Tensor)
+        tensor = value.detach() if is_tensor else torch.tensor(float(value), dtype=torch.float64)
+        work = tensor.to(self._comm_device(), copy=True)
+        dist.all_reduce(work, op=REDUCE_OPS[op])
+        if op == "mean":
+            work = work / dist.get_world_size()
+        return work.to(tensor.device) if is_tensor else float(work)
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rows from every rank, padding removed, in dataset order.
+
+        `tensor`'s rows must belong to the last `len(tensor)` samples this rank's engine loader yielded (a batch's
+        outputs, or everything collected over the epoch).
+        """
+        batches = self._loader.yielded if self._loader is not None else []
+        owned = [(index, i < batch.real) for batch in batches for i, index in enumerate(batch.indices)]
+        if len(tensor) > len(owned):
+            raise UsageError(
+                f"gather got {len(tensor)} rows but this rank's loader has yielded {len(owned)} samples this "
+                "epoch; gather the outputs of samples from engine.dataloader."
+            )
+        owned = owned[len(owned) - len(tensor) :]
+        indices = torch.tensor([index for index, _ in owned], dtype=torch.long)
+        real = torch.tensor([is_real for _, is_real in owned], dtype=torch.bool)
+        if self._grouped:
+            tensor, indices, real = (self._all_gather_rows(t) for t in (tensor, indices, real))
+        order = torch.argsort(indices[real.to(indices.device)])
+        return tensor[real.to(tensor.device)][order.to(tensor.device)]
+
+    def _all_gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenates every rank's rows, which may differ in number by rank."""
+        world, device = dist.get_world_size(), self._comm_device()
+        local = tensor.detach().to(device)
+        sizes = [torch.zeros((), dtype=torch.long, device=device) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor(len(local), device=device))
+        longest = int(max(sizes))
+        padded = torch.zeros((longest, *local.shape[1:]), dtype=local.dtype, device=device)
+        padded[: len(local)] = local
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded)
+        rows = torch.cat([part[: int(size)] for part, size in zip(parts, sizes, strict=True)])
+        return rows.to(tensor.device)
+
+    def barrier(self) -> None:
+        if self._grouped:
+            dist.barrier()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """print() on the main process only."""
+        if self.is_main_process:
+            print(*args, **kwargs, flush=True)
+
+
+def _autocast_forward(forward: Callable[..., Any], precision: Precision, device: torch.device) -> Callable[..., Any]:
+    """Runs forward under autocast and hands floating outputs back in fp32, so losses are computed at full width."""
+
+    @functools.wraps(forward)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with precision.autocast(device):
+            output = forward(*args, **kwargs)
+        return _to_fp32(output)
+
+    return wrapped
+
+
+def _to_fp32(data: Any) -> Any:
+    if isinstance(data, torch.Tensor):
+        return data.float() if data.is_floating_point() else data
+    if isinstance(data, dict):
+        return {key: _to_fp32(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)) and not hasattr(data, "_fields"):
+        return type(data)(_to_fp32(value) for value in data)
+    return data

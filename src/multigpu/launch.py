@@ -1,0 +1,106 @@
+"""`multigpu run`: torch.distributed.run with free ports, GPU selection and one clear failure report."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import get_args_parser
+from torch.distributed.run import run as torch_run
+
+from multigpu.env import free_port
+from multigpu.errors import UsageError
+
+
+@dataclass
+class LaunchConfig:
+    nproc: int | None = field(
+        default=None, metadata={"help": "processes per node (default: the visible GPUs, or 1 without GPUs)"}
+    )
+    gpu_ids: str | None = field(
+        default=None, metadata={"help": "comma-separated GPU indices to use, e.g. 0,1,3 (sets CUDA_VISIBLE_DEVICES)"}
+    )
+    nnodes: int = field(default=1, metadata={"help": "number of machines"})
+    node_rank: int = field(default=0, metadata={"help": "this machine's index, 0..nnodes-1"})
+    master_addr: str = field(default="127.0.0.1", metadata={"help": "address of node 0 (several nodes)"})
+    master_port: int | None = field(
+        default=None, metadata={"help": "port on node 0; a free one is picked on a single node"}
+    )
+    max_restarts: int = field(default=0, metadata={"help": "restart all workers up to K times after a failure"})
+
+    def __post_init__(self) -> None:
+        if self.nproc is not None and self.nproc < 1:
+            raise UsageError(f"--nproc must be 1 or more (got {self.nproc}).")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise UsageError(f"--node-rank must be in 0..{self.nnodes - 1} for --nnodes {self.nnodes}.")
+        if self.max_restarts < 0:
+            raise UsageError(f"--max-restarts must be 0 or more (got {self.max_restarts}).")
+        if self.nnodes > 1 and self.master_port is None:
+            raise UsageError("Several nodes need the same --master-port on every node; pass e.g. --master-port 29500.")
+
+
+def parse_gpu_ids(gpu_ids: str, present: int) -> list[int]:
+    try:
+        ids = [int(part) for part in gpu_ids.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(f"--gpu-ids {gpu_ids!r} must be comma-separated integers such as 0,1,3.") from None
+    absent = [i for i in ids if not 0 <= i < present]
+    if not ids or absent:
+        raise UsageError(
+            f"--gpu-ids {gpu_ids} names GPUs that are not present (this machine has {present}: "
+            f"{', '.join(map(str, range(present))) or 'none'}); choose among those."
+        )
+    if len(set(ids)) != len(ids):
+        raise UsageError(f"--gpu-ids {gpu_ids} names a GPU twice; list each GPU once.")
+    return ids
+
+
+def torchrun_argv(config: LaunchConfig, nproc: int, target: list[str], module: bool) -> list[str]:
+    argv = [f"--nproc-per-node={nproc}", f"--nnodes={config.nnodes}", f"--max-restarts={config.max_restarts}"]
+    if config.nnodes == 1:
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{config.master_port or free_port()}"]
+    else:
+        argv += [
+            f"--node-rank={config.node_rank}",
+            f"--master-addr={config.master_addr}",
+            f"--master-port={config.master_port}",
+        ]
+    if module:
+        argv.append("--module")
+    return argv + target
+
+
+def launch(config: LaunchConfig, target: list[str], module: bool = False) -> int:
+    """Runs `target` (a script and its arguments, or a module with `module=True`) in N processes.
+
+    Returns the exit code of the first worker that failed, 0 if all succeeded.
+    """
+    present = torch.cuda.device_count()
+    nproc = config.nproc
+    if config.gpu_ids is not None:
+        ids = parse_gpu_ids(config.gpu_ids, present)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, ids))
+        nproc = nproc or len(ids)
+    nproc = nproc or max(present, 1)
+    if config.max_restarts > 0:
+        # Measured: with the rendezvous store shared with workers, restarted workers hang or fail in most runs.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    args = get_args_parser().parse_args(torchrun_argv(config, nproc, target, module))
+    try:
+        torch_run(args)
+    except ChildFailedError as error:
+        rank, failure = error.get_first_failure()
+        code = failure.exitcode if failure.exitcode > 0 else 128 + abs(failure.exitcode)
+        how = (
+            f"was killed by {signal.Signals(-failure.exitcode).name}"
+            if failure.exitcode < 0
+            else f"exited with code {failure.exitcode}"
+        )
+        print(f"multigpu run: worker rank {rank} (pid {failure.pid}) {how}; its error is printed above.", file=sys.stderr)
+        return code
+    return 0

@@ -1,0 +1,1 @@
+"""Training loops written against the Engine; each is a module that `multigpu run` can start."""

@@ -1,0 +1,63 @@
+"""Strategy names -> strategy objects. The names are public; each strategy lives in its own file."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from multigpu.env import DistEnv
+from multigpu.errors import UsageError
+from multigpu.strategies.base import Strategy
+from multigpu.strategies.ddp import DDP
+from multigpu.strategies.dp import DataParallel
+from multigpu.strategies.fsdp import FSDP
+from multigpu.strategies.single import Single
+from multigpu.strategies.zero1 import Zero1
+
+_FACTORIES: dict[str, Callable[[], Strategy]] = {
+    "single": Single,
+    "dp": DataParallel,
+    "ddp": DDP,
+    "zero1": Zero1,
+    "zero2": lambda: FSDP(reshard_after_forward=False),
+    "zero3": FSDP,
+    "fsdp": FSDP,
+}
+STRATEGIES = ("auto", *_FACTORIES)
+
+__all__ = ["DDP", "FSDP", "STRATEGIES", "DataParallel", "Single", "Strategy", "Zero1", "resolve_strategy"]
+
+
+def resolve_strategy(
+    spec: str | Strategy, env: DistEnv, cpu_offload: bool = False, say: Callable[[str], None] = print
+) -> Strategy:
+    """Turns a strategy name (or a configured Strategy) into the Strategy that will run, or refuses."""
+    if isinstance(spec, Strategy):
+        strategy = spec
+    elif spec not in STRATEGIES:
+        raise UsageError(f"Unknown strategy {spec!r}; choose one of {', '.join(STRATEGIES)}.")
+    elif spec == "auto":
+        strategy = DDP() if env.is_distributed else Single()
+        say(f"strategy auto -> {strategy.name} ({env.world_size} process{'es' if env.is_distributed else ''})")
+    elif spec == "dp" and torch.cuda.device_count() < 2:
+        say(f"strategy dp needs 2 or more GPUs and this machine has {torch.cuda.device_count()}; running as single.")
+        strategy = Single()
+    else:
+        strategy = _FACTORIES[spec]()
+
+    if cpu_offload:
+        if not isinstance(strategy, FSDP) or not strategy.reshard_after_forward:
+            raise UsageError(f"cpu_offload works with strategy zero3 only, not {strategy.name}; drop it or use zero3.")
+        strategy.cpu_offload = True
+    if isinstance(strategy, FSDP) and strategy.cpu_offload and env.device.type != "cuda":
+        raise UsageError(
+            "cpu_offload moves sharded parameters from the GPU to CPU memory, but this run is on CPU "
+            "already; drop cpu_offload or run on GPUs."
+        )
+    if not strategy.needs_process_group and env.is_distributed:
+        raise UsageError(
+            f"Strategy {strategy.name} runs in one process, but {env.world_size} were launched and would each "
+            "train alone; launch one process, or use ddp/zero1/zero2/zero3."
+        )
+    return strategy

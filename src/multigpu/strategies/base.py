@@ -1,0 +1,47 @@
+"""The small interface every strategy implements: wrap, skip gradient sync, scale, measure the gradient norm."""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from multigpu.env import DistEnv
+from multigpu.precision import Precision
+
+
+class Strategy(ABC):
+    name: str
+    #: False only for strategies that run in one process and need no torch.distributed group.
+    needs_process_group: bool = True
+    #: Strategies that cast parameters themselves (FSDP's MixedPrecisionPolicy) turn the Engine's autocast off.
+    uses_autocast: bool = True
+
+    @abstractmethod
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, precision: Precision
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """Moves the model to its device and wraps model and optimizer; returns what the loop must use."""
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """A context in which backward accumulates local gradients without communicating."""
+        return contextlib.nullcontext()
+
+    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
+        return torch.amp.GradScaler(device.type)
+
+    def total_grad_norm(self, parameters: Iterable[nn.Parameter]) -> torch.Tensor:
+        """The 2-norm of all gradients of the *whole* model, the same on every rank."""
+        grads = [p.grad for p in parameters if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        # Sharded gradients give a DTensor whose local value is this rank's partial norm.
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def move_to_device(model: nn.Module, env: DistEnv) -> nn.Module:
+    # In-place `.to` keeps the Parameter objects, so an optimizer built before setup stays valid.
+    return model.to(env.device)

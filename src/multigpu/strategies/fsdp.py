@@ -1,0 +1,91 @@
+"""ZeRO-2 and ZeRO-3 through FSDP2 `fully_shard`: parameters, gradients and optimizer states sharded."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+from multigpu.env import DistEnv
+from multigpu.errors import UsageError
+from multigpu.precision import Precision
+from multigpu.strategies.base import Strategy
+
+UnitSelector = Callable[[nn.Module], list[nn.Module]]
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """One unit per block: the items of every ModuleList (transformer layers), else each top-level child.
+
+    A unit is all-gathered as a whole, so its size sets the temporary memory and the overlap granularity.
+    """
+    blocks = [block for module in model.modules() if isinstance(module, nn.ModuleList) for block in module]
+    if blocks:
+        return blocks
+    return [child for child in model.children() if any(True for _ in child.parameters())]
+
+
+@dataclass
+class FSDP(Strategy):
+    #: True frees the gathered parameters after forward (ZeRO-3); False keeps them until backward (ZeRO-2).
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    units: UnitSelector = default_units
+
+    uses_autocast = False
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "zero3" if self.reshard_after_forward else "zero2"
+
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, precision: Precision
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        if optimizer is not None and optimizer.state:
+            raise UsageError(f"{self.name} must shard a fresh optimizer; call engine.setup before the first step.")
+        if not self.cpu_offload:
+            model.to(env.device)
+        # fully_shard slices whatever each rank holds; unlike DDP it does not broadcast rank 0's weights.
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+        names = {id(p): name for name, p in model.named_parameters()}
+
+        mesh = init_device_mesh(env.device.type, (env.world_size,))
+        common = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward}
+        if self.cpu_offload:
+            common["offload_policy"] = CPUOffloadPolicy()
+        compute = precision.compute_dtype
+        for unit in self.units(model):
+            fully_shard(unit, mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32), **common)
+        # The root casts its output back to fp32 so that losses are computed at full width.
+        root_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, output_dtype=torch.float32)
+        fully_shard(model, mp_policy=root_policy, **common)
+
+        if optimizer is not None:
+            # fully_shard replaced every Parameter with a sharded DTensor one; point the optimizer at those.
+            sharded = dict(model.named_parameters())
+            for group in optimizer.param_groups:
+                group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        return model, optimizer
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return _fsdp_no_sync(model)
+
+    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
+        return ShardedGradScaler(device=device.type)
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: nn.Module):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

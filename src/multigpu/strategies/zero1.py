@@ -1,0 +1,37 @@
+"""ZeRO stage 1: DDP for gradients, optimizer states sharded across ranks by ZeroRedundancyOptimizer."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from multigpu.env import DistEnv
+from multigpu.errors import UsageError
+from multigpu.precision import Precision
+from multigpu.strategies.ddp import DDP
+
+
+@dataclass
+class Zero1(DDP):
+    name = "zero1"
+
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, precision: Precision
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        model, optimizer = super().setup(model, optimizer, env, precision)
+        if optimizer is None:
+            return model, None
+        if optimizer.state:
+            raise UsageError("zero1 must shard a fresh optimizer; call engine.setup before the first optimizer step.")
+        groups = [dict(group) for group in optimizer.param_groups]
+        # `defaults` can hold derived keys the constructor rejects (AdamW's decoupled_weight_decay);
+        # the groups carry every hyperparameter anyway.
+        accepted = inspect.signature(type(optimizer)).parameters
+        defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
+        # A new optimizer object: schedulers must be built on the one engine.setup returns.
+        sharded = ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **defaults)
+        return model, sharded

@@ -1,0 +1,50 @@
+"""The one helper that runs test code in N real processes, through `multigpu run`, with a hard timeout.
+
+`run_in_processes("tests.x:fn", 2, case=...)` starts 2 workers; each calls `fn(**kwargs)` and its return value
+(anything picklable) comes back in a list indexed by rank. A hang is killed, process group and all, at `timeout`.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).with_name("dist_worker.py")
+
+
+def run_command(argv: list[str], timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Runs argv with stdout+stderr captured; kills its whole process group if it outlives `timeout`."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    with subprocess.Popen(
+        argv, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    ) as process:
+        try:
+            output, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+            raise AssertionError(f"{' '.join(argv)} did not finish within {timeout}s; output:\n{output}") from None
+    return subprocess.CompletedProcess(argv, process.returncode, output, None)
+
+
+def multigpu(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`multigpu ARGS` as a user types it."""
+    return run_command([sys.executable, "-m", "multigpu", *args], timeout=timeout, env=env)
+
+
+def run_in_processes(target: str, nproc: int, timeout: float = 120, **kwargs: Any) -> list[Any]:
+    """Runs `module:function` in `nproc` processes; returns each rank's result, in rank order."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "kwargs.pkl").write_bytes(pickle.dumps(kwargs))
+        result = multigpu("run", "-n", str(nproc), str(WORKER), target, tmp, timeout=timeout)
+        if result.returncode != 0:
+            raise AssertionError(f"{target} failed in {nproc} processes (exit {result.returncode}):\n{result.stdout}")
+        return [pickle.loads((Path(tmp) / f"rank{rank}.pkl").read_bytes()) for rank in range(nproc)]

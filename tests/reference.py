@@ -1,0 +1,122 @@
+"""A tiny model, its data, and the plain one-process loop that every strategy must reproduce.
+
+The reference knows nothing of the Engine: it draws each epoch's permutation from (seed + epoch), takes
+consecutive slices of `batch_size * world_size * grad_accum_steps` samples as optimizer steps, and averages the
+loss over each slice. That is the contract of the Engine's loader and backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.data import TensorDataset
+
+import multigpu as mg
+
+
+class TinyNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def dataset(samples: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(7)
+    return TensorDataset(torch.randn(samples, 8, generator=generator), torch.randint(0, 4, (samples,), generator=generator))
+
+
+@dataclass
+class Case:
+    strategy: str = "ddp"
+    precision: str = "32"
+    grad_accum_steps: int = 1
+    samples: int = 42
+    batch_size: int = 2  # per device
+    epochs: int = 2
+    max_grad_norm: float = 0.5
+    lr: float = 1e-2
+
+
+@dataclass
+class Outcome:
+    params: dict[str, torch.Tensor]
+    grad_norms: list[float]
+    loss: float  # of the final model over the whole dataset, in fp32
+
+
+def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    params = {}
+    for name, param in model.named_parameters():
+        tensor = param.full_tensor() if isinstance(param, DTensor) else param
+        params[name.removeprefix("module.")] = tensor.detach().float().cpu().clone()
+    return params
+
+
+def _final_loss(params: dict[str, torch.Tensor], samples: int) -> float:
+    model = TinyNet()
+    model.load_state_dict(params)
+    x, y = dataset(samples).tensors
+    with torch.no_grad():
+        return nn.functional.cross_entropy(model(x), y).item()
+
+
+def train_engine(case: Case) -> Outcome:
+    engine = mg.Engine(
+        strategy=case.strategy,
+        precision=case.precision,
+        grad_accum_steps=case.grad_accum_steps,
+        max_grad_norm=case.max_grad_norm,
+        seed=0,
+    )
+    model = TinyNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=case.lr)
+    model, optimizer = engine.setup(model, optimizer)
+    loader = engine.dataloader(dataset(case.samples), batch_size=case.batch_size, shuffle=True)
+    norms = []
+    for _ in range(case.epochs):
+        for x, y in loader:
+            with engine.accumulate(model):
+                engine.backward(nn.functional.cross_entropy(model(x), y))
+            if engine.step(optimizer):
+                norms.append(engine.last_grad_norm)
+    params = _full_params(model)
+    return Outcome(params, norms, _final_loss(params, case.samples))
+
+
+def train_reference(case: Case, world_size: int) -> Outcome:
+    """One process, one optimizer step per global batch, in plain torch."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    if case.precision == "bf16-true":
+        model.to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=case.lr)
+    x_all, y_all = dataset(case.samples).tensors
+    step_size = case.batch_size * world_size * case.grad_accum_steps
+    autocast = (
+        torch.autocast("cpu", dtype=torch.bfloat16) if case.precision == "bf16-mixed" else contextlib.nullcontext()
+    )
+    norms = []
+    for epoch in range(case.epochs):
+        order = torch.randperm(case.samples, generator=torch.Generator().manual_seed(epoch))
+        for start in range(0, case.samples, step_size):
+            index = order[start : start + step_size]
+            with autocast:
+                logits = model(x_all[index].to(next(model.parameters()).dtype))
+            nn.functional.cross_entropy(logits.float(), y_all[index]).backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), case.max_grad_norm).item())
+            optimizer.step()
+            optimizer.zero_grad()
+    params = _full_params(model)
+    return Outcome(params, norms, _final_loss(params, case.samples))

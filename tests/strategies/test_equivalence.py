@@ -1,0 +1,63 @@
+"""N processes must compute what one process computes: every strategy x precision x accumulation."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from tests.dist import run_in_processes
+from tests.reference import Case, Outcome, train_engine, train_reference
+
+MATRIX = [
+    Case(strategy, precision, accum)
+    for strategy, precision, accum in itertools.product(("ddp", "zero1", "zero2", "zero3"), ("32", "bf16-mixed"), (1, 4))
+]
+
+
+def train_cases(cases: list[Case]) -> list[Outcome]:
+    """Runs in each worker: all cases one after another, in one process group (a launch costs ~4 s)."""
+    return [train_engine(case) for case in cases]
+
+
+def assert_matches(case: Case, got: Outcome, want: Outcome) -> None:
+    if case.precision == "32":
+        for name, param in want.params.items():
+            diff = (got.params[name] - param).abs().max().item()
+            assert diff <= 1e-5, f"{case}: {name} differs from one process by {diff:.2e}"
+        assert got.grad_norms == pytest.approx(want.grad_norms, rel=1e-5), f"{case}: clipping norms differ"
+        assert max(want.grad_norms) > case.max_grad_norm, "the test must exercise clipping"
+    else:
+        assert abs(got.loss - want.loss) <= 2e-2, f"{case}: loss {got.loss:.4f} vs one process {want.loss:.4f}"
+
+
+@pytest.fixture(scope="module")
+def two_process_outcomes() -> list[list[Outcome]]:
+    return run_in_processes("tests.strategies.test_equivalence:train_cases", 2, timeout=300, cases=MATRIX)
+
+
+@pytest.mark.parametrize("index", range(len(MATRIX)), ids=[f"{c.strategy}-{c.precision}-accum{c.grad_accum_steps}" for c in MATRIX])
+def test_two_processes_match_one(two_process_outcomes: list[list[Outcome]], index: int) -> None:
+    case = MATRIX[index]
+    rank0, rank1 = (outcomes[index] for outcomes in two_process_outcomes)
+    for name in rank0.params:  # every rank ends with the same model
+        assert torch.equal(rank0.params[name], rank1.params[name])
+    assert_matches(case, rank0, train_reference(case, world_size=2))
+
+
+THREE_PROCESS = [Case("ddp", samples=20), Case("zero3", samples=20, grad_accum_steps=2), Case("zero1", samples=20)]
+
+
+def test_three_processes_uneven_dataset() -> None:
+    """20 samples over 3 ranks: the last global batch has 2 samples, so one rank holds only padding."""
+    outcomes = run_in_processes("tests.strategies.test_equivalence:train_cases", 3, timeout=180, cases=THREE_PROCESS)
+    for index, case in enumerate(THREE_PROCESS):
+        assert_matches(case, outcomes[0][index], train_reference(case, world_size=3))
+
+
+@pytest.mark.parametrize("strategy", ["single", "dp"])
+@pytest.mark.parametrize("accum", [1, 3])
+def test_one_process_strategies_match_reference(strategy: str, accum: int) -> None:
+    case = Case(strategy, grad_accum_steps=accum)
+    assert_matches(case, train_engine(case), train_reference(case, world_size=1))
