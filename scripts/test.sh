@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=1
 .venv/bin/ruff check src tests benchmarks
+.venv/bin/ruff format --check --quiet src tests benchmarks
 .venv/bin/python -m pytest "$@"

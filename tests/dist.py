@@ -19,11 +19,18 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).with_name("dist_worker.py")
 
 
-def run_command(argv: list[str], timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_command(
+    argv: list[str], timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Runs argv with stdout+stderr captured; kills its whole process group if it outlives `timeout`."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     with subprocess.Popen(
-        argv, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        argv,
+        cwd=ROOT,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
     ) as process:
         try:

@@ -34,7 +34,9 @@ class TinyNet(nn.Module):
 
 def dataset(samples: int) -> TensorDataset:
     generator = torch.Generator().manual_seed(7)
-    return TensorDataset(torch.randn(samples, 8, generator=generator), torch.randint(0, 4, (samples,), generator=generator))
+    return TensorDataset(
+        torch.randn(samples, 8, generator=generator), torch.randint(0, 4, (samples,), generator=generator)
+    )
 
 
 @dataclass

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 
 from multigpu import __version__
-from multigpu.config import add_config_arguments, config_from_args
+from multigpu.config import Parser, add_config_arguments, config_from_args
 from multigpu.engine import EngineConfig
 from multigpu.env import DistEnv, check_backend
 from multigpu.errors import UsageError
@@ -60,7 +60,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="multigpu", description="One training loop, any number of GPUs.")
+    parser = Parser(prog="multigpu", description="One training loop, any number of GPUs.")
     parser.add_argument("--version", action="version", version=f"multigpu {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 

@@ -6,9 +6,16 @@ import argparse
 import dataclasses
 import types
 import typing
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: what was wrong and where the help is, exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`.\n")
 
 
 def _base_type(annotation: Any) -> type:

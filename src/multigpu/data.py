@@ -165,7 +165,12 @@ class DistributedLoader:
         self.yielded = []
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "shuffle": int(self.shuffle)}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shuffle": int(self.shuffle),
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continues the saved epoch at the saved sample position, whatever the world size now."""

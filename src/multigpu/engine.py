@@ -27,14 +27,17 @@ REDUCE_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.R
 
 @dataclass
 class EngineConfig:
-    strategy: str = field(default="auto", metadata={"help": "how to spread training over processes", "choices": STRATEGIES})
+    strategy: str = field(
+        default="auto", metadata={"help": "how to spread training over processes", "choices": STRATEGIES}
+    )
     precision: str = field(default="32", metadata={"help": "number format for training", "choices": PRECISIONS})
     grad_accum_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     max_grad_norm: float | None = field(default=None, metadata={"help": "clip the global gradient norm to this"})
     seed: int = field(default=0, metadata={"help": "seed for model init and data order (the same on every rank)"})
     cpu_offload: bool = field(default=False, metadata={"help": "keep zero3's sharded parameters in CPU memory"})
     backend: str | None = field(
-        default=None, metadata={"help": "process-group backend (default: nccl on GPUs, gloo on CPU)", "choices": BACKENDS}
+        default=None,
+        metadata={"help": "process-group backend (default: nccl on GPUs, gloo on CPU)", "choices": BACKENDS},
     )
     timeout_s: float = field(default=1800.0, metadata={"help": "seconds a collective may wait before the run fails"})
 

@@ -99,7 +99,9 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
     value = env.get(name)
     if value is None:
         if default is None:
-            raise UsageError(f"The launcher set no {name}; start the job with `multigpu run`, torchrun, srun or mpirun.")
+            raise UsageError(
+                f"The launcher set no {name}; start the job with `multigpu run`, torchrun, srun or mpirun."
+            )
         return default
     try:
         return int(value)
@@ -149,6 +151,4 @@ def init_process_group(env: DistEnv, backend: str, timeout: timedelta) -> None:
         init_method = f"tcp://127.0.0.1:{free_port()}"
     else:
         init_method = f"tcp://{env.master_addr}:{env.master_port}"
-    dist.init_process_group(
-        backend, init_method=init_method, rank=env.rank, world_size=env.world_size, timeout=timeout
-    )
+    dist.init_process_group(backend, init_method=init_method, rank=env.rank, world_size=env.world_size, timeout=timeout)

@@ -22,7 +22,8 @@ class LaunchConfig:
         default=None, metadata={"help": "processes per node (default: the visible GPUs, or 1 without GPUs)"}
     )
     gpu_ids: str | None = field(
-        default=None, metadata={"help": "comma-separated GPU indices to use, e.g. 0,1,3 (sets CUDA_VISIBLE_DEVICES)"}
+        default=None,
+        metadata={"help": "comma-separated GPU indices to use, e.g. 0,1,3 (sets CUDA_VISIBLE_DEVICES)"},
     )
     nnodes: int = field(default=1, metadata={"help": "number of machines"})
     node_rank: int = field(default=0, metadata={"help": "this machine's index, 0..nnodes-1"})
@@ -101,6 +102,11 @@ def launch(config: LaunchConfig, target: list[str], module: bool = False) -> int
             if failure.exitcode < 0
             else f"exited with code {failure.exitcode}"
         )
-        print(f"multigpu run: worker rank {rank} (pid {failure.pid}) {how}; its error is printed above.", file=sys.stderr)
+        others = len(error.failures) - 1
+        also = f" ({others} more worker{'s' if others > 1 else ''} failed after it)" if others else ""
+        print(
+            f"multigpu run: worker rank {rank} (pid {failure.pid}) {how}{also}; errors are printed above.",
+            file=sys.stderr,
+        )
         return code
     return 0

@@ -12,7 +12,9 @@ from tests.reference import Case, Outcome, train_engine, train_reference
 
 MATRIX = [
     Case(strategy, precision, accum)
-    for strategy, precision, accum in itertools.product(("ddp", "zero1", "zero2", "zero3"), ("32", "bf16-mixed"), (1, 4))
+    for strategy, precision, accum in itertools.product(
+        ("ddp", "zero1", "zero2", "zero3"), ("32", "bf16-mixed"), (1, 4)
+    )
 ]
 
 
@@ -37,7 +39,9 @@ def two_process_outcomes() -> list[list[Outcome]]:
     return run_in_processes("tests.strategies.test_equivalence:train_cases", 2, timeout=300, cases=MATRIX)
 
 
-@pytest.mark.parametrize("index", range(len(MATRIX)), ids=[f"{c.strategy}-{c.precision}-accum{c.grad_accum_steps}" for c in MATRIX])
+@pytest.mark.parametrize(
+    "index", range(len(MATRIX)), ids=[f"{c.strategy}-{c.precision}-accum{c.grad_accum_steps}" for c in MATRIX]
+)
 def test_two_processes_match_one(two_process_outcomes: list[list[Outcome]], index: int) -> None:
     case = MATRIX[index]
     rank0, rank1 = (outcomes[index] for outcomes in two_process_outcomes)
@@ -46,7 +50,11 @@ def test_two_processes_match_one(two_process_outcomes: list[list[Outcome]], inde
     assert_matches(case, rank0, train_reference(case, world_size=2))
 
 
-THREE_PROCESS = [Case("ddp", samples=20), Case("zero3", samples=20, grad_accum_steps=2), Case("zero1", samples=20)]
+THREE_PROCESS = [
+    Case("ddp", samples=20),
+    Case("zero3", samples=20, grad_accum_steps=2),
+    Case("zero1", samples=20),
+]
 
 
 def test_three_processes_uneven_dataset() -> None:

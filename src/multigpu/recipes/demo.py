@@ -5,7 +5,6 @@ Run it with `multigpu demo --nproc 2`; it reads like the loop a user would write
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from dataclasses import dataclass, field
@@ -14,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from multigpu.config import add_config_arguments, config_from_args
+from multigpu.config import Parser, add_config_arguments, config_from_args
 from multigpu.engine import Engine, EngineConfig
 
 
@@ -67,7 +66,7 @@ def train(engine: Engine, config: DemoConfig) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m multigpu.recipes.demo", description=__doc__)
+    parser = Parser(prog="python -m multigpu.recipes.demo", description=__doc__)
     add_config_arguments(parser, DemoConfig)
     add_config_arguments(parser, EngineConfig)
     args = parser.parse_args(argv)

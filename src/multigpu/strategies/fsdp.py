@@ -63,7 +63,11 @@ class FSDP(Strategy):
             common["offload_policy"] = CPUOffloadPolicy()
         compute = precision.compute_dtype
         for unit in self.units(model):
-            fully_shard(unit, mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32), **common)
+            fully_shard(
+                unit,
+                mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32),
+                **common,
+            )
         # The root casts its output back to fp32 so that losses are computed at full width.
         root_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, output_dtype=torch.float32)
         fully_shard(model, mp_policy=root_policy, **common)

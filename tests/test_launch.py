@@ -1,0 +1,50 @@
+"""`multigpu run` as a user runs it: real processes through torch.distributed.run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.dist import multigpu
+
+SCRIPT = """
+import sys
+import multigpu as mg
+engine = mg.Engine(strategy="ddp")
+print(f"rank {engine.rank} of {engine.world_size}, local {engine.local_rank}", flush=True)
+if len(sys.argv) > 1 and sys.argv[1] == "fail" and engine.rank == 1:
+    raise RuntimeError("rank one broke on purpose")
+if len(sys.argv) > 1 and sys.argv[1] == "exit3" and engine.rank == 1:
+    sys.exit(3)
+engine.barrier()
+"""
+
+
+def write_script(tmp_path: Path) -> str:
+    path = tmp_path / "script.py"
+    path.write_text(SCRIPT)
+    return str(path)
+
+
+def test_two_processes_get_ranks_zero_and_one(tmp_path: Path) -> None:
+    result = multigpu("run", "-n", "2", write_script(tmp_path), timeout=90)
+    assert result.returncode == 0, result.stdout
+    assert "rank 0 of 2, local 0" in result.stdout and "rank 1 of 2, local 1" in result.stdout
+
+
+def test_a_failing_worker_fails_the_run_with_its_traceback(tmp_path: Path) -> None:
+    result = multigpu("run", "-n", "2", write_script(tmp_path), "fail", timeout=90)
+    assert result.returncode == 1
+    assert "RuntimeError: rank one broke on purpose" in result.stdout
+    assert result.stdout.count("RuntimeError: rank one broke on purpose") == 1
+    assert "multigpu run: worker rank" in result.stdout
+
+
+def test_exit_code_is_the_failing_workers(tmp_path: Path) -> None:
+    result = multigpu("run", "-n", "2", write_script(tmp_path), "exit3", timeout=90)
+    assert result.returncode == 3, result.stdout
+
+
+def test_gpu_ids_naming_absent_gpus_is_refused(tmp_path: Path) -> None:
+    result = multigpu("run", "--gpu-ids", "0,1", write_script(tmp_path))
+    assert result.returncode == 2
+    assert "--gpu-ids 0,1 names GPUs that are not present" in result.stdout
