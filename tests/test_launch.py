@@ -7,15 +7,21 @@ from pathlib import Path
 from tests.dist import multigpu
 
 SCRIPT = """
-import sys
-import multigpu as mg
-engine = mg.Engine(strategy="ddp")
-print(f"rank {engine.rank} of {engine.world_size}, local {engine.local_rank}", flush=True)
-if len(sys.argv) > 1 and sys.argv[1] == "fail" and engine.rank == 1:
+# A plain torch.distributed script, nothing of multigpu in it: it must run under `multigpu run` unchanged.
+import os, sys
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+total = torch.tensor([rank + 1.0])
+dist.all_reduce(total)
+print(f"rank {rank} of {world}, local {os.environ['LOCAL_RANK']}, sum {total.item():.0f}", flush=True)
+if len(sys.argv) > 1 and sys.argv[1] == "fail" and rank == 1:
     raise RuntimeError("rank one broke on purpose")
-if len(sys.argv) > 1 and sys.argv[1] == "exit3" and engine.rank == 1:
+if len(sys.argv) > 1 and sys.argv[1] == "exit3" and rank == 1:
     sys.exit(3)
-engine.barrier()
+dist.barrier()
+dist.destroy_process_group()
 """
 
 
@@ -28,7 +34,7 @@ def write_script(tmp_path: Path) -> str:
 def test_two_processes_get_ranks_zero_and_one(tmp_path: Path) -> None:
     result = multigpu("run", "-n", "2", write_script(tmp_path), timeout=90)
     assert result.returncode == 0, result.stdout
-    assert "rank 0 of 2, local 0" in result.stdout and "rank 1 of 2, local 1" in result.stdout
+    assert "rank 0 of 2, local 0, sum 3" in result.stdout and "rank 1 of 2, local 1, sum 3" in result.stdout
 
 
 def test_a_failing_worker_fails_the_run_with_its_traceback(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import socket
@@ -152,3 +153,11 @@ def init_process_group(env: DistEnv, backend: str, timeout: timedelta) -> None:
     else:
         init_method = f"tcp://{env.master_addr}:{env.master_port}"
     dist.init_process_group(backend, init_method=init_method, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    # Left to interpreter exit, the group's C++ threads can be torn down while still joinable, which aborts the
+    # process ("terminate called without an active exception") after training has finished.
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -62,14 +62,15 @@ class FSDP(Strategy):
         if self.cpu_offload:
             common["offload_policy"] = CPUOffloadPolicy()
         compute = precision.compute_dtype
-        for unit in self.units(model):
-            fully_shard(
-                unit,
-                mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32),
-                **common,
+        unit_policy = root_policy = MixedPrecisionPolicy()  # full width: no casts at all
+        if compute is not None:
+            unit_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+            # The root casts its output back to fp32 so that losses are computed at full width.
+            root_policy = MixedPrecisionPolicy(
+                param_dtype=compute, reduce_dtype=torch.float32, output_dtype=torch.float32
             )
-        # The root casts its output back to fp32 so that losses are computed at full width.
-        root_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, output_dtype=torch.float32)
+        for unit in self.units(model):
+            fully_shard(unit, mp_policy=unit_policy, **common)
         fully_shard(model, mp_policy=root_policy, **common)
 
         if optimizer is not None:
