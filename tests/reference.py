@@ -106,9 +106,8 @@ def train_reference(case: Case, world_size: int) -> Outcome:
     optimizer = torch.optim.AdamW(model.parameters(), lr=case.lr)
     x_all, y_all = dataset(case.samples).tensors
     step_size = case.batch_size * world_size * case.grad_accum_steps
-    autocast = (
-        torch.autocast("cpu", dtype=torch.bfloat16) if case.precision == "bf16-mixed" else contextlib.nullcontext()
-    )
+    compute = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(case.precision)
+    autocast = torch.autocast("cpu", dtype=compute) if compute else contextlib.nullcontext()
     norms = []
     for epoch in range(case.epochs):
         order = torch.randperm(case.samples, generator=torch.Generator().manual_seed(epoch))

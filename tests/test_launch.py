@@ -54,3 +54,24 @@ def test_gpu_ids_naming_absent_gpus_is_refused(tmp_path: Path) -> None:
     result = multigpu("run", "--gpu-ids", "0,1", write_script(tmp_path))
     assert result.returncode == 2
     assert "--gpu-ids 0,1 names GPUs that are not present" in result.stdout
+
+
+RESTARTING = """
+import os, sys
+import torch.distributed as dist
+dist.init_process_group("gloo")
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+print(f"attempt {attempt} rank {dist.get_rank()}", flush=True)
+if attempt == 0 and dist.get_rank() == 1:
+    sys.exit(7)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_max_restarts_restarts_every_worker_after_a_crash(tmp_path: Path) -> None:
+    script = tmp_path / "restarting.py"
+    script.write_text(RESTARTING)
+    result = multigpu("run", "-n", "2", "--max-restarts", "1", str(script), timeout=120)
+    assert result.returncode == 0, result.stdout
+    assert "attempt 1 rank 0" in result.stdout and "attempt 1 rank 1" in result.stdout

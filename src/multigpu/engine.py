@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -122,8 +121,7 @@ class Engine:
         if self.precision.name == "bf16-true":
             model.to(torch.bfloat16)
         model, optimizer = self._strategy.setup(model, optimizer, self.env, self.precision)
-        if self.precision.compute_dtype is not None and self._strategy.uses_autocast:
-            model.forward = _autocast_forward(model.forward, self.precision, self.device)
+        model.forward = self.precision.wrap_forward(model.forward, self.device, self._strategy.uses_autocast)
         if self.precision.needs_grad_scaler:
             self._scaler = self._strategy.grad_scaler(self.device)
         return model, optimizer
@@ -280,25 +278,3 @@ class Engine:
         """print() on the main process only."""
         if self.is_main_process:
             print(*args, **kwargs, flush=True)
-
-
-def _autocast_forward(forward: Callable[..., Any], precision: Precision, device: torch.device) -> Callable[..., Any]:
-    """Runs forward under autocast and hands floating outputs back in fp32, so losses are computed at full width."""
-
-    @functools.wraps(forward)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        with precision.autocast(device):
-            output = forward(*args, **kwargs)
-        return _to_fp32(output)
-
-    return wrapped
-
-
-def _to_fp32(data: Any) -> Any:
-    if isinstance(data, torch.Tensor):
-        return data.float() if data.is_floating_point() else data
-    if isinstance(data, dict):
-        return {key: _to_fp32(value) for key, value in data.items()}
-    if isinstance(data, (list, tuple)) and not hasattr(data, "_fields"):
-        return type(data)(_to_fp32(value) for value in data)
-    return data

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -39,3 +42,33 @@ class Precision:
         if self.compute_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self.compute_dtype)
+
+    def wrap_forward(self, forward: Callable[..., Any], device: torch.device, use_autocast: bool) -> Callable[..., Any]:
+        """`forward` with this precision's casts around it; floating outputs always come back in fp32.
+
+        bf16-true casts floating inputs to bf16 to meet its bf16 weights; mixed modes run under autocast unless
+        the strategy casts parameters itself (`use_autocast=False`). fp32 outputs keep losses at full width.
+        """
+        if self.name == "32" or (self.compute_dtype is not None and not use_autocast):
+            return forward
+
+        @functools.wraps(forward)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if self.name == "bf16-true":
+                args, kwargs = _cast_floats((args, kwargs), self.param_dtype)
+            with self.autocast(device):
+                output = forward(*args, **kwargs)
+            return _cast_floats(output, torch.float32)
+
+        return wrapped
+
+
+def _cast_floats(data: Any, dtype: torch.dtype) -> Any:
+    """Casts every floating tensor inside nested tuples, lists and dicts to `dtype`."""
+    if isinstance(data, torch.Tensor):
+        return data.to(dtype) if data.is_floating_point() else data
+    if isinstance(data, dict):
+        return {key: _cast_floats(value, dtype) for key, value in data.items()}
+    if isinstance(data, (list, tuple)) and not hasattr(data, "_fields"):
+        return type(data)(_cast_floats(value, dtype) for value in data)
+    return data

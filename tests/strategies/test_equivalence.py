@@ -10,12 +10,11 @@ import torch
 from tests.dist import run_in_processes
 from tests.reference import Case, Outcome, train_engine, train_reference
 
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 MATRIX = [
     Case(strategy, precision, accum)
-    for strategy, precision, accum in itertools.product(
-        ("ddp", "zero1", "zero2", "zero3"), ("32", "bf16-mixed"), (1, 4)
-    )
-]
+    for strategy, precision, accum in itertools.product(STRATEGIES, ("32", "bf16-mixed"), (1, 4))
+] + [Case(strategy, precision, 2) for strategy, precision in itertools.product(STRATEGIES, ("fp16-mixed", "bf16-true"))]
 
 
 def train_cases(cases: list[Case]) -> list[Outcome]:
@@ -31,7 +30,9 @@ def assert_matches(case: Case, got: Outcome, want: Outcome) -> None:
         assert got.grad_norms == pytest.approx(want.grad_norms, rel=1e-5), f"{case}: clipping norms differ"
         assert max(want.grad_norms) > case.max_grad_norm, "the test must exercise clipping"
     else:
-        assert abs(got.loss - want.loss) <= 2e-2, f"{case}: loss {got.loss:.4f} vs one process {want.loss:.4f}"
+        # Low-precision rounding differs with the split; the trained model must still land where one process does.
+        tolerance = 2e-2 if case.precision == "bf16-mixed" else 5e-2
+        assert abs(got.loss - want.loss) <= tolerance, f"{case}: loss {got.loss:.4f} vs one process {want.loss:.4f}"
 
 
 @pytest.fixture(scope="module")
