@@ -10,5 +10,7 @@ stamp=.venv/.multigpu-installed
 want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test]"
+  # The trainer's default data: real smartwatch recordings inside seglearn (read as a file, never imported).
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "seglearn==1.2.5"
   echo "$want" > "$stamp"
 fi

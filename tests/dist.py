@@ -23,7 +23,8 @@ def run_command(
     argv: list[str], timeout: float = 120, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """Runs argv with stdout+stderr captured; kills its whole process group if it outlives `timeout`."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    # faulthandler prints every thread's Python stack if a worker dies of a signal (SIGABRT, SIGSEGV).
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
     with subprocess.Popen(
         argv,
         cwd=ROOT,

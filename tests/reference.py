@@ -8,7 +8,7 @@ loss over each slice. That is the contract of the Engine's loader and backward.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -49,6 +49,7 @@ class Case:
     epochs: int = 2
     max_grad_norm: float = 0.5
     lr: float = 1e-2
+    async_save: bool = False
 
 
 @dataclass
@@ -56,6 +57,8 @@ class Outcome:
     params: dict[str, torch.Tensor]
     grad_norms: list[float]
     loss: float  # of the final model over the whole dataset, in fp32
+    seen: list[tuple[int, list[int]]] = field(default_factory=list)  # (epoch, real sample indices) per batch
+    steps: int = 0
 
 
 def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -74,7 +77,11 @@ def _final_loss(params: dict[str, torch.Tensor], samples: int) -> float:
         return nn.functional.cross_entropy(model(x), y).item()
 
 
-def train_engine(case: Case) -> Outcome:
+def train_engine(
+    case: Case, save_to: str | None = None, stop_after: int | None = None, resume_from: str | None = None
+) -> Outcome:
+    """Trains `case` with the Engine. With `stop_after`, saves to `save_to` after that many optimizer steps and
+    stops (a crash); with `resume_from`, continues from that checkpoint. `Outcome.seen` lists the real samples."""
     engine = mg.Engine(
         strategy=case.strategy,
         precision=case.precision,
@@ -85,16 +92,29 @@ def train_engine(case: Case) -> Outcome:
     model = TinyNet()
     optimizer = torch.optim.AdamW(model.parameters(), lr=case.lr)
     model, optimizer = engine.setup(model, optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 0.1 * step))
     loader = engine.dataloader(dataset(case.samples), batch_size=case.batch_size, shuffle=True)
-    norms = []
-    for _ in range(case.epochs):
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader, "steps": 0}
+    if resume_from:
+        engine.load(resume_from, state)
+    norms, seen = [], []
+    while loader.epoch < case.epochs:
+        epoch = loader.epoch
         for x, y in loader:
+            batch = loader.yielded[-1]
+            seen.append((epoch, batch.indices[: batch.real]))
             with engine.accumulate(model):
                 engine.backward(nn.functional.cross_entropy(model(x), y))
             if engine.step(optimizer):
+                scheduler.step()
                 norms.append(engine.last_grad_norm)
+                state["steps"] += 1
+                if state["steps"] == stop_after:
+                    engine.save(save_to, state, async_save=case.async_save)
+                    engine.wait_for_checkpoint()
+                    return Outcome(_full_params(model), norms, float("nan"), seen, state["steps"])
     params = _full_params(model)
-    return Outcome(params, norms, _final_loss(params, case.samples))
+    return Outcome(params, norms, _final_loss(params, case.samples), seen, state["steps"])
 
 
 def train_reference(case: Case, world_size: int) -> Outcome:
@@ -104,6 +124,7 @@ def train_reference(case: Case, world_size: int) -> Outcome:
     if case.precision == "bf16-true":
         model.to(torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=case.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 0.1 * step))
     x_all, y_all = dataset(case.samples).tensors
     step_size = case.batch_size * world_size * case.grad_accum_steps
     compute = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(case.precision)
@@ -119,5 +140,6 @@ def train_reference(case: Case, world_size: int) -> Outcome:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), case.max_grad_norm).item())
             optimizer.step()
             optimizer.zero_grad()
+            scheduler.step()
     params = _full_params(model)
     return Outcome(params, norms, _final_loss(params, case.samples))

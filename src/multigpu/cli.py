@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
-from multigpu import __version__
-from multigpu.config import Parser, add_config_arguments, config_from_args
+from safetensors.torch import save_file
+
+from multigpu import __version__, checkpoint
+from multigpu.config import Parser, add_config_arguments, config_from_args, config_to_argv
 from multigpu.engine import EngineConfig
 from multigpu.env import DistEnv, check_backend
 from multigpu.errors import UsageError
 from multigpu.launch import LaunchConfig, launch
+from multigpu.recipes import activity_data
 from multigpu.recipes.demo import DemoConfig
+from multigpu.recipes.train import TrainConfig, resolve_resume, train
 from multigpu.strategies import resolve_strategy
 
 
@@ -33,19 +39,6 @@ def check_engine_config(config: EngineConfig, nproc: int) -> None:
         check_backend(config.backend, env.device)
 
 
-def _forwarded(args: argparse.Namespace, *configs: type) -> list[str]:
-    """The flags of `configs` as given, to hand on to the launched recipe module."""
-    argv = []
-    for cls in configs:
-        for name, value in vars(config_from_args(cls, args)).items():
-            flag = "--" + name.replace("_", "-")
-            if isinstance(value, bool):
-                argv.append(flag if value else "--no-" + flag[2:])
-            elif value is not None:
-                argv += [flag, str(value)]
-    return argv
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     config = config_from_args(LaunchConfig, args)
     return launch(config, [args.script, *args.script_args], module=args.module)
@@ -53,10 +46,36 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     engine_config = config_from_args(EngineConfig, args)
-    config_from_args(DemoConfig, args)
     check_engine_config(engine_config, args.nproc)
     launch_config = LaunchConfig(nproc=args.nproc)
-    return launch(launch_config, ["multigpu.recipes.demo", *_forwarded(args, DemoConfig, EngineConfig)], module=True)
+    argv = config_to_argv(config_from_args(DemoConfig, args)) + config_to_argv(engine_config)
+    return launch(launch_config, ["multigpu.recipes.demo", *argv], module=True)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    config = config_from_args(TrainConfig, args)
+    if "RANK" in os.environ:  # already under torchrun / multigpu run / accelerate launch: train in this process
+        train(config)
+        return 0
+    nproc = config.nproc or (len(config.gpu_ids.split(",")) if config.gpu_ids else 1)
+    check_engine_config(EngineConfig(strategy=config.multi_gpu, precision=config.precision), nproc)
+    activity_data.check(config.data)
+    resolve_resume(config)
+    if nproc == 1 and config.gpu_ids is None and config.max_restarts == 0:
+        train(config)
+        return 0
+    launch_config = LaunchConfig(nproc=nproc, gpu_ids=config.gpu_ids, max_restarts=config.max_restarts)
+    argv = config_to_argv(config, skip=("nproc", "gpu_ids", "max_restarts"))
+    return launch(launch_config, ["multigpu.recipes.train", *argv], module=True)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    tensors = checkpoint.full_model_state(Path(args.checkpoint), key=args.key)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(out))
+    print(f"wrote {len(tensors)} tensors ({sum(t.numel() for t in tensors.values()):,} values) to {out}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +105,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(demo, DemoConfig)
     add_config_arguments(demo, EngineConfig)
     demo.set_defaults(handler=cmd_demo)
+
+    train_verb = verbs.add_parser(
+        "train",
+        help="train the sensor-activity classifier (smartwatch IMU data) on any strategy",
+        description="Train an activity classifier on windows of inertial-sensor data. Runs in this process, or "
+        "launches --nproc processes itself; also runs under multigpu run / torchrun.",
+    )
+    add_config_arguments(train_verb, TrainConfig)
+    train_verb.set_defaults(handler=cmd_train)
+
+    export = verbs.add_parser(
+        "export",
+        help="consolidate a sharded checkpoint's model into one safetensors file",
+        description="Read every shard of CHECKPOINT's model in one process and write OUT (.safetensors).",
+    )
+    export.add_argument("checkpoint", help="a checkpoint directory (e.g. checkpoints/run/checkpoints/step-00000100)")
+    export.add_argument("out", help="the .safetensors file to write")
+    export.add_argument("--key", default="model", help="the model's key in the saved state (default: model)")
+    export.set_defaults(handler=cmd_export)
     return parser
 
 

@@ -53,3 +53,18 @@ def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
     """Builds `cls` from the parsed flags; its __post_init__ validates them."""
     names = {field.name for field in dataclasses.fields(cls)}
     return cls(**{name: value for name, value in vars(args).items() if name in names})
+
+
+def config_to_argv(config: Any, skip: tuple[str, ...] = ()) -> list[str]:
+    """The flags that rebuild `config` (the inverse of add_config_arguments), to hand on to launched workers."""
+    argv = []
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if field.name in skip or value is None:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv

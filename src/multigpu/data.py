@@ -110,7 +110,7 @@ class DistributedLoader:
         self._on_batch = on_batch
         self.epoch = 0
         self.position = 0  # real samples of this epoch already handed out, counted over all ranks
-        self._started = False  # a pass over `epoch` has begun, so the next __iter__ moves on
+        self._started = False  # a pass is under way (a new __iter__ before it ends abandons it)
         self.yielded: list[Batch] = []  # this epoch's batches so far on this rank, for Engine.gather
 
     def __len__(self) -> int:
@@ -136,13 +136,11 @@ class DistributedLoader:
         )
 
     def __iter__(self) -> Iterator[Any]:
-        if self._started:  # a new pass after a finished (or abandoned) one is the next epoch
-            self._next_epoch()
+        if self._started:  # the previous pass was abandoned midway: its epoch counts as done
+            self._advance()
         self._started = True
+        self.yielded = []
         plan = self._plan(self.position)
-        if not plan and self.position > 0:  # restored from a save taken at the very end of an epoch
-            self._next_epoch()
-            plan = self._plan(0)
         loader = DataLoader(
             self.dataset,
             batch_sampler=[batch.indices for batch in plan],
@@ -158,11 +156,14 @@ class DistributedLoader:
             self.yielded.append(batch)
             self._on_batch(self, batch)
             yield move_to(data, self.device)
+        # A finished pass moves on at once, so `while loader.epoch < epochs: for batch in loader:` resumes right
+        # even from a checkpoint taken at the very end of an epoch. `yielded` stays for Engine.gather.
+        self._started = False
+        self._advance()
 
-    def _next_epoch(self) -> None:
+    def _advance(self) -> None:
         self.epoch += 1
         self.position = 0
-        self.yielded = []
 
     def state_dict(self) -> dict[str, int]:
         return {
@@ -182,6 +183,8 @@ class DistributedLoader:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._started = False
         self.yielded = []
+        if self.position > 0 and not self._plan(self.position):  # saved at the very end of an epoch
+            self._advance()
 
 
 def _seed_numpy_in_worker(worker_id: int) -> None:

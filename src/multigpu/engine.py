@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.utils.data import Dataset
 
+from multigpu import checkpoint
 from multigpu.data import Batch, DistributedLoader
 from multigpu.env import BACKENDS, DistEnv, check_backend, init_process_group
 from multigpu.errors import UsageError
 from multigpu.precision import PRECISIONS, Precision
+from multigpu.progress import Progress
 from multigpu.strategies import STRATEGIES, Strategy, resolve_strategy
 
 REDUCE_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -41,10 +47,8 @@ class EngineConfig:
     timeout_s: float = field(default=1800.0, metadata={"help": "seconds a collective may wait before the run fails"})
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise UsageError(f"Unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}.")
-        if self.precision not in PRECISIONS:
-            raise UsageError(f"Unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}.")
+        # Strategy names are checked where they are resolved (resolve_strategy), precisions by Precision.
+        Precision(self.precision)
         if self.grad_accum_steps < 1:
             raise UsageError(f"grad_accum_steps must be 1 or more (got {self.grad_accum_steps}).")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
@@ -88,6 +92,9 @@ class Engine:
         self._loader: DistributedLoader | None = None
         self._printed_batch_size = False
         self.last_grad_norm: float | None = None
+        self._progress = Progress(self.rank, self.world_size, timeout_s)
+        self._pending_save: Future | None = None
+        self._checkpoint_group: dist.ProcessGroup | None = None
 
     # -- who am I ---------------------------------------------------------------------------------------------
     @property
@@ -121,7 +128,9 @@ class Engine:
         if self.precision.name == "bf16-true":
             model.to(torch.bfloat16)
         model, optimizer = self._strategy.setup(model, optimizer, self.env, self.precision)
-        model.forward = self.precision.wrap_forward(model.forward, self.device, self._strategy.uses_autocast)
+        model.forward = self._watched(
+            "forward", self.precision.wrap_forward(model.forward, self.device, self._strategy.uses_autocast)
+        )
         if self.precision.needs_grad_scaler:
             self._scaler = self._strategy.grad_scaler(self.device)
         return model, optimizer
@@ -188,7 +197,9 @@ class Engine:
         loss = loss * weight
         if self._scaler is not None:
             loss = self._scaler.scale(loss)
-        loss.backward()
+        self._progress.advance()
+        with self._progress.diagnose("backward"):
+            loss.backward()
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """On the last micro-step: unscale, clip, step, zero the gradients and return True; else False."""
@@ -198,6 +209,11 @@ class Engine:
             self._micro_steps += 1
             return False
         self._micro_steps = 0
+        with self._progress.diagnose("optimizer step"):
+            self._optimizer_step(optimizer)
+        return True
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._scaler is not None:
             self._scaler.unscale_(optimizer)
         if self.config.max_grad_norm is not None:
@@ -211,7 +227,49 @@ class Engine:
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return True
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+    def save(
+        self, path: str | Path, state: dict[str, Any], async_save: bool = False, keep_last: int | None = None
+    ) -> Path:
+        """Writes `state` (modules, optimizers, anything with state_dict, plain values, RNG) as a sharded checkpoint.
+
+        Every rank writes its own shards; nothing is gathered onto rank 0. The directory appears only once
+        complete. With `async_save` the tensors are copied and written in the background: call
+        `wait_for_checkpoint()` before exiting. `keep_last` removes all but the newest K `step-N` siblings.
+        """
+        self.wait_for_checkpoint()
+        path = Path(path)
+        if not async_save:
+            with self._progress.diagnose("save"):
+                checkpoint.save(path, state, self._strategy)
+            if keep_last and self.is_main_process:
+                checkpoint.prune(path.parent, keep_last)
+            return path
+        if self._checkpoint_group is None and self._grouped:
+            # Background writes must not share a communicator with the training collectives running meanwhile.
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        tmp, tensors = checkpoint.begin_save(path, state, self._strategy)
+        self.barrier()  # every rank's small files are on disk before rank 0 may commit
+        future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=self._checkpoint_group)
+        if self.is_main_process:
+            # Rank 0's future completes after the metadata, i.e. after every rank's shards are written.
+            future.add_done_callback(lambda done: _commit(done, path, keep_last))
+        self._pending_save = future
+        return path
+
+    def wait_for_checkpoint(self) -> None:
+        """Blocks until a background save has finished (and re-raises its error, if it failed)."""
+        if self._pending_save is not None:
+            pending, self._pending_save = self._pending_save, None
+            pending.result()
+            self.barrier()
+
+    def load(self, path: str | Path, state: dict[str, Any]) -> None:
+        """Restores `state` in place from a checkpoint written at any world size and with any strategy."""
+        self.wait_for_checkpoint()
+        with self._progress.diagnose("load"):
+            checkpoint.load(path, state, self._strategy)
 
     # -- collectives ------------------------------------------------------------------------------------------
     @property
@@ -230,7 +288,8 @@ class Engine:
         is_tensor = isinstance(value, torch.Tensor)
         tensor = value.detach() if is_tensor else torch.tensor(float(value), dtype=torch.float64)
         work = tensor.to(self._comm_device(), copy=True)
-        dist.all_reduce(work, op=REDUCE_OPS[op])
+        with self._progress.diagnose("reduce"):
+            dist.all_reduce(work, op=REDUCE_OPS[op])
         if op == "mean":
             work = work / dist.get_world_size()
         return work.to(tensor.device) if is_tensor else float(work)
@@ -252,7 +311,8 @@ class Engine:
         indices = torch.tensor([index for index, _ in owned], dtype=torch.long)
         real = torch.tensor([is_real for _, is_real in owned], dtype=torch.bool)
         if self._grouped:
-            tensor, indices, real = (self._all_gather_rows(t) for t in (tensor, indices, real))
+            with self._progress.diagnose("gather"):
+                tensor, indices, real = (self._all_gather_rows(t) for t in (tensor, indices, real))
         order = torch.argsort(indices[real.to(indices.device)])
         return tensor[real.to(tensor.device)][order.to(tensor.device)]
 
@@ -272,9 +332,25 @@ class Engine:
 
     def barrier(self) -> None:
         if self._grouped:
-            dist.barrier()
+            with self._progress.diagnose("barrier"):
+                dist.barrier()
+
+    def _watched(self, op: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            with self._progress.diagnose(op):
+                return function(*args, **kwargs)
+
+        return watched
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """print() on the main process only."""
         if self.is_main_process:
             print(*args, **kwargs, flush=True)
+
+
+def _commit(done: Future, path: Path, keep_last: int | None) -> None:
+    done.result()  # a failed write raises here, and never becomes a checkpoint
+    checkpoint.commit(path)
+    if keep_last:
+        checkpoint.prune(path.parent, keep_last)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import re
 import socket
@@ -153,11 +154,11 @@ def init_process_group(env: DistEnv, backend: str, timeout: timedelta) -> None:
     else:
         init_method = f"tcp://{env.master_addr}:{env.master_port}"
     dist.init_process_group(backend, init_method=init_method, rank=env.rank, world_size=env.world_size, timeout=timeout)
-    # Left to interpreter exit, the group's C++ threads can be torn down while still joinable, which aborts the
-    # process ("terminate called without an active exception") after training has finished.
-    atexit.register(_destroy_process_group)
+    atexit.register(destroy_process_groups)
 
 
-def _destroy_process_group() -> None:
-    if dist.is_initialized():
+def destroy_process_groups() -> None:
+    """Tears down every process group while the interpreter is still whole (see multigpu/worker.py for why)."""
+    if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()  # drop cycles that still hold a group, so its threads are joined now and not at finalisation

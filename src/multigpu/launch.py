@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -14,6 +16,7 @@ from torch.distributed.run import run as torch_run
 
 from multigpu.env import free_port
 from multigpu.errors import UsageError
+from multigpu.worker import EXIT_DIR
 
 
 @dataclass
@@ -70,9 +73,8 @@ def torchrun_argv(config: LaunchConfig, nproc: int, target: list[str], module: b
             f"--master-addr={config.master_addr}",
             f"--master-port={config.master_port}",
         ]
-    if module:
-        argv.append("--module")
-    return argv + target
+    # Every worker runs the target through multigpu.worker, which adds a clean process-group teardown at exit.
+    return [*argv, "--module", "multigpu.worker", *(["-m"] if module else []), *target]
 
 
 def launch(config: LaunchConfig, target: list[str], module: bool = False) -> int:
@@ -92,21 +94,39 @@ def launch(config: LaunchConfig, target: list[str], module: bool = False) -> int
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     args = get_args_parser().parse_args(torchrun_argv(config, nproc, target, module))
-    try:
-        torch_run(args)
-    except ChildFailedError as error:
-        rank, failure = error.get_first_failure()
-        code = failure.exitcode if failure.exitcode > 0 else 128 + abs(failure.exitcode)
-        how = (
-            f"was killed by {signal.Signals(-failure.exitcode).name}"
-            if failure.exitcode < 0
-            else f"exited with code {failure.exitcode}"
-        )
-        others = len(error.failures) - 1
-        also = f" ({others} more worker{'s' if others > 1 else ''} failed after it)" if others else ""
-        print(
-            f"multigpu run: worker rank {rank} (pid {failure.pid}) {how}{also}; errors are printed above.",
-            file=sys.stderr,
-        )
-        return code
+    with tempfile.TemporaryDirectory(prefix="multigpu-exits-") as exits:
+        os.environ[EXIT_DIR] = exits
+        try:
+            torch_run(args)
+        except ChildFailedError as error:
+            return report_failure(error, Path(exits))
     return 0
+
+
+def report_failure(error: ChildFailedError, exits: Path) -> int:
+    """Prints which worker failed first and returns its exit code.
+
+    A crash makes its peers fail too, blocked in collectives, often within the same second; torchrun's own
+    timestamps cannot order them, so each worker records the nanosecond its script ended (multigpu.worker).
+    """
+    ended = {}
+    for rank in error.failures:
+        record = exits / f"rank{rank}"
+        if record.is_file():
+            stamp, code = record.read_text().split()
+            if int(code) != 0:
+                ended[rank] = int(stamp)
+    rank = min(ended, key=ended.get) if ended else error.get_first_failure()[0]
+    failure = error.failures[rank]
+    code = failure.exitcode if failure.exitcode > 0 else 128 + abs(failure.exitcode)
+    how = (
+        f"was killed by {signal.Signals(-failure.exitcode).name}"
+        if failure.exitcode < 0
+        else f"exited with code {failure.exitcode}"
+    )
+    others = len(error.failures) - 1
+    also = f" ({others} more worker{'s' if others > 1 else ''} failed after it)" if others else ""
+    print(
+        f"multigpu run: worker rank {rank} (pid {failure.pid}) {how}{also}; errors are printed above.", file=sys.stderr
+    )
+    return code

@@ -5,9 +5,16 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 from multigpu.env import DistEnv
@@ -40,6 +47,22 @@ class Strategy(ABC):
         norm = torch.nn.utils.get_total_norm(grads, 2.0)
         # Sharded gradients give a DTensor whose local value is this rank's partial norm.
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    # State dicts keyed by parameter names, sharded as the strategy holds them (DTensors under FSDP), so that
+    # torch.distributed.checkpoint can reshard them for any other world size or strategy on load.
+    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        return get_model_state_dict(model)
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        set_model_state_dict(model, state)
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return get_optimizer_state_dict(model, optimizer)
+
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        set_optimizer_state_dict(model, optimizer, state)
 
 
 def move_to_device(model: nn.Module, env: DistEnv) -> nn.Module:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -18,3 +20,18 @@ class DataParallel(Strategy):
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, precision: Precision
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         return nn.DataParallel(move_to_device(model, env)), optimizer
+
+    # Checkpoints hold the inner module's names, so they load into any other strategy.
+    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        return super().model_state_dict(model.module)
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        super().load_model_state_dict(model.module, state)
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return super().optimizer_state_dict(model.module, optimizer)
+
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        super().load_optimizer_state_dict(model.module, optimizer, state)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,3 +36,16 @@ class Zero1(DDP):
         # A new optimizer object: schedulers must be built on the one engine.setup returns.
         sharded = ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **defaults)
         return model, sharded
+
+    # Each rank saves the states of the parameters it owns, keyed by parameter name: together they form the
+    # whole optimizer, which DCP can hand out again under any other partition, world size or strategy.
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return super().optimizer_state_dict(model, optimizer.optim)
+
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        super().load_optimizer_state_dict(model, optimizer.optim, state)
+        # The wrapper's groups are what schedulers change and what it copies into the local optimizer each step.
+        for outer, local in zip(optimizer.param_groups, optimizer.optim.param_groups, strict=True):
+            outer.update({key: value for key, value in local.items() if key != "params"})

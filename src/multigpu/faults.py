@@ -1,0 +1,38 @@
+"""Fault injection for testing recovery, from MULTIGPU_FAULT (test-only; nothing else is configured this way).
+
+    MULTIGPU_FAULT="crash,step=5,rank=1"   rank 1 raises after optimizer step 5 (first attempt only)
+    MULTIGPU_FAULT="hang,step=3,rank=1"    rank 1 stops reaching collectives after step 3
+    MULTIGPU_FAULT="kill-in-save,step=4"   rank 0 is SIGKILLed while the checkpoint of step 4 is being written
+Faults fire only on a job's first attempt, so that a restarted job can show that it recovers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+
+def _spec() -> tuple[str, dict[str, int]] | None:
+    raw = os.environ.get("MULTIGPU_FAULT")
+    if not raw or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+    kind, *pairs = raw.split(",")
+    return kind, {key: int(value) for key, value in (pair.split("=") for pair in pairs)}
+
+
+def inject(point: str, step: int, rank: int) -> None:
+    """Called at `point` ("step" or "save"); fires the configured fault if it matches."""
+    spec = _spec()
+    if spec is None:
+        return
+    kind, where = spec
+    if where.get("step") != step or where.get("rank", 0) != rank:
+        return
+    if point == "step" and kind == "crash":
+        raise RuntimeError(f"injected crash at step {step} on rank {rank} (MULTIGPU_FAULT)")
+    if point == "step" and kind == "hang":
+        while True:
+            time.sleep(60)
+    if point == "save" and kind == "kill-in-save":
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,291 @@
+"""`multigpu train`: sensor-activity classification on any strategy and number of processes.
+
+Warm-up then cosine learning rate, per-epoch metrics (JSONL and TensorBoard), sharded checkpoints that resume at
+any world size, and a final model exported as safetensors plus a JSON that rebuilds it in plain torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from multigpu import checkpoint, faults
+from multigpu.config import Parser, add_config_arguments, config_from_args
+from multigpu.engine import Engine
+from multigpu.errors import UsageError
+from multigpu.monitor import MetricsLog, peak_memory_bytes
+from multigpu.precision import PRECISIONS
+from multigpu.recipes import activity_data, activity_models
+from multigpu.recipes.activity_models import MODES
+from multigpu.strategies import STRATEGIES
+
+LR_SCALING = ("none", "linear", "sqrt")
+
+
+@dataclass
+class TrainConfig:
+    multi_gpu: str = field(default="auto", metadata={"help": "strategy", "choices": STRATEGIES})
+    nproc: int | None = field(default=None, metadata={"help": "processes to launch when not under a launcher"})
+    gpu_ids: str | None = field(default=None, metadata={"help": "GPUs to use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES)"})
+    max_restarts: int = field(default=0, metadata={"help": "restart all workers after a crash, up to K times"})
+    mode: str = field(default="conv", metadata={"help": "model: MLP on the window or 1-D CNN", "choices": MODES})
+    data: str = field(default="watch", metadata={"help": "'watch' (seglearn's recordings) or a UCI HAR directory"})
+    epochs: int = field(default=20, metadata={"help": "passes over the training set"})
+    batch_size: int = field(default=32, metadata={"help": "windows per device per micro-batch"})
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate before --lr-scaling"})
+    lr_scaling: str = field(
+        default="none", metadata={"help": "multiply lr by world x accumulation (or its root)", "choices": LR_SCALING}
+    )
+    warmup_epochs: float = field(default=2.0, metadata={"help": "linear warm-up, then cosine decay to zero"})
+    weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay"})
+    grad_accum_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    max_grad_norm: float | None = field(default=None, metadata={"help": "clip the global gradient norm"})
+    num_workers: int = field(default=0, metadata={"help": "data-loading processes per rank (the data is in memory)"})
+    precision: str = field(default="32", metadata={"help": "number format", "choices": PRECISIONS})
+    save_dir: str = field(default="checkpoints/run", metadata={"help": "checkpoints, metrics and the final model"})
+    resume: str = field(default="auto", metadata={"help": "'auto' (newest checkpoint in --save-dir), 'none' or a PATH"})
+    save_every: int = field(default=0, metadata={"help": "also checkpoint every N optimizer steps (0: each epoch)"})
+    keep_last: int = field(default=3, metadata={"help": "checkpoints to keep"})
+    async_save: bool = field(default=False, metadata={"help": "write checkpoints in the background"})
+    seed: int = field(default=0, metadata={"help": "seed for initialisation and data order"})
+    timeout_s: float = field(default=1800.0, metadata={"help": "seconds a collective may wait before the run fails"})
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.epochs >= 1, f"--epochs must be 1 or more (got {self.epochs})."),
+            (self.batch_size >= 1, f"--batch-size must be 1 or more (got {self.batch_size}); it is per device."),
+            (self.lr > 0, f"--lr must be positive (got {self.lr})."),
+            (self.warmup_epochs >= 0, f"--warmup-epochs must be 0 or more (got {self.warmup_epochs})."),
+            (self.keep_last >= 1, f"--keep-last must be 1 or more (got {self.keep_last})."),
+            (self.save_every >= 0, f"--save-every must be 0 or more (got {self.save_every})."),
+            (self.mode in MODES, f"Unknown --mode {self.mode!r}; choose one of {', '.join(MODES)}."),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UsageError(message)
+
+
+def resolve_resume(config: TrainConfig) -> Path | None:
+    """The checkpoint to start from, or None; refuses to write over another run's checkpoints."""
+    directory = Path(config.save_dir) / "checkpoints"
+    existing = checkpoint.list_checkpoints(directory)
+    if config.resume == "auto":
+        return existing[-1] if existing else None
+    if config.resume == "none":
+        if existing:
+            raise UsageError(
+                f"{directory} already holds checkpoints of another run; pass --resume auto to continue it, "
+                "or choose another --save-dir."
+            )
+        return None
+    path = Path(config.resume)
+    checkpoint.check_checkpoint(path)
+    return path
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int):
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def scaled_lr(config: TrainConfig, world_size: int) -> float:
+    factor = world_size * config.grad_accum_steps
+    return config.lr * {"none": 1.0, "linear": factor, "sqrt": math.sqrt(factor)}[config.lr_scaling]
+
+
+def per_rank(engine: Engine, value: float) -> list[float]:
+    slots = torch.zeros(engine.world_size, dtype=torch.float64)
+    slots[engine.rank] = value
+    return engine.reduce(slots, op="sum").tolist()
+
+
+def evaluate(engine: Engine, model: nn.Module, loader) -> float:
+    model.eval()
+    with torch.no_grad():
+        correct = torch.cat([model(x).argmax(dim=1) == y for x, y in loader])
+    model.train()
+    return engine.gather(correct).float().mean().item()
+
+
+def export(engine: Engine, model: nn.Module, directory: Path, spec: list, data: activity_data.ActivityData) -> None:
+    """model.safetensors + model_config.json in `directory`; gathers the full weights onto rank 0 (asked for)."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if engine.is_main_process:
+        save_file({name: tensor.contiguous() for name, tensor in full.items()}, str(directory / "model.safetensors"))
+        config = {
+            "layers": spec,
+            "labels": data.labels,
+            "input": {"channels": data.channels, "window": data.window, "mean": data.mean, "std": data.std},
+        }
+        (directory / "model_config.json").write_text(json.dumps(config, indent=2))
+
+
+class Progress:
+    """A progress bar on a terminal, plain lines otherwise; rank 0 only."""
+
+    def __init__(self, engine: Engine, total: int) -> None:
+        self.bar = None
+        if engine.is_main_process and sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[status]}"),
+            )
+            self.bar.start()
+            self.task = self.bar.add_task("training", total=total, status="")
+
+    def advance(self, step: int, status: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, status=status)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def train(config: TrainConfig) -> dict:
+    engine = Engine(
+        strategy=config.multi_gpu,
+        precision=config.precision,
+        grad_accum_steps=config.grad_accum_steps,
+        max_grad_norm=config.max_grad_norm,
+        seed=config.seed,
+        timeout_s=config.timeout_s,
+    )
+    resume_from = resolve_resume(config)
+    data = activity_data.load(config.data)
+    spec = activity_models.layer_spec(config.mode, data.channels, data.window, len(data.labels))
+    model = activity_models.build(spec)
+    lr = scaled_lr(config, engine.world_size)
+    if config.lr_scaling != "none":
+        engine.print(f"lr {config.lr:g} x {lr / config.lr:g} ({config.lr_scaling} scaling) = {lr:g}")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=config.weight_decay)
+    model, optimizer = engine.setup(model, optimizer)
+    train_loader = engine.dataloader(
+        data.train, batch_size=config.batch_size, shuffle=True, num_workers=config.num_workers
+    )
+    val_loader = engine.dataloader(data.validation, batch_size=256, shuffle=False)
+    steps_per_epoch = math.ceil(len(train_loader) / config.grad_accum_steps)
+    total_steps = steps_per_epoch * config.epochs
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(round(config.warmup_epochs * steps_per_epoch), total_steps)
+    )
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": train_loader, "step": 0}
+    if resume_from is not None:
+        engine.load(resume_from, state)
+        engine.print(f"resumed from {resume_from} at step {state['step']} (epoch {train_loader.epoch + 1})")
+    engine.print(
+        f"{data.source}: {len(data.train)} training / {len(data.validation)} validation windows of "
+        f"{data.channels}x{data.window}, {len(data.labels)} classes; {config.mode} model, "
+        f"{sum(p.numel() for p in activity_models.build(spec).parameters()):,} parameters; "
+        f"strategy {engine.strategy}, {engine.world_size} process(es)"
+    )
+
+    save_dir = Path(config.save_dir)
+    checkpoints = save_dir / "checkpoints"
+    log = MetricsLog(save_dir) if engine.is_main_process else None
+    progress = Progress(engine, total_steps)
+
+    def save() -> None:
+        engine.save(checkpoints / f"step-{state['step']:08d}", state, config.async_save, config.keep_last)
+
+    history = []
+    while train_loader.epoch < config.epochs:
+        epoch, start = train_loader.epoch, time.perf_counter()
+        loss_sum, samples = torch.zeros((), dtype=torch.float64), 0
+        for x, y in train_loader:
+            real = train_loader.yielded[-1].real
+            with engine.accumulate(model):
+                loss = nn.functional.cross_entropy(model(x), y)
+                engine.backward(loss)
+            loss_sum += loss.detach().double() * real
+            samples += real
+            if engine.step(optimizer):
+                scheduler.step()
+                state["step"] += 1
+                progress.advance(state["step"], f"epoch {epoch + 1} loss {loss.item():.3f}")
+                faults.inject("step", state["step"], engine.rank)
+                if config.save_every and state["step"] % config.save_every == 0:
+                    save()
+        totals = engine.reduce(torch.stack([loss_sum, torch.tensor(float(samples), dtype=torch.float64)]), "sum")
+        seconds = time.perf_counter() - start
+        record = {
+            "epoch": epoch + 1,
+            "train_loss": (totals[0] / totals[1]).item(),
+            "val_accuracy": evaluate(engine, model, val_loader),
+            "samples_per_s": totals[1].item() / seconds,
+            "lr": scheduler.get_last_lr()[0],
+            "peak_memory_mb": [round(b / 2**20, 1) for b in per_rank(engine, peak_memory_bytes(engine.device))],
+        }
+        history.append(record)
+        if log is not None:
+            log.write(state["step"], {k: v for k, v in record.items() if k != "peak_memory_mb"})
+        engine.print(
+            f"epoch {record['epoch']}/{config.epochs}  loss {record['train_loss']:.4f}  "
+            f"val acc {record['val_accuracy']:.3f}  {record['samples_per_s']:.0f} samples/s  lr {record['lr']:.2e}  "
+            f"peak MB per rank {record['peak_memory_mb']}"
+        )
+        save()
+    engine.wait_for_checkpoint()
+    progress.close()
+    export(engine, model, save_dir, spec, data)
+    if log is not None:
+        log.close()
+    if engine.is_main_process and history:
+        print_summary(history, save_dir)
+    return {"history": history, "steps": state["step"], "world_size": engine.world_size}
+
+
+def print_summary(history: list[dict], save_dir: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="training summary")
+    for column in ("epoch", "train loss", "val accuracy", "samples/s", "lr"):
+        table.add_column(column, justify="right")
+    for r in history:
+        table.add_row(
+            str(r["epoch"]),
+            f"{r['train_loss']:.4f}",
+            f"{r['val_accuracy']:.3f}",
+            f"{r['samples_per_s']:.0f}",
+            f"{r['lr']:.2e}",
+        )
+    console = Console()
+    console.print(table)
+    best = max(history, key=lambda r: r["val_accuracy"])
+    console.print(
+        f"final val accuracy {history[-1]['val_accuracy']:.3f} (best {best['val_accuracy']:.3f} at epoch "
+        f"{best['epoch']}); model: {save_dir / 'model.safetensors'} + model_config.json"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = Parser(prog="python -m multigpu.recipes.train", description=__doc__)
+    add_config_arguments(parser, TrainConfig)
+    config = config_from_args(TrainConfig, parser.parse_args(argv))
+    train(config)
+
+
+if __name__ == "__main__":
+    from multigpu.cli import exit_on_usage_error
+
+    exit_on_usage_error(main)

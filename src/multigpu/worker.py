@@ -1,0 +1,55 @@
+"""What each process started by `multigpu run` executes: the user's script, unchanged, then a clean exit.
+
+    python -m multigpu.worker SCRIPT [ARGS...]      |      python -m multigpu.worker -m MODULE [ARGS...]
+
+Why: if a process group is still alive when Python finalises, gloo's run-loop threads can release their last
+tensors after the interpreter has started shutting down; taking the GIL then kills the thread and aborts the
+process ("terminate called without an active exception", exit 134) after the work has finished. Measured with
+torch 2.13 on CPU: 2 in 30 runs of a script that never calls destroy_process_group, 6 in 30 of one that raises.
+Destroying the groups in an atexit handler, while the interpreter is whole, closes that window.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import runpy
+import sys
+import time
+
+from multigpu.env import destroy_process_groups
+
+EXIT_DIR = "MULTIGPU_EXIT_DIR"  # set by `multigpu run` for its own workers; not a user setting
+
+
+def record_exit(code: int) -> None:
+    """Notes when and how the script ended, so the launcher can tell the first failure from its echoes."""
+    folder = os.environ.get(EXIT_DIR)
+    if folder and "RANK" in os.environ:
+        with open(os.path.join(folder, f"rank{os.environ['RANK']}"), "w") as file:
+            file.write(f"{time.time_ns()} {code}")
+
+
+def main() -> None:
+    atexit.register(destroy_process_groups)
+    args = sys.argv[1:]
+    try:
+        if args and args[0] == "-m":
+            sys.argv = args[1:]
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = args
+            sys.path[0] = os.path.dirname(os.path.abspath(args[0]))  # as `python SCRIPT` would set it
+            runpy.run_path(args[0], run_name="__main__")
+    except SystemExit as exit_:
+        code = exit_.code
+        record_exit(code if isinstance(code, int) else (0 if code is None else 1))
+        raise
+    except BaseException:
+        record_exit(1)
+        raise
+    record_exit(0)
+
+
+if __name__ == "__main__":
+    main()

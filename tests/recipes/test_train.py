@@ -1,0 +1,193 @@
+"""`multigpu train` as a user runs it: real processes, real files, crashes and restarts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from multigpu import checkpoint
+from multigpu.cli import main
+from multigpu.recipes.activity_data import HAR_CHANNELS
+from tests.dist import multigpu
+
+
+def write_uci_har(root: Path, windows: dict[str, int], subjects: dict[str, list[int]], seed: int = 0) -> Path:
+    """A small data set in the exact UCI HAR layout, with a learnable signal (the class sets a frequency)."""
+    rng = np.random.default_rng(seed)
+    time = np.arange(128) / 50.0
+    for split, count in windows.items():
+        labels = rng.integers(1, 7, size=count)
+        signals = root / split / "Inertial Signals"
+        signals.mkdir(parents=True)
+        for channel, name in enumerate(HAR_CHANNELS):
+            rows = [np.sin(2 * np.pi * (label + channel / 9) * time) + 0.3 * rng.normal(size=128) for label in labels]
+            np.savetxt(signals / f"{name}_{split}.txt", np.array(rows), fmt="%.5f")
+        np.savetxt(root / split / f"y_{split}.txt", labels, fmt="%d")
+        np.savetxt(root / split / f"subject_{split}.txt", rng.choice(subjects[split], size=count), fmt="%d")
+    return root
+
+
+@pytest.fixture(scope="module")
+def har(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("har") / "UCI HAR Dataset"
+    return write_uci_har(root, {"train": 96, "test": 40}, {"train": [1, 3, 5], "test": [2, 4]})
+
+
+def train_args(har: Path, save_dir: Path, *extra: str) -> list[str]:
+    return [
+        "train",
+        "--data",
+        str(har),
+        "--save-dir",
+        str(save_dir),
+        "--batch-size",
+        "8",
+        "--epochs",
+        "3",
+        "--warmup-epochs",
+        "1",
+        "--lr",
+        "3e-3",
+        *extra,
+    ]
+
+
+def final_weights(save_dir: Path) -> dict:
+    return load_file(save_dir / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(har: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    save_dir = tmp_path_factory.mktemp("uninterrupted")
+    result = multigpu(*train_args(har, save_dir, "--nproc", "2", "--save-every", "3"), timeout=180)
+    assert result.returncode == 0, result.stdout
+    return save_dir
+
+
+def test_trains_on_two_processes_and_writes_metrics_and_a_plain_torch_model(uninterrupted: Path, har: Path) -> None:
+    records = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2, 3]
+    assert {"train_loss", "val_accuracy", "samples_per_s", "lr"} <= set(records[0])
+    assert records[-1]["train_loss"] < records[0]["train_loss"]
+    assert records[-1]["val_accuracy"] > 0.5  # six classes: chance is 1/6
+    assert any((uninterrupted / "tensorboard").iterdir())
+    # The export loads with torch and safetensors alone, in a process that never imports multigpu.
+    script = f"""
+import json, sys, torch
+from torch import nn
+from safetensors.torch import load_file
+config = json.load(open({str(uninterrupted / "model_config.json")!r}))
+model = nn.Sequential(*[getattr(nn, name)(*args) for name, *args in config["layers"]])
+model.load_state_dict(load_file({str(uninterrupted / "model.safetensors")!r}))
+x = torch.ones(1, config["input"]["channels"], config["input"]["window"])
+print(repr(model(x).sum().item()), "multigpu" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    assert out[1] == "False"
+    # ...and equals the model in the last checkpoint.
+    last = checkpoint.list_checkpoints(uninterrupted / "checkpoints")[-1]
+    assert all(
+        (tensor == final_weights(uninterrupted)[name]).all()
+        for name, tensor in checkpoint.full_model_state(last).items()
+    )
+
+
+def test_a_crash_with_restarts_ends_with_the_same_model_bitwise(har: Path, uninterrupted: Path, tmp_path: Path) -> None:
+    result = multigpu(
+        *train_args(har, tmp_path, "--nproc", "2", "--save-every", "3", "--max-restarts", "1"),
+        env={"MULTIGPU_FAULT": "crash,step=5,rank=1"},
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stdout
+    assert "injected crash at step 5 on rank 1" in result.stdout
+    assert "resumed from" in result.stdout
+    want, got = final_weights(uninterrupted), final_weights(tmp_path)
+    assert all((got[name] == want[name]).all() for name in want)
+
+
+def test_sigkill_during_a_checkpoint_write_keeps_the_previous_one(
+    har: Path, uninterrupted: Path, tmp_path: Path
+) -> None:
+    killed = multigpu(
+        *train_args(har, tmp_path, "--nproc", "2", "--save-every", "3"),
+        env={"MULTIGPU_FAULT": "kill-in-save,step=6"},
+        timeout=180,
+    )
+    assert killed.returncode != 0
+    checkpoints = tmp_path / "checkpoints"
+    assert [p.name for p in checkpoint.list_checkpoints(checkpoints)] == ["step-00000003"]
+    assert (checkpoints / ".step-00000006.partial").is_dir()  # the interrupted write, never picked up
+    resumed = multigpu(*train_args(har, tmp_path, "--nproc", "2", "--save-every", "3"), timeout=180)
+    assert resumed.returncode == 0, resumed.stdout
+    assert "resumed from" in resumed.stdout and "step-00000003" in resumed.stdout
+    want, got = final_weights(uninterrupted), final_weights(tmp_path)
+    assert all((got[name] == want[name]).all() for name in want)
+
+
+def test_a_rank_that_stops_reaching_collectives_is_named_and_everything_exits(har: Path, tmp_path: Path) -> None:
+    result = multigpu(
+        *train_args(har, tmp_path, "--nproc", "2", "--timeout-s", "3"),
+        env={"MULTIGPU_FAULT": "hang,step=2,rank=1"},
+        timeout=90,  # run_command kills the whole group past this: the assertion is that it ended by itself
+    )
+    assert result.returncode != 0
+    assert "rank 1 (last at micro-step 2) stopped reaching collectives" in result.stdout
+
+
+def test_export_cli_consolidates_a_checkpoint(uninterrupted: Path, tmp_path: Path) -> None:
+    last = checkpoint.list_checkpoints(uninterrupted / "checkpoints")[-1]
+    result = multigpu("export", str(last), str(tmp_path / "out.safetensors"))
+    assert result.returncode == 0, result.stdout
+    exported, want = load_file(tmp_path / "out.safetensors"), final_weights(uninterrupted)
+    assert set(exported) == set(want) and all((exported[n] == want[n]).all() for n in want)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--mode", "lstm"], "invalid choice: 'lstm'"),
+        (["--batch-size", "0"], "--batch-size must be 1 or more (got 0)"),
+        (["--data", "/nonexistent/har"], "--data /nonexistent/har does not exist"),
+        (["--resume", "/tmp"], "/tmp is not a multigpu checkpoint"),
+        (["--multi-gpu", "zero9"], "invalid choice: 'zero9'"),
+    ],
+)
+def test_bad_input(har: Path, tmp_path: Path, args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(train_args(har, tmp_path / "run", *args))
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_wrong_layout_names_the_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    root = write_uci_har(tmp_path / "har", {"train": 4, "test": 4}, {"train": [1], "test": [2]})
+    (root / "test" / "y_test.txt").unlink()
+    with pytest.raises(SystemExit) as exit_info:
+        main(train_args(root, tmp_path / "run"))
+    assert exit_info.value.code == 2
+    assert "not in the UCI HAR layout: test/y_test.txt is missing" in capsys.readouterr().err
+
+
+def test_a_checkpoint_of_another_model_is_refused_and_left_alone(
+    har: Path, uninterrupted: Path, capsys: pytest.CaptureFixture
+) -> None:
+    before = {p.name: p.stat().st_mtime for p in (uninterrupted / "checkpoints").iterdir()}
+    with pytest.raises(SystemExit) as exit_info:
+        main(train_args(har, uninterrupted, "--mode", "flatten", "--epochs", "5"))
+    assert exit_info.value.code == 2
+    assert "holds a different model: model.1.weight is [64] there and [256, 1152] here" in capsys.readouterr().err
+    assert {p.name: p.stat().st_mtime for p in (uninterrupted / "checkpoints").iterdir()} == before
+
+
+def test_resume_none_refuses_to_overwrite_another_run(har: Path, uninterrupted: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(train_args(har, uninterrupted, "--resume", "none"))
+    assert exit_info.value.code == 2
+    assert "already holds checkpoints of another run" in capsys.readouterr().err
