@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from multigpu import faults
 from multigpu.errors import UsageError
@@ -222,7 +221,3 @@ def full_model_state(checkpoint: Path, key: str = "model") -> dict[str, torch.Te
         raise UsageError(f"The checkpoint {checkpoint} holds no {key!r} tensors; name the model's key in the state.")
     dcp.load(wanted, checkpoint_id=checkpoint, no_dist=True)
     return {name.removeprefix(prefix): tensor for name, tensor in wanted.items()}
-
-
-def is_dtensor(value: Any) -> bool:
-    return isinstance(value, DTensor)

@@ -174,6 +174,7 @@ def train(config: TrainConfig) -> dict:
     data = activity_data.load(config.data)
     spec = activity_models.layer_spec(config.mode, data.channels, data.window, len(data.labels))
     model = activity_models.build(spec)
+    parameters = sum(p.numel() for p in model.parameters())
     lr = scaled_lr(config, engine.world_size)
     if config.lr_scaling != "none":
         engine.print(f"lr {config.lr:g} x {lr / config.lr:g} ({config.lr_scaling} scaling) = {lr:g}")
@@ -195,7 +196,7 @@ def train(config: TrainConfig) -> dict:
     engine.print(
         f"{data.source}: {len(data.train)} training / {len(data.validation)} validation windows of "
         f"{data.channels}x{data.window}, {len(data.labels)} classes; {config.mode} model, "
-        f"{sum(p.numel() for p in activity_models.build(spec).parameters()):,} parameters; "
+        f"{parameters:,} parameters; "
         f"strategy {engine.strategy}, {engine.world_size} process(es)"
     )
 
