@@ -55,3 +55,14 @@ def test_auto_is_single_in_one_process(capsys) -> None:
     engine = mg.Engine()
     assert engine.strategy == "single" and engine.world_size == 1 and engine.is_main_process
     assert "strategy auto -> single" in capsys.readouterr().out
+
+
+def auto_two() -> tuple[str, str]:
+    engine = mg.Engine()
+    before = engine.strategy
+    engine.setup(torch.nn.Linear(4, 4), None)
+    return before, engine.strategy
+
+
+def test_auto_with_two_processes_asks_the_planner_at_setup() -> None:
+    assert run_in_processes("tests.test_engine:auto_two", 2, timeout=60) == [("auto", "ddp")] * 2

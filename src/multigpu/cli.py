@@ -16,6 +16,9 @@ from multigpu.engine import EngineConfig
 from multigpu.env import DistEnv, check_backend
 from multigpu.errors import UsageError
 from multigpu.launch import LaunchConfig, launch
+from multigpu.planner.memory import PlanConfig, plan_shape
+from multigpu.planner.report import print_table, to_json
+from multigpu.planner.shapes import BUILTIN, from_counts, load_shape
 from multigpu.recipes import activity_data
 from multigpu.recipes.demo import DemoConfig
 from multigpu.recipes.train import TrainConfig, resolve_resume, train
@@ -78,6 +81,22 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    config = config_from_args(PlanConfig, args)
+    if (args.model is None) == (args.params is None):
+        raise UsageError("Give the model as --model (a name, config.json or its directory) or as --params, not both.")
+    if args.model is not None:
+        shape = load_shape(args.model)
+    else:
+        shape = from_counts(args.params, args.layers, args.hidden, args.heads, args.vocab)
+    result = plan_shape(shape, config)
+    if args.json:
+        print(to_json(result))
+    else:
+        print_table(result)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="multigpu", description="One training loop, any number of GPUs.")
     parser.add_argument("--version", action="version", version=f"multigpu {__version__}")
@@ -114,6 +133,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_arguments(train_verb, TrainConfig)
     train_verb.set_defaults(handler=cmd_train)
+
+    plan = verbs.add_parser(
+        "plan",
+        help="memory per GPU for every strategy, and the fastest that fits",
+        description="Predict memory per GPU (parameters, gradients, optimizer states, activations, buffers) for "
+        "every strategy, without loading weights; recommend the fastest that fits.",
+    )
+    plan.add_argument("--model", help=f"a built-in ({', '.join(BUILTIN)}), a config.json, or a directory with one")
+    plan.add_argument("--params", type=float, help="parameter count instead of --model, e.g. 7e9")
+    for dim in ("layers", "hidden", "heads", "vocab"):
+        plan.add_argument(f"--{dim}", type=int, help=f"with --params: the transformer's {dim} (for activations)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_config_arguments(plan, PlanConfig)
+    plan.set_defaults(handler=cmd_plan)
 
     export = verbs.add_parser(
         "export",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import random
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -23,6 +24,7 @@ from multigpu import checkpoint
 from multigpu.data import Batch, DistributedLoader
 from multigpu.env import BACKENDS, DistEnv, check_backend, init_process_group
 from multigpu.errors import UsageError
+from multigpu.planner import choose_strategy
 from multigpu.precision import PRECISIONS, Precision
 from multigpu.progress import Progress
 from multigpu.strategies import STRATEGIES, Strategy, resolve_strategy
@@ -75,6 +77,7 @@ class Engine:
         )
         self.env = DistEnv.from_environ()
         self._strategy = resolve_strategy(strategy, self.env, cpu_offload, say=self.print)
+        self._auto_pending = strategy == "auto" and self.env.is_distributed
         self.precision = Precision(precision)
         self.device = self.env.device
         if self._strategy.needs_process_group:
@@ -99,7 +102,8 @@ class Engine:
     # -- who am I ---------------------------------------------------------------------------------------------
     @property
     def strategy(self) -> str:
-        return self._strategy.name
+        """The resolved strategy's name; "auto" with several processes until setup has chosen."""
+        return "auto" if self._auto_pending else self._strategy.name
 
     @property
     def rank(self) -> int:
@@ -125,6 +129,9 @@ class Engine:
 
         Build schedulers on the optimizer returned here (zero1 replaces it with a sharded one).
         """
+        if self._auto_pending:
+            self._strategy = self._choose_strategy(model, optimizer)
+            self._auto_pending = False
         if self.precision.name == "bf16-true":
             model.to(torch.bfloat16)
         model, optimizer = self._strategy.setup(model, optimizer, self.env, self.precision)
@@ -134,6 +141,25 @@ class Engine:
         if self.precision.needs_grad_scaler:
             self._scaler = self._strategy.grad_scaler(self.device)
         return model, optimizer
+
+    def _choose_strategy(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Strategy:
+        """`auto` with several processes: the planner's fastest strategy that fits this device's memory."""
+        if self.device.type == "cuda":
+            memory = torch.cuda.get_device_properties(self.device).total_memory
+        else:  # the processes of a node share its RAM
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / self.env.local_world_size
+        kind = "sgd" if isinstance(optimizer, torch.optim.SGD) else "adamw"  # others counted as Adam (2 states)
+        name, reason = choose_strategy(
+            model,
+            kind,
+            gpus=self.env.local_world_size,
+            nodes=max(1, self.world_size // self.env.local_world_size),
+            gpu_bytes=memory,
+            precision=self.precision.name,
+            offload_possible=self.device.type == "cuda",
+        )
+        self.print(f"strategy auto -> {name}: {reason}")
+        return resolve_strategy("zero3" if name == "zero3+offload" else name, self.env, name == "zero3+offload")
 
     def dataloader(
         self,

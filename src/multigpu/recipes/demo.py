@@ -39,6 +39,7 @@ def train(engine: Engine, config: DemoConfig) -> float:
     model = nn.Sequential(nn.Linear(2, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 3))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     model, optimizer = engine.setup(model, optimizer)
+    engine.print(f"strategy {engine.strategy}, precision {engine.precision.name}, {engine.world_size} process(es)")
     train_loader = engine.dataloader(spiral(config.samples), batch_size=config.batch_size, shuffle=True)
     val_loader = engine.dataloader(spiral(1024, seed=99), batch_size=256, shuffle=False)
     loss_fn = nn.CrossEntropyLoss()
@@ -71,7 +72,6 @@ def main(argv: list[str] | None = None) -> None:
     add_config_arguments(parser, EngineConfig)
     args = parser.parse_args(argv)
     engine = Engine(**vars(config_from_args(EngineConfig, args)))
-    engine.print(f"strategy {engine.strategy}, precision {engine.precision.name}, {engine.world_size} process(es)")
     train(engine, config_from_args(DemoConfig, args))
 
 

@@ -37,9 +37,11 @@ def resolve_strategy(
         strategy = spec
     elif spec not in STRATEGIES:
         raise UsageError(f"Unknown strategy {spec!r}; choose one of {', '.join(STRATEGIES)}.")
+    elif spec == "auto" and env.is_distributed:
+        strategy = DDP()  # joins the process group now; Engine.setup asks the planner once it sees the model
     elif spec == "auto":
-        strategy = DDP() if env.is_distributed else Single()
-        say(f"strategy auto -> {strategy.name} ({env.world_size} process{'es' if env.is_distributed else ''})")
+        strategy = Single()
+        say("strategy auto -> single (1 process)")
     elif spec == "dp" and torch.cuda.device_count() < 2:
         say(f"strategy dp needs 2 or more GPUs and this machine has {torch.cuda.device_count()}; running as single.")
         strategy = Single()

@@ -1,0 +1,59 @@
+"""Memory per GPU for every strategy, before anything runs. Pure functions: no process group, no weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from multigpu.errors import UsageError
+from multigpu.planner.memory import OPTIMIZERS, ORDER, Plan, PlanConfig, StrategyMemory, plan_shape
+from multigpu.planner.shapes import BUILTIN, ModelShape, from_module, load_shape
+
+__all__ = [
+    "BUILTIN",
+    "OPTIMIZERS",
+    "ORDER",
+    "ModelShape",
+    "Plan",
+    "PlanConfig",
+    "StrategyMemory",
+    "choose_strategy",
+    "plan",
+]
+
+
+def plan(model: Any, sample_input: Any = None, **options: Any) -> Plan:
+    """`model`: a built-in name, a config.json (or its directory), a ModelShape, or an nn.Module (with
+    `sample_input`, one sample, its activations are measured by a traced forward and scaled by the batch size).
+
+    `options` are PlanConfig's fields (gpus, nodes, gpu_memory such as "80GB", precision, optimizer, batch_size,
+    seq_len, grad_accum_steps, activation_checkpointing, lora_r, qlora, cpu_offload).
+    """
+    config = PlanConfig(**options)
+    if isinstance(model, ModelShape):
+        shape = model
+    elif isinstance(model, str):
+        shape = load_shape(model)
+    else:
+        shape = from_module(model, sample_input)
+    return plan_shape(shape, config)
+
+
+def choose_strategy(
+    model: Any, optimizer: str, gpus: int, nodes: int, gpu_bytes: float, precision: str, offload_possible: bool
+) -> tuple[str, str]:
+    """`auto`: the fastest strategy whose model states and buffers fit (activations depend on the batch, unknown
+    here, so leave room for them). Returns the strategy name and the reason, for the user."""
+    result = plan(
+        model,
+        gpus=gpus,
+        nodes=nodes,
+        gpu_memory=f"{gpu_bytes / 2**30}GiB",
+        precision=precision,
+        optimizer=optimizer,
+        batch_size=1,
+        seq_len=1,
+        cpu_offload=offload_possible,
+    )
+    if result.recommendation is None:
+        raise UsageError(f"No strategy fits this model: {result.reason}.")
+    return result.recommendation, result.reason

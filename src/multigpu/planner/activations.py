@@ -1,0 +1,49 @@
+"""Bytes a Llama-style decoder keeps for backward, counted tensor by tensor as Hugging Face's implementation
+(sdpa attention, RMSNorm computed in fp32, SwiGLU MLP) saves them. T = batch x sequence tokens.
+
+Per layer, without checkpointing (measured tensor by tensor with saved_tensors_hooks, transformers 5 / torch 2.13):
+  two RMSNorms        2*T*h*(4 + r) + 8*T   the fp32 input, the normalised output (residual dtype r), rsqrt
+  linear inputs       n*T*h*c               the copy each linear after a norm keeps: 2 at full width, 5 under
+                                            autocast (q, k, v, gate and up each cast their own)
+  attention           T*c*(3h + 2kv)        q after rotary, k and v, sdpa's output (also o_proj's input)
+                      + 4*b*heads*s         sdpa's fp32 logsumexp
+  MLP                 4*T*i*c               gate, up, SiLU(gate), and down_proj's input
+Outside the layers: token ids and labels (16T), the final norm and lm_head's input, and the fp32 log-softmax over
+the vocabulary (4*T*V), which dominates small models with large vocabularies.
+With activation checkpointing a layer keeps only its input (T*h*r); backward recomputes one layer at a time,
+so one layer's full activations come on top at the peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from multigpu.planner.shapes import Transformer
+
+
+@dataclass(frozen=True)
+class Activations:
+    saved: int  # bytes held between forward and backward
+    peak: int  # saved + what recomputation adds during backward
+
+
+def transformer_activations(t: Transformer, batch: int, seq: int, precision: str, checkpointing: bool) -> Activations:
+    tokens = batch * seq
+    compute = 4 if precision == "32" else 2
+    residual = 2 if precision == "bf16-true" else 4
+    mixed = precision in ("bf16-mixed", "fp16-mixed")
+    h, kv, i = t.hidden, t.kv_hidden, t.intermediate
+    layer = (
+        2 * tokens * h * (4 + residual)
+        + 8 * tokens
+        + (5 if mixed else 2) * tokens * h * compute
+        + tokens * compute * (3 * h + 2 * kv)
+        + 4 * batch * t.heads * seq
+        + 4 * tokens * i * compute
+    )
+    outside = 16 * tokens + tokens * h * (4 + residual) + 4 * tokens + tokens * h * compute + 4 * tokens * t.vocab
+    if not checkpointing:
+        saved = t.layers * layer + outside
+        return Activations(saved, saved)
+    saved = t.layers * tokens * h * residual + outside
+    return Activations(saved, saved + layer)

@@ -1,0 +1,217 @@
+"""Memory per GPU for every strategy: model states, activations, temporary buffers, overhead. Pure arithmetic."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+
+from multigpu.errors import UsageError
+from multigpu.planner.activations import transformer_activations
+from multigpu.planner.shapes import ModelShape
+from multigpu.precision import PRECISIONS
+
+OPTIMIZERS = ("adamw", "sgd", "adamw8bit")
+#: From fastest to most frugal: the planner recommends the first that fits (the guides' decision tree).
+ORDER = ("ddp", "zero1", "zero2", "zero3", "zero3+offload")
+#: Shown too, for one GPU and for the guides' simple mode; dp's GPU 0 holds the whole model and optimizer.
+REPORTED = ("single", "dp", *ORDER)
+FRAMEWORK_OVERHEAD = 1 << 30  # CUDA context, kernels, allocator slack: about 1 GiB that no tensor accounts for
+
+
+def parse_bytes(text: str | float) -> float:
+    """'80GB', '80GiB', '24g', '1.5e10' -> bytes (GB here means GiB, as GPU spec sheets use it)."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    match = re.fullmatch(r"\s*(-?[0-9.]+(?:e[0-9]+)?)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if not match:
+        raise UsageError(f"Cannot read the size {text!r}; write it like 80GB or 24GiB.")
+    return float(match.group(1)) * 1024 ** "_kmgt".index(match.group(2) or "_")
+
+
+@dataclass
+class PlanConfig:
+    gpus: int = field(default=1, metadata={"help": "GPUs per node"})
+    nodes: int = field(default=1, metadata={"help": "machines"})
+    gpu_memory: str = field(default="80GB", metadata={"help": "memory of one GPU, e.g. 80GB or 24GiB"})
+    precision: str = field(default="bf16-mixed", metadata={"help": "training precision", "choices": PRECISIONS})
+    optimizer: str = field(default="adamw", metadata={"help": "optimizer states to count", "choices": OPTIMIZERS})
+    batch_size: int = field(default=8, metadata={"help": "sequences per GPU per micro-batch"})
+    seq_len: int = field(default=2048, metadata={"help": "tokens per sequence"})
+    grad_accum_steps: int = field(default=1, metadata={"help": "micro-batches per step (no effect on memory)"})
+    activation_checkpointing: bool = field(default=False, metadata={"help": "keep layer inputs only, recompute"})
+    lora_r: int | None = field(default=None, metadata={"help": "LoRA rank: train adapters on every projection"})
+    qlora: bool = field(default=False, metadata={"help": "4-bit (nf4) frozen base under LoRA adapters"})
+    cpu_offload: bool = field(default=False, metadata={"help": "allow zero3 with parameters offloaded to CPU"})
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "nodes", "batch_size", "seq_len", "grad_accum_steps"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be 1 or more (got {getattr(self, name)}).")
+        if self.gpu_bytes <= 0:
+            raise UsageError(f"--gpu-memory must be positive (got {self.gpu_memory}).")
+        if self.precision not in PRECISIONS:
+            raise UsageError(f"Unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}.")
+        if self.optimizer not in OPTIMIZERS:
+            raise UsageError(f"Unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}.")
+        if self.lora_r is not None and self.lora_r < 1:
+            raise UsageError(f"--lora-r must be 1 or more (got {self.lora_r}).")
+        if self.qlora and self.lora_r is None:
+            self.lora_r = 16  # QLoRA trains LoRA adapters on the quantised base; 16 is peft's usual rank
+
+    @property
+    def gpu_bytes(self) -> float:
+        return parse_bytes(self.gpu_memory)
+
+    @property
+    def world(self) -> int:
+        return self.gpus * self.nodes
+
+
+@dataclass
+class StrategyMemory:
+    strategy: str
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    temporary: float
+    overhead: float
+    cpu: float = 0.0  # host memory per process (offload)
+    total: float = 0.0
+    fits: bool = False
+    max_batch_size: int = 0
+
+
+@dataclass
+class Plan:
+    model: str
+    params: int
+    trainable: int
+    config: PlanConfig
+    strategies: list[StrategyMemory] = field(default_factory=list)
+    recommendation: str | None = None
+    reason: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _bytes_per_param(precision: str) -> int:
+    """Stored weights and their gradients: fp32 master weights in every mode but bf16-true."""
+    return 2 if precision == "bf16-true" else 4
+
+
+def _optimizer_bytes(optimizer: str, precision: str) -> float:
+    state = _bytes_per_param(precision)
+    return {"adamw": 2 * state, "sgd": state, "adamw8bit": 2.0}[optimizer]  # sgd: one momentum buffer
+
+
+def model_states(shape: ModelShape, config: PlanConfig) -> tuple[float, float, float, int]:
+    """Unsharded bytes of parameters, gradients and optimizer states, and the trainable parameter count."""
+    weight = _bytes_per_param(config.precision)
+    if config.lora_r is None:
+        trainable = shape.params if shape.trainable is None else shape.trainable
+        params = shape.params * weight
+    else:
+        trainable = sum(config.lora_r * (i + o) for i, o in shape.lora_shapes)
+        base = shape.params * weight
+        if config.qlora:
+            # nf4: half a byte per weight of the quantised linears, plus an fp32 scale per block of 64 weights.
+            frozen_16bit = (shape.params - shape.linear_params) * 2
+            base = shape.linear_params * (0.5 + 4 / 64) + frozen_16bit
+        params = base + trainable * weight
+    return params, trainable * weight, trainable * _optimizer_bytes(config.optimizer, config.precision), trainable
+
+
+def activations_per_gpu(shape: ModelShape, config: PlanConfig, batch: int) -> float:
+    if shape.transformer is None:
+        return shape.activation_bytes_per_sample * batch
+    found = transformer_activations(
+        shape.transformer, batch, config.seq_len, config.precision, config.activation_checkpointing
+    )
+    return float(found.peak)
+
+
+def autocast_weights_bytes(shape: ModelShape, config: PlanConfig) -> float:
+    """autocast keeps a 16-bit copy of every weight it casts until backward (FSDP gathers 16-bit units instead)."""
+    return shape.params * 2 if config.precision in ("bf16-mixed", "fp16-mixed") else 0
+
+
+def strategy_memory(name: str, shape: ModelShape, config: PlanConfig, batch: int) -> StrategyMemory:
+    params, grads, optim, _ = model_states(shape, config)
+    n = config.world
+    compute = 4 if config.precision == "32" else 2
+    unit = (shape.largest_unit or shape.params // 10) * compute
+    activations = activations_per_gpu(shape, config, batch)
+    memory = StrategyMemory(name, params, grads, optim, activations, 0.0, FRAMEWORK_OVERHEAD)
+    if name in ("single", "dp"):
+        memory.temporary = autocast_weights_bytes(shape, config)
+    autocast_weights = autocast_weights_bytes(shape, config)
+    if name == "ddp":
+        memory.temporary = grads + autocast_weights  # DDP keeps a flat bucket copy of every gradient
+    elif name == "zero1":
+        memory.optimizer = optim / n
+        memory.temporary = grads + autocast_weights
+    elif name == "zero2":
+        memory.params, memory.grads, memory.optimizer = params / n, grads / n, optim / n
+        memory.temporary = shape.params * compute  # parameters stay gathered from forward to backward
+    elif name == "zero3":
+        memory.params, memory.grads, memory.optimizer = params / n, grads / n, optim / n
+        memory.temporary = 2 * unit  # the unit in use and the next one, prefetched
+    elif name == "zero3+offload":
+        memory.cpu = (params + grads + optim) / n
+        memory.params = memory.grads = memory.optimizer = 0.0
+        memory.temporary = 2 * unit
+    memory.total = (
+        memory.params + memory.grads + memory.optimizer + memory.activations + memory.temporary + memory.overhead
+    )
+    memory.fits = memory.total <= config.gpu_bytes
+    return memory
+
+
+def plan_shape(shape: ModelShape, config: PlanConfig) -> Plan:
+    _, _, _, trainable = model_states(shape, config)
+    plan = Plan(shape.name, shape.params, trainable, config)
+    for name in REPORTED if config.world == 1 else ORDER:
+        memory = strategy_memory(name, shape, config, config.batch_size)
+        memory.max_batch_size = _max_batch(name, shape, config)
+        plan.strategies.append(memory)
+    # One GPU: single unless only offload fits; several: the guides' order, fastest first.
+    candidates = ("single", "zero3+offload") if config.world == 1 else ORDER
+    fitting = [
+        m
+        for m in plan.strategies
+        if m.strategy in candidates and m.fits and (m.strategy != "zero3+offload" or config.cpu_offload)
+    ]
+    if fitting:
+        best = fitting[0]
+        plan.recommendation = best.strategy
+        faster = ", ".join(
+            m.strategy for m in plan.strategies if m.strategy in candidates[: candidates.index(best.strategy)]
+        )
+        plan.reason = (
+            f"{best.strategy} needs {best.total / 2**30:.2f} GiB of {config.gpu_bytes / 2**30:.2f} GiB per GPU"
+            + (f"; {faster} would not fit" if faster else " and is the fastest choice")
+        )
+    else:
+        plan.reason = (
+            f"nothing fits {config.gpu_bytes / 2**30:.2f} GiB per GPU at batch size {config.batch_size}: lower "
+            "--batch-size or --seq-len, add --activation-checkpointing, more GPUs, LoRA/QLoRA"
+            + ("" if config.cpu_offload else ", or allow --cpu-offload")
+        )
+    return plan
+
+
+def _max_batch(name: str, shape: ModelShape, config: PlanConfig) -> int:
+    """The largest per-device batch that fits (0: not even 1); model states do not depend on it."""
+    if not strategy_memory(name, shape, config, 1).fits:
+        return 0
+    if shape.transformer is None and not shape.activation_bytes_per_sample:
+        return config.batch_size if strategy_memory(name, shape, config, config.batch_size).fits else 0
+    low, high = 1, 2
+    while strategy_memory(name, shape, config, high).fits and high < 1 << 20:
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if strategy_memory(name, shape, config, middle).fits else (low, middle)
+    return low

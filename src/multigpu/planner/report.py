@@ -1,0 +1,65 @@
+"""A Plan for people (a rich table) and for programs (JSON)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from multigpu.planner.memory import Plan
+
+
+def gib(value: float) -> str:
+    return f"{value / 2**30:.2f}"
+
+
+def to_json(plan: Plan) -> str:
+    return json.dumps(plan.to_dict(), indent=2)
+
+
+def print_table(plan: Plan) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c = plan.config
+    title = (
+        f"{plan.model}: {plan.params / 1e9:.3g}B parameters ({plan.trainable / 1e6:,.1f}M trainable), "
+        f"{c.world} GPU(s) of {c.gpu_bytes / 2**30:.0f} GiB, {c.precision}, {c.optimizer}, "
+        f"batch {c.batch_size} x {c.seq_len} tokens{', activation checkpointing' if c.activation_checkpointing else ''}"
+    )
+    table = Table(title=title, caption="GiB per GPU (cpu: host memory per process)")
+    for column in (
+        "strategy",
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "temporary",
+        "overhead",
+        "total",
+        "fits",
+        "max batch",
+        "cpu",
+    ):
+        table.add_column(column, justify="right")
+    for m in plan.strategies:
+        table.add_row(
+            m.strategy,
+            gib(m.params),
+            gib(m.grads),
+            gib(m.optimizer),
+            gib(m.activations),
+            gib(m.temporary),
+            gib(m.overhead),
+            gib(m.total),
+            "yes" if m.fits else "no",
+            str(m.max_batch_size),
+            gib(m.cpu) if m.cpu else "",
+        )
+    console = Console(width=None if sys.stdout.isatty() else 150)  # a log or a pipe gets the whole table
+    console.print(table)
+    if not any(m.activations for m in plan.strategies):
+        console.print(
+            "activations not estimated: give --model (or --layers --hidden --heads --vocab with --params), "
+            "or call multigpu.plan(module, sample_input=...) to measure them"
+        )
+    console.print(f"recommendation: {plan.recommendation or 'none'} ({plan.reason})")

@@ -1,0 +1,127 @@
+"""The planner against measurement: tensors each rank really holds, and bytes autograd really saves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import multigpu as mg
+from multigpu.planner import plan
+from multigpu.planner.activations import transformer_activations
+from multigpu.planner.shapes import from_config
+from tests.dist import run_in_processes
+
+
+class LoRALinear(nn.Module):
+    """A frozen Linear plus a trainable low-rank update, as peft builds it."""
+
+    def __init__(self, base: nn.Linear, rank: int) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_a = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_b = nn.Linear(rank, base.out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+def stack(lora: bool) -> nn.Module:
+    layers = [nn.Linear(256, 256) for _ in range(8)]
+    return nn.Sequential(*[LoRALinear(layer, 8) if lora else layer for layer in layers])
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def measure(strategy: str, lora: bool) -> dict[str, int]:
+    """After one optimizer step: bytes of parameters, gradients and optimizer states this rank holds."""
+    engine = mg.Engine(strategy=strategy)
+    model = stack(lora)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    model, optimizer = engine.setup(model, optimizer)
+    engine.backward(model(torch.randn(4, 256)).pow(2).mean())
+    optimizer.step()
+    inner = optimizer.optim if strategy == "zero1" else optimizer
+    states = [t for s in inner.state.values() for key, t in s.items() if key != "step"]
+    return {
+        "params": sum(local_bytes(p) for p in model.parameters()),
+        "grads": sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None),
+        "optimizer": sum(local_bytes(t) for t in states),
+    }
+
+
+CASES = [("ddp", False), ("zero1", False), ("zero2", False), ("zero3", False), ("ddp", True), ("zero3", True)]
+
+
+def measure_all() -> list[dict[str, int]]:
+    return [measure(strategy, lora) for strategy, lora in CASES]
+
+
+def test_model_states_match_what_each_rank_holds() -> None:
+    measured = run_in_processes("tests.planner.test_measured:measure_all", 2, timeout=180)
+    for index, (strategy, lora) in enumerate(CASES):
+        rows = {m.strategy: m for m in plan(stack(lora), gpus=2, precision="32", optimizer="adamw").strategies}
+        for rank in range(2):
+            for part, value in measured[rank][index].items():
+                want = getattr(rows[strategy], part)
+                assert value == pytest.approx(want, rel=0.05), f"{strategy} lora={lora} rank {rank} {part}"
+
+
+def saved_bytes(model: nn.Module, ids: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd keeps for backward, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer not in params:
+            seen[pointer] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(input_ids=ids, labels=ids)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize(("batch", "seq"), [(2, 64), (4, 128), (1, 256)])
+def test_transformer_activations_match_saved_tensors(batch: int, seq: int, checkpointing: bool) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = {
+        "hidden_size": 128,
+        "intermediate_size": 344,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+    }
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, attn_implementation="sdpa")).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    measured = saved_bytes(model, torch.randint(0, 512, (batch, seq)))
+    predicted = transformer_activations(from_config(config, "tiny").transformer, batch, seq, "32", checkpointing)
+    assert predicted.saved == pytest.approx(measured, rel=0.15)
+
+
+def test_module_activations_come_from_a_traced_forward() -> None:
+    from multigpu.recipes.activity_models import build, layer_spec
+
+    model = build(layer_spec("conv", 6, 128, 7))
+    result = plan(model, sample_input=torch.randn(1, 6, 128), precision="32", batch_size=16)
+    ddp = next(m for m in result.strategies if m.strategy == "ddp")
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.untyped_storage().data_ptr() not in params:
+            seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(torch.randn(16, 6, 128))
+    assert ddp.activations == pytest.approx(sum(seen.values()), rel=0.15)

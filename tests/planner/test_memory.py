@@ -1,0 +1,120 @@
+"""The planner's arithmetic, and its refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import multigpu as mg
+from multigpu.cli import main
+from multigpu.planner import plan
+from multigpu.planner.memory import parse_bytes
+from multigpu.planner.shapes import BUILTIN, from_transformer
+
+GIB = 2**30
+
+
+def by_strategy(result) -> dict:
+    return {m.strategy: m for m in result.strategies}
+
+
+def test_seven_billion_fp32_adam_on_two_gpus() -> None:
+    """The course's example: 16 bytes per parameter unsharded, divided by 2 only where it is sharded."""
+    result = plan("llama-2-7b", gpus=2, gpu_memory="80GB", precision="32", optimizer="adamw", batch_size=1, seq_len=512)
+    params = 6_738_415_616
+    assert result.params == params
+    rows = by_strategy(result)
+    assert rows["ddp"].params + rows["ddp"].grads + rows["ddp"].optimizer == 16 * params
+    assert rows["zero1"].optimizer == 4 * params  # 8 bytes of Adam state per parameter, halved
+    assert rows["zero3"].params + rows["zero3"].grads + rows["zero3"].optimizer == 8 * params
+    assert not rows["ddp"].fits and rows["zero3"].fits
+    assert result.recommendation == "zero3"
+
+
+def test_smollm2_config_gives_its_published_parameter_count() -> None:
+    assert from_transformer(BUILTIN["smollm2-135m"], "smollm2").params == 134_515_008
+
+
+def test_lora_and_qlora_count_adapters_only() -> None:
+    full = plan("llama-2-7b", precision="bf16-mixed")
+    lora = plan("llama-2-7b", precision="bf16-mixed", lora_r=16)
+    qlora = plan("llama-2-7b", precision="bf16-mixed", lora_r=16, qlora=True)
+    t = BUILTIN["llama-2-7b"]
+    adapters = t.layers * sum(16 * (i + o) for i, o in t.linears().values())
+    assert lora.trainable == adapters == qlora.trainable
+    ddp = {name: by_strategy(p)["ddp"] for name, p in (("full", full), ("lora", lora), ("qlora", qlora))}
+    assert ddp["lora"].grads == adapters * 4 and ddp["lora"].optimizer == adapters * 8
+    assert ddp["qlora"].params < ddp["lora"].params / 5  # 4-bit base instead of fp32
+    assert ddp["lora"].total < ddp["full"].total
+
+
+def test_checkpointing_lowers_activations_and_raises_the_batch_that_fits() -> None:
+    plain = by_strategy(plan("llama-3.1-8b", gpus=8, gpu_memory="80GB", seq_len=8192))["zero3"]
+    ckpt = by_strategy(plan("llama-3.1-8b", gpus=8, gpu_memory="80GB", seq_len=8192, activation_checkpointing=True))
+    assert ckpt["zero3"].activations < plain.activations / 3
+    assert ckpt["zero3"].max_batch_size > plain.max_batch_size
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("80GB", 80 * GIB), ("24GiB", 24 * GIB), ("512m", 512 * 2**20), ("1e9", 1e9)]
+)
+def test_parse_bytes(text: str, value: float) -> None:
+    assert parse_bytes(text) == value
+
+
+def test_json_output(capsys: pytest.CaptureFixture) -> None:
+    main(["plan", "--model", "smollm2-135m", "--gpus", "2", "--gpu-memory", "24GB", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert [s["strategy"] for s in data["strategies"]] == ["ddp", "zero1", "zero2", "zero3", "zero3+offload"]
+    assert data["recommendation"] == "ddp"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "/no/such/model"], "--model /no/such/model is neither a built-in"),
+        (["--params=-7e9"], "--params must be positive"),
+        (["--params", "7e9", "--layers", "32"], "--layers, --hidden, --heads and --vocab go together"),
+        (["--model", "smollm2-135m", "--batch-size", "-1"], "--batch-size must be 1 or more (got -1)"),
+        (["--model", "smollm2-135m", "--gpu-memory", "lots"], "Cannot read the size 'lots'"),
+        (["--model", "smollm2-135m", "--gpu-memory=-8GB"], "--gpu-memory must be positive"),
+    ],
+)
+def test_bad_input(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_config_without_the_needed_fields(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "model_type": "llama"}))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "lacks num_hidden_layers, num_attention_heads, intermediate_size, vocab_size" in capsys.readouterr().err
+
+
+def test_plan_accepts_a_module() -> None:
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 10))
+    result = mg.plan(model, precision="32")
+    assert result.params == 100 * 100 + 100 + 100 * 10 + 10
+
+
+def test_auto_picks_the_fastest_strategy_that_fits() -> None:
+    from torch import nn
+
+    from multigpu.planner import choose_strategy
+
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])  # 16.8M parameters: 269 MB of model states
+    pick = lambda memory: choose_strategy(model, "adamw", 2, 1, memory, "32", offload_possible=True)[0]  # noqa: E731
+    # 1 GiB of framework overhead, then ddp 269 MB of states + 67 MB of buckets; zero1 shards 134 MB of Adam state;
+    # zero2 keeps 67 MB of gathered weights; zero3 only two layers (8 MB).
+    assert pick(4 * GIB) == "ddp"
+    assert pick(1.3 * GIB) == "zero1"
+    assert pick(1.22 * GIB) == "zero2"
+    assert pick(1.16 * GIB) == "zero3"
+    assert pick(1.1 * GIB) == "zero3+offload"
