@@ -75,3 +75,21 @@ def test_max_restarts_restarts_every_worker_after_a_crash(tmp_path: Path) -> Non
     result = multigpu("run", "-n", "2", "--max-restarts", "1", str(script), timeout=120)
     assert result.returncode == 0, result.stdout
     assert "attempt 1 rank 0" in result.stdout and "attempt 1 rank 1" in result.stdout
+
+
+KILLED = """
+import os, signal, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+dist.barrier()
+"""
+
+
+def test_a_worker_killed_from_outside_is_named_not_its_peer(tmp_path: Path) -> None:
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED)
+    result = multigpu("run", "-n", "2", str(script), timeout=90)
+    assert result.returncode == 128 + 9, result.stdout
+    assert "multigpu run: worker rank 1 " in result.stdout and "killed by SIGKILL" in result.stdout

@@ -109,21 +109,35 @@ def report_failure(error: ChildFailedError, exits: Path) -> int:
     A crash makes its peers fail too, blocked in collectives, often within the same second; torchrun's own
     timestamps cannot order them, so each worker records the nanosecond its script ended (multigpu.worker).
     """
-    ended = {}
+    ended: dict[int, tuple[int, int]] = {}  # rank -> (nanosecond its script ended, the script's exit code)
     for rank in error.failures:
         record = exits / f"rank{rank}"
         if record.is_file():
-            stamp, code = record.read_text().split()
-            if int(code) != 0:
-                ended[rank] = int(stamp)
-    rank = min(ended, key=ended.get) if ended else error.get_first_failure()[0]
-    failure = error.failures[rank]
-    code = failure.exitcode if failure.exitcode > 0 else 128 + abs(failure.exitcode)
-    how = (
-        f"was killed by {signal.Signals(-failure.exitcode).name}"
-        if failure.exitcode < 0
-        else f"exited with code {failure.exitcode}"
-    )
+            stamp, code = map(int, record.read_text().split())
+            if code != 0:
+                ended[rank] = (stamp, code)
+    # Killed from outside (SIGKILL, the OOM killer, a segfault) before its script could end: that one came first.
+    # torchrun itself only sends SIGTERM, to the survivors.
+    killed = [
+        r for r, f in error.failures.items() if r not in ended and f.exitcode < 0 and -f.exitcode != signal.SIGTERM
+    ]
+    if killed:
+        rank = min(killed, key=lambda r: error.failures[r].timestamp)
+        failure = error.failures[rank]
+        code, how = 128 - failure.exitcode, f"was killed by {signal.Signals(-failure.exitcode).name}"
+    elif ended:
+        # The script's own code: torchrun may SIGTERM the originator while it is still shutting down.
+        rank = min(ended, key=lambda r: ended[r][0])
+        failure, code = error.failures[rank], ended[rank][1]
+        how = f"exited with code {code}"
+    else:
+        rank, failure = error.get_first_failure()
+        code = failure.exitcode if failure.exitcode > 0 else 128 + abs(failure.exitcode)
+        how = (
+            f"was killed by {signal.Signals(-failure.exitcode).name}"
+            if failure.exitcode < 0
+            else f"exited with code {failure.exitcode}"
+        )
     others = len(error.failures) - 1
     also = f" ({others} more worker{'s' if others > 1 else ''} failed after it)" if others else ""
     print(
