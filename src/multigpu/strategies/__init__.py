@@ -48,7 +48,7 @@ def resolve_strategy(
     else:
         strategy = _FACTORIES[spec]()
 
-    if cpu_offload:
+    if cpu_offload and not (spec == "auto" and env.is_distributed):  # auto: the planner decides at setup
         if not isinstance(strategy, FSDP) or not strategy.reshard_after_forward:
             raise UsageError(f"cpu_offload works with strategy zero3 only, not {strategy.name}; drop it or use zero3.")
         strategy.cpu_offload = True
