@@ -97,6 +97,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_env(args: argparse.Namespace) -> int:
+    from multigpu import preflight
+
+    if args.nproc < 1 or args.size_mb <= 0 or args.iterations < 1:
+        raise UsageError("--nproc and --iterations must be 1 or more and --size-mb positive.")
+    return preflight.run(args.nproc, args.size_mb, args.iterations, args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="multigpu", description="One training loop, any number of GPUs.")
     parser.add_argument("--version", action="version", version=f"multigpu {__version__}")
@@ -147,6 +155,17 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_config_arguments(plan, PlanConfig)
     plan.set_defaults(handler=cmd_plan)
+
+    env = verbs.add_parser(
+        "env",
+        help="pre-flight checklist: versions, GPUs, topology, variables, an all-reduce smoke test",
+        description="Check this machine before a run; exits 1 with advice when something is wrong.",
+    )
+    env.add_argument("--nproc", type=int, default=2, help="processes for the all-reduce smoke test (default: 2)")
+    env.add_argument("--size-mb", type=float, default=64, help="all-reduce message size in MB (default: 64)")
+    env.add_argument("--iterations", type=int, default=10, help="timed all-reduces (default: 10)")
+    env.add_argument("--json", action="store_true", help="print the findings as JSON")
+    env.set_defaults(handler=cmd_env)
 
     export = verbs.add_parser(
         "export",

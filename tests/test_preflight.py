@@ -1,0 +1,34 @@
+"""`multigpu env` on this machine: facts, a real 2-process all-reduce, and advice when something is wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.dist import multigpu
+
+
+def test_reports_the_machine_and_a_working_all_reduce() -> None:
+    result = multigpu("env", "--json", "--size-mb", "4", "--iterations", "3", timeout=90)
+    assert result.returncode == 0, result.stdout
+    report = json.loads(result.stdout[result.stdout.index("{") :])
+    assert report["facts"]["torch"].startswith("2.")
+    assert "skipped: no GPU here" in report["facts"]["GPU checks"]  # says what it cannot check
+    smoke = report["smoke_test"]
+    assert smoke["world"] == 2 and smoke["backend"] == "gloo" and smoke["correct"]
+    assert smoke["busbw_GBps"] == pytest.approx(smoke["algbw_GBps"] * 2 * (2 - 1) / 2)
+    assert report["problems"] == []
+
+
+def test_a_broken_network_setting_fails_with_advice() -> None:
+    result = multigpu("env", "--size-mb", "1", env={"GLOO_SOCKET_IFNAME": "nonexistent0"}, timeout=90)
+    assert result.returncode == 1
+    assert "GLOO_SOCKET_IFNAME=nonexistent0" in result.stdout
+    assert "The 2-process all-reduce failed" in result.stdout
+
+
+def test_bad_input_exits_2() -> None:
+    result = multigpu("env", "--nproc", "0")
+    assert result.returncode == 2
+    assert "--nproc and --iterations must be 1 or more" in result.stdout
