@@ -192,13 +192,17 @@ def _seed_numpy_in_worker(worker_id: int) -> None:
     np.random.seed(torch.initial_seed() % 2**32)
 
 
-def move_to(data: Any, device: torch.device) -> Any:
-    """Moves every tensor inside nested tuples, lists and dicts to `device`."""
+def map_tensors(data: Any, function: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Applies `function` to every tensor inside nested tuples, lists (named tuples too) and dicts."""
     if isinstance(data, torch.Tensor):
-        return data.to(device, non_blocking=device.type == "cuda")
+        return function(data)
     if isinstance(data, dict):
-        return {key: move_to(value, device) for key, value in data.items()}
+        return {key: map_tensors(value, function) for key, value in data.items()}
     if isinstance(data, (list, tuple)):
-        moved = [move_to(value, device) for value in data]
-        return type(data)(*moved) if hasattr(data, "_fields") else type(data)(moved)
+        mapped = [map_tensors(value, function) for value in data]
+        return type(data)(*mapped) if hasattr(data, "_fields") else type(data)(mapped)
     return data
+
+
+def move_to(data: Any, device: torch.device) -> Any:
+    return map_tensors(data, lambda tensor: tensor.to(device, non_blocking=device.type == "cuda"))

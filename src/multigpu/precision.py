@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from multigpu.data import map_tensors
 from multigpu.errors import UsageError
 
 PRECISIONS = ("32", "bf16-mixed", "fp16-mixed", "bf16-true")
@@ -64,11 +65,4 @@ class Precision:
 
 
 def _cast_floats(data: Any, dtype: torch.dtype) -> Any:
-    """Casts every floating tensor inside nested tuples, lists and dicts to `dtype`."""
-    if isinstance(data, torch.Tensor):
-        return data.to(dtype) if data.is_floating_point() else data
-    if isinstance(data, dict):
-        return {key: _cast_floats(value, dtype) for key, value in data.items()}
-    if isinstance(data, (list, tuple)) and not hasattr(data, "_fields"):
-        return type(data)(_cast_floats(value, dtype) for value in data)
-    return data
+    return map_tensors(data, lambda tensor: tensor.to(dtype) if tensor.is_floating_point() else tensor)
