@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 
 from safetensors.torch import save_file
 
 from multigpu import __version__, checkpoint
+from multigpu.bench import RECIPES, BenchConfig, bench, print_report
 from multigpu.config import Parser, add_config_arguments, config_from_args, config_to_argv
 from multigpu.engine import EngineConfig
 from multigpu.env import DistEnv, check_backend
@@ -23,6 +26,7 @@ from multigpu.recipes import activity_data
 from multigpu.recipes.demo import DemoConfig
 from multigpu.recipes.train import TrainConfig, resolve_resume, train
 from multigpu.strategies import resolve_strategy
+from multigpu.verify import VerifyConfig, print_verdict, verify
 
 
 def exit_on_usage_error(main: Callable[[], int | None]) -> int:
@@ -97,12 +101,57 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    config = config_from_args(BenchConfig, args)
+    if args.collectives:
+        from multigpu import collectives
+
+        if args.script is not None or config.recipe is not None:
+            raise UsageError("--collectives measures the interconnect alone; drop SCRIPT and --recipe.")
+        Path(config.out).mkdir(parents=True, exist_ok=True)
+        measure = collectives.CollectivesConfig(
+            nproc=max(config.counts),
+            json_out=str(Path(config.out) / "collectives.json"),
+            **{name: getattr(args, name) for name in COLLECTIVE_FLAGS},
+        )
+        collectives.print_collectives(collectives.run_collectives(measure))
+        print(f"wrote {measure.json_out} (calibrates multigpu simulate --calibration)")
+        return 0
+    if (args.script is None) == (config.recipe is None):
+        raise UsageError("Give bench a SCRIPT or --recipe train (not both), or --collectives for the interconnect.")
+    with tempfile.TemporaryDirectory(prefix="multigpu-bench-recipe-") as scratch:
+        if config.recipe is not None:
+            target, module = [*RECIPES[config.recipe], "--save-dir", scratch, *args.script_args], True
+        else:
+            target, module = [args.script, *args.script_args], args.module
+        report = bench(config, target, module)
+    print_report(report)
+    print(f"wrote {Path(config.out) / 'bench.json'}, speedup.png and memory.png")
+    return 0
+
+
+COLLECTIVE_FLAGS = ("ops", "min_bytes", "max_bytes", "factor", "iterations")
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    config = config_from_args(VerifyConfig, args)
+    verdict = verify(config, [args.script, *args.script_args], module=args.module)
+    print_verdict(verdict, args.json)
+    return 0 if verdict.passed else 1
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     from multigpu import preflight
 
     if args.nproc < 1 or args.size_mb <= 0 or args.iterations < 1:
         raise UsageError("--nproc and --iterations must be 1 or more and --size-mb positive.")
     return preflight.run(args.nproc, args.size_mb, args.iterations, args.json)
+
+
+def add_script_arguments(parser: argparse.ArgumentParser, optional: bool = False) -> None:
+    parser.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, as in python -m")
+    parser.add_argument("script", nargs="?" if optional else None, help="the training script (or module, with -m)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,9 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_arguments(run, LaunchConfig)
     run.add_argument("-n", dest="nproc", type=int, help="short for --nproc")
-    run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, as in python -m")
-    run.add_argument("script", help="the training script (or module, with -m)")
-    run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    add_script_arguments(run)
     run.set_defaults(handler=cmd_run)
 
     demo = verbs.add_parser(
@@ -166,6 +213,40 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument("--iterations", type=int, default=10, help="timed all-reduces (default: 10)")
     env.add_argument("--json", action="store_true", help="print the findings as JSON")
     env.set_defaults(handler=cmd_env)
+
+    bench_verb = verbs.add_parser(
+        "bench",
+        help="throughput, speedup, efficiency, memory and communication share over process counts and strategies",
+        description="Benchmark an Engine SCRIPT (or --recipe train) at each --nproc and strategy: samples/s and "
+        "tokens/s, step time median and p90, speedup and scaling efficiency over 1 process, peak memory per rank "
+        "and the share of the step spent on gradient communication. Writes OUT/bench.json, speedup.png and "
+        "memory.png. With --collectives: all-reduce / all-gather / reduce-scatter bus bandwidth and latency "
+        "over message sizes at the largest --nproc, as nccl-tests reports them.",
+    )
+    add_config_arguments(bench_verb, BenchConfig)
+    bench_verb.add_argument(
+        "--collectives", action="store_true", help="measure the collectives' bandwidth instead of a script"
+    )
+    from multigpu.collectives import CollectivesConfig
+
+    add_config_arguments(
+        bench_verb,
+        CollectivesConfig,
+        skip=tuple(f.name for f in fields(CollectivesConfig) if f.name not in COLLECTIVE_FLAGS),
+    )
+    add_script_arguments(bench_verb, optional=True)
+    bench_verb.set_defaults(handler=cmd_bench)
+
+    verify_verb = verbs.add_parser(
+        "verify",
+        help="check that N processes compute what 1 process computes, step by step",
+        description="Run an Engine script in 1 process and in N on the same global batches; compare the loss of "
+        "every step and the final parameters. Exits 0 on PASS, 1 on FAIL.",
+    )
+    add_config_arguments(verify_verb, VerifyConfig)
+    verify_verb.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    add_script_arguments(verify_verb)
+    verify_verb.set_defaults(handler=cmd_verify)
 
     export = verbs.add_parser(
         "export",

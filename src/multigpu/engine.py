@@ -6,6 +6,7 @@ import contextlib
 import functools
 import os
 import random
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -19,11 +20,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.utils.data import Dataset
+from torch.utils.flop_counter import FlopCounterMode
 
-from multigpu import checkpoint
+from multigpu import checkpoint, harness
 from multigpu.data import Batch, DistributedLoader
 from multigpu.env import BACKENDS, DistEnv, check_backend, init_process_group
 from multigpu.errors import UsageError
+from multigpu.monitor import MetricsLog, StepMonitor, peak_memory_bytes
 from multigpu.planner import choose_strategy
 from multigpu.precision import PRECISIONS, Precision
 from multigpu.progress import Progress
@@ -47,6 +50,13 @@ class EngineConfig:
         metadata={"help": "process-group backend (default: nccl on GPUs, gloo on CPU)", "choices": BACKENDS},
     )
     timeout_s: float = field(default=1800.0, metadata={"help": "seconds a collective may wait before the run fails"})
+    log_every: int = field(
+        default=0, metadata={"help": "report memory, throughput and MFU every N optimizer steps (0: never)"}
+    )
+    log_dir: str | None = field(default=None, metadata={"help": "also write those reports as JSONL and TensorBoard"})
+    peak_tflops: float | None = field(
+        default=None, metadata={"help": "the device's peak TFLOPS for MFU (default: looked up by GPU name)"}
+    )
 
     def __post_init__(self) -> None:
         # Strategy names are checked where they are resolved (resolve_strategy), precisions by Precision.
@@ -57,6 +67,21 @@ class EngineConfig:
             raise UsageError(f"max_grad_norm must be positive (got {self.max_grad_norm}); leave it unset for none.")
         if self.timeout_s <= 0:
             raise UsageError(f"timeout_s must be positive (got {self.timeout_s}).")
+        if self.log_every < 0:
+            raise UsageError(f"log_every must be 0 or more (got {self.log_every}).")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise UsageError(f"peak_tflops must be positive (got {self.peak_tflops}).")
+
+
+@dataclass
+class _Window:
+    """What one optimizer step's micro-batches add up to."""
+
+    busy_s: float = 0.0  # data loading and forward, i.e. the time outside backward and the optimizer step
+    samples: int = 0  # real samples in the global batch (engine loader only)
+    count: torch.Tensor | None = None  # this rank's units (tokens) when the loss is a sum; see backward
+    loss: torch.Tensor | None = None  # this rank's share of the step's loss, when the harness records it
+    other_work: bool = False  # a checkpoint, evaluation or FLOP count ran inside this step's time
 
 
 class Engine:
@@ -70,10 +95,28 @@ class Engine:
         cpu_offload: bool = False,
         backend: str | None = None,
         timeout_s: float = 1800.0,
+        log_every: int = 0,
+        log_dir: str | None = None,
+        peak_tflops: float | None = None,
     ) -> None:
+        self._harness = harness.active()
+        if self._harness is not None:  # bench / verify decide these, whatever the script asks for
+            strategy = self._harness.strategy or strategy
+            precision = self._harness.precision or precision
+            grad_accum_steps *= self._harness.grad_accum_factor
         name = strategy if isinstance(strategy, str) else strategy.name
         self.config = EngineConfig(
-            name, precision, grad_accum_steps, max_grad_norm, seed, cpu_offload, backend, timeout_s
+            name,
+            precision,
+            grad_accum_steps,
+            max_grad_norm,
+            seed,
+            cpu_offload,
+            backend,
+            timeout_s,
+            log_every,
+            log_dir,
+            peak_tflops,
         )
         self.env = DistEnv.from_environ()
         self._strategy = resolve_strategy(strategy, self.env, cpu_offload, say=self.print)
@@ -98,6 +141,20 @@ class Engine:
         self._progress = Progress(self.rank, self.world_size, timeout_s)
         self._pending_save: Future | None = None
         self._checkpoint_group: dist.ProcessGroup | None = None
+        self._model: nn.Module | None = None
+        self._window = _Window(other_work=True)  # the first step also pays for lazy initialisation
+        self._mark = self._step_end = time.perf_counter()
+        self._steps = 0
+        self._count_flops = False
+        self._flop_counter: FlopCounterMode | None = None
+        self._log = MetricsLog(Path(log_dir)) if log_dir is not None and self.is_main_process else None
+        self._monitor = StepMonitor(
+            self.rank, self.world_size, self.device, precision, log_every, self._log, peak_tflops, self.print
+        )
+        self._recorder: harness.Recorder | None = None
+        if self._harness is not None:
+            self._recorder = harness.Recorder(self._harness, self.rank)
+            harness.on_finish(self._finish_harness)
 
     # -- who am I ---------------------------------------------------------------------------------------------
     @property
@@ -140,6 +197,20 @@ class Engine:
         )
         if self.precision.needs_grad_scaler:
             self._scaler = self._strategy.grad_scaler(self.device)
+        self._model = model
+        if self._harness is not None and not self._harness.grad_sync:
+            # Entered for good: every backward keeps its gradients local (bench's communication share).
+            self._strategy.no_sync(model).__enter__()
+        if self._recorder is not None:
+            self._recorder.meta = {
+                "strategy": self._strategy.name,
+                "precision": self.precision.name,
+                "world_size": self.world_size,
+                "grad_accum_steps": self.config.grad_accum_steps,
+                "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+            }
+            self._recorder.dump_params("initial_params", model, self._strategy.model_state_dict)
+        self._mark = self._step_end = time.perf_counter()
         return model, optimizer
 
     def _choose_strategy(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Strategy:
@@ -196,6 +267,7 @@ class Engine:
 
     def _on_batch(self, loader: DistributedLoader, batch: Batch) -> None:
         self._loader, self._batch = loader, batch
+        self._window.samples += batch.global_size
 
     # -- the training step ------------------------------------------------------------------------------------
     def _syncs_now(self) -> bool:
@@ -213,19 +285,42 @@ class Engine:
             with self._strategy.no_sync(model):
                 yield
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of `loss`, the mean over this rank's batch, weighted so each step averages its global batch.
+    def backward(self, loss: torch.Tensor, count: int | torch.Tensor | None = None) -> None:
+        """Backward of `loss` so that each optimizer step's gradient is the mean over its whole global batch.
 
-        With the engine's loader the weight accounts for uneven last batches and padding exactly; without it,
-        the loss is divided by grad_accum_steps.
+        Without `count`, `loss` is the mean over this rank's batch; it is weighted by the batch's share of the
+        step's samples (exact for uneven last batches and padding with the engine's loader; without it, divided
+        by grad_accum_steps). With `count`, `loss` is a *sum* over `count` units (e.g. the tokens that are not
+        padding): the step's gradient is then divided by the units of all ranks and micro-batches together,
+        the token-normalised loss one process would compute over the same global batch.
         """
-        weight = self._batch.weight if self._batch is not None else 1.0 / self.config.grad_accum_steps
+        self._window.busy_s += time.perf_counter() - self._mark
+        summed = count is not None
+        if self._micro_steps > 0 and summed != (self._window.count is not None):
+            raise UsageError("Pass count= to engine.backward on every micro-step of an optimizer step, or on none.")
+        if summed:
+            count = torch.as_tensor(count, dtype=torch.float64, device=self.device).detach()
+            self._window.count = count if self._window.count is None else self._window.count + count
+            # DDP and FSDP average gradients over ranks; the world factor turns that back into a sum.
+            weight = float(self.world_size)
+            share = loss.detach().double()
+        else:
+            weight = self._batch.weight if self._batch is not None else 1.0 / self.config.grad_accum_steps
+            share = loss.detach().double() * weight / self.world_size
+        if self._recorder is not None and self._harness.record_loss:
+            self._window.loss = share if self._window.loss is None else self._window.loss + share
         loss = loss * weight
         if self._scaler is not None:
             loss = self._scaler.scale(loss)
         self._progress.advance()
         with self._progress.diagnose("backward"):
             loss.backward()
+        if self._flop_counter is not None:
+            self._flop_counter.__exit__(None, None, None)
+            counted = self._flop_counter.get_total_flops()
+            self._monitor.flops_per_step = counted * self.config.grad_accum_steps * self.world_size
+            self._flop_counter, self._count_flops = None, False
+        self._mark = time.perf_counter()
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """On the last micro-step: unscale, clip, step, zero the gradients and return True; else False."""
@@ -236,14 +331,62 @@ class Engine:
             return False
         self._micro_steps = 0
         with self._progress.diagnose("optimizer step"):
-            self._optimizer_step(optimizer)
+            count, loss = self._window_totals()
+            self._optimizer_step(optimizer, count)
+        self._end_window(count, loss)
         return True
 
-    def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def _window_totals(self) -> tuple[float | None, float | None]:
+        """The step's units over all ranks (when the loss is a sum) and, for the harness, its global loss."""
+        window = self._window
+        if window.count is None and window.loss is None:
+            return None, None
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        totals = torch.stack([zero if t is None else t for t in (window.count, window.loss)])
+        if self._grouped:
+            totals = totals.to(self._comm_device())
+            with self._progress.diagnose("step totals"):
+                dist.all_reduce(totals)
+        count, loss = totals.tolist()
+        if window.count is None:
+            return None, loss
+        return count, (loss / max(count, 1.0) if window.loss is not None else None)
+
+    def _end_window(self, count: float | None, loss: float | None) -> None:
+        """Times the step just ended; feeds the monitor and the harness; stops a harness run when it is done."""
+        if self._recorder is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # per-step times for bench must include the queued GPU work
+        now = time.perf_counter()
+        window, self._window = self._window, _Window()
+        seconds, self._step_end = now - self._step_end, now
+        self._steps += 1
+        tokens = count or 0.0
+        self._monitor.add(self._steps, seconds, window.samples, tokens, window.busy_s, not window.other_work)
+        if self._steps == 1 and (self._monitor.every or self._recorder is not None):
+            # Step 2 counts one micro-step's FLOPs, forward to the end of backward; it is not timed.
+            self._window.other_work = True
+            self._count_flops = True
+        if self._recorder is not None:
+            record = {"time_s": seconds, "samples": window.samples, "tokens": tokens, "loss": loss}
+            if self._recorder.add({**record, "flops": self._monitor.flops_per_step, "other_work": window.other_work}):
+                self._finish_harness()
+                raise harness.StopRun()
+        self._mark = time.perf_counter()
+
+    def _finish_harness(self) -> None:
+        if self._recorder is not None:
+            self._recorder.finish(self._model, self._strategy.model_state_dict, peak_memory_bytes(self.device))
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer, count: float | None) -> None:
         if self._scaler is not None:
             self._scaler.unscale_(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if count is not None:
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.div_(max(count, 1.0))
         if self.config.max_grad_norm is not None:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
             norm = self._strategy.total_grad_norm(params)
             torch.nn.utils.clip_grads_with_norm_(params, self.config.max_grad_norm, norm)
             self.last_grad_norm = float(norm)
@@ -265,6 +408,7 @@ class Engine:
         `wait_for_checkpoint()` before exiting. `keep_last` removes all but the newest K `step-N` siblings.
         """
         self.wait_for_checkpoint()
+        self._window.other_work = True
         path = Path(path)
         if not async_save:
             with self._progress.diagnose("save"):
@@ -294,6 +438,7 @@ class Engine:
     def load(self, path: str | Path, state: dict[str, Any]) -> None:
         """Restores `state` in place from a checkpoint written at any world size and with any strategy."""
         self.wait_for_checkpoint()
+        self._window.other_work = True
         with self._progress.diagnose("load"):
             checkpoint.load(path, state, self._strategy)
 
@@ -326,6 +471,7 @@ class Engine:
         `tensor`'s rows must belong to the last `len(tensor)` samples this rank's engine loader yielded (a batch's
         outputs, or everything collected over the epoch).
         """
+        self._window.other_work = True  # evaluation, usually
         batches = self._loader.yielded if self._loader is not None else []
         owned = [(index, i < batch.real) for batch in batches for i, index in enumerate(batch.indices)]
         if len(tensor) > len(owned):
@@ -364,6 +510,9 @@ class Engine:
     def _watched(self, op: str, function: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(function)
         def watched(*args: Any, **kwargs: Any) -> Any:
+            if self._count_flops and self._flop_counter is None:
+                self._flop_counter = FlopCounterMode(display=False)
+                self._flop_counter.__enter__()  # left at the end of the backward that follows
             with self._progress.diagnose(op):
                 return function(*args, **kwargs)
 

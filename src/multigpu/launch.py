@@ -63,7 +63,9 @@ def parse_gpu_ids(gpu_ids: str, present: int) -> list[int]:
     return ids
 
 
-def torchrun_argv(config: LaunchConfig, nproc: int, target: list[str], module: bool) -> list[str]:
+def torchrun_argv(
+    config: LaunchConfig, nproc: int, target: list[str], module: bool, harness_dir: Path | None = None
+) -> list[str]:
     argv = [f"--nproc-per-node={nproc}", f"--nnodes={config.nnodes}", f"--max-restarts={config.max_restarts}"]
     if config.nnodes == 1:
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{config.master_port or free_port()}"]
@@ -74,11 +76,14 @@ def torchrun_argv(config: LaunchConfig, nproc: int, target: list[str], module: b
             f"--master-port={config.master_port}",
         ]
     # Every worker runs the target through multigpu.worker, which adds a clean process-group teardown at exit.
-    return [*argv, "--module", "multigpu.worker", *(["-m"] if module else []), *target]
+    harness = ["--harness", str(harness_dir)] if harness_dir is not None else []
+    return [*argv, "--module", "multigpu.worker", *harness, *(["-m"] if module else []), *target]
 
 
-def launch(config: LaunchConfig, target: list[str], module: bool = False) -> int:
+def launch(config: LaunchConfig, target: list[str], module: bool = False, harness_dir: Path | None = None) -> int:
     """Runs `target` (a script and its arguments, or a module with `module=True`) in N processes.
+
+    `harness_dir`: a directory holding a multigpu.harness.Harness, for bench and verify.
 
     Returns the exit code of the first worker that failed, 0 if all succeeded.
     """
@@ -93,7 +98,7 @@ def launch(config: LaunchConfig, target: list[str], module: bool = False) -> int
         # Measured: with the rendezvous store shared with workers, restarted workers hang or fail in most runs.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    args = get_args_parser().parse_args(torchrun_argv(config, nproc, target, module))
+    args = get_args_parser().parse_args(torchrun_argv(config, nproc, target, module, harness_dir))
     with tempfile.TemporaryDirectory(prefix="multigpu-exits-") as exits:
         os.environ[EXIT_DIR] = exits
         try:

@@ -11,9 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
-import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -75,53 +72,26 @@ def facts() -> tuple[list[tuple[str, str]], list[str]]:
     return lines, problems
 
 
-def smoke_worker(out: str, size_mb: float, iterations: int) -> None:
-    """In each launched process: all-reduce `size_mb` MB `iterations` times; rank 0 writes the timing."""
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    world = dist.get_world_size()
-    tensor = torch.ones(int(size_mb * 2**20 / 4), device=device)
-    dist.all_reduce(tensor)  # warm-up, and the correctness check below
-    correct = bool(torch.all(tensor == world).item())
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(iterations):
-        dist.all_reduce(tensor)
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / iterations
-    if dist.get_rank() == 0:
-        algbw = tensor.numel() * 4 / seconds / 1e9
-        busbw = algbw * 2 * (world - 1) / world  # what nccl-tests reports for all-reduce
-        Path(out).write_text(
-            json.dumps(
-                {
-                    "backend": dist.get_backend(),
-                    "world": world,
-                    "correct": correct,
-                    "seconds": seconds,
-                    "algbw_GBps": algbw,
-                    "busbw_GBps": busbw,
-                }
-            )
-        )
-    dist.destroy_process_group()
-
-
 def smoke_test(nproc: int, size_mb: float, iterations: int) -> dict | None:
-    from multigpu.launch import LaunchConfig, launch
+    """An all-reduce of `size_mb` MB timed in `nproc` processes, by the collectives benchmark; None if it failed."""
+    from multigpu.collectives import BenchmarkFailed, CollectivesConfig, run_collectives
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "smoke.json"
-        code = launch(
-            LaunchConfig(nproc=nproc),
-            ["multigpu.preflight", "--smoke-out", str(out), str(size_mb), str(iterations)],
-            module=True,
-        )
-        return json.loads(out.read_text()) if code == 0 and out.is_file() else None
+    size = max(4, int(size_mb * 2**20 / 4) * 4)
+    # warmup=0: the benchmark's first call, the checked one, is the warm-up.
+    config = CollectivesConfig(nproc, "all_reduce", size, size, iterations=iterations, warmup=0)
+    try:
+        result = run_collectives(config)
+    except BenchmarkFailed:
+        return None
+    (row,) = result["results"]
+    return {
+        "backend": result["backend"],
+        "world": result["world_size"],
+        "correct": row["correct"],
+        "seconds": row["time_s"],
+        "algbw_GBps": row["algbw_GBps"],
+        "busbw_GBps": row["busbw_GBps"],
+    }
 
 
 def run(nproc: int, size_mb: float, iterations: int, as_json: bool) -> int:
@@ -149,7 +119,3 @@ def run(nproc: int, size_mb: float, iterations: int, as_json: bool) -> int:
             print(f"{'problem':>12}: {problem}")
         print(f"{'verdict':>12}: {'ready' if not problems else f'{len(problems)} problem(s)'}")
     return 1 if problems else 0
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["--smoke-out"]:
-    smoke_worker(sys.argv[2], float(sys.argv[3]), int(sys.argv[4]))

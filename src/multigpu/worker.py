@@ -1,6 +1,9 @@
 """What each process started by `multigpu run` executes: the user's script, unchanged, then a clean exit.
 
-    python -m multigpu.worker SCRIPT [ARGS...]      |      python -m multigpu.worker -m MODULE [ARGS...]
+    python -m multigpu.worker [--harness DIR] SCRIPT [ARGS...]
+    python -m multigpu.worker [--harness DIR] -m MODULE [ARGS...]
+
+(`--harness` is how `multigpu bench` and `multigpu verify` run a script: see multigpu.harness.)
 
 Why: if a process group is still alive when Python finalises, gloo's run-loop threads can release their last
 tensors after the interpreter has started shutting down; taking the GIL then kills the thread and aborts the
@@ -17,6 +20,7 @@ import runpy
 import sys
 import time
 
+from multigpu import harness
 from multigpu.env import destroy_process_groups
 
 EXIT_DIR = "MULTIGPU_EXIT_DIR"  # set by `multigpu run` for its own workers; not a user setting
@@ -33,6 +37,9 @@ def record_exit(code: int) -> None:
 def main() -> None:
     atexit.register(destroy_process_groups)
     args = sys.argv[1:]
+    if args[:1] == ["--harness"]:
+        harness.activate(args[1])
+        args = args[2:]
     try:
         if args and args[0] == "-m":
             sys.argv = args[1:]
@@ -41,6 +48,7 @@ def main() -> None:
             sys.argv = args
             sys.path[0] = os.path.dirname(os.path.abspath(args[0]))  # as `python SCRIPT` would set it
             runpy.run_path(args[0], run_name="__main__")
+        harness.finish()
     except SystemExit as exit_:
         code = exit_.code
         record_exit(code if isinstance(code, int) else (0 if code is None else 1))

@@ -1,0 +1,89 @@
+"""A tiny next-token model trained with the Engine; `--bug` plants the mistakes `multigpu verify` must catch.
+
+none        token-normalised loss over the global batch (loss summed, count= to backward); augmentation
+            drawn from a generator seeded by the sample's index
+dropout     dropout masks drawn from the process's random stream, which differs with the number of ranks
+token-mean  the loss averaged over each rank's own tokens, then averaged over ranks
+"""
+
+import argparse
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+import multigpu as mg
+
+VOCAB, PAD = 32, -100
+
+
+class Sequences(Dataset):
+    """Sequences of 3 to 16 tokens: lengths differ, so per-rank token means differ from the global one."""
+
+    def __init__(self, count: int = 96) -> None:
+        generator = torch.Generator().manual_seed(1234)
+        self.items = [
+            torch.randint(0, VOCAB, (int(torch.randint(3, 17, (1,), generator=generator)),), generator=generator)
+            for _ in range(count)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict:
+        tokens = self.items[index].clone()
+        # Augmentation keyed by the sample: the same on any number of processes.
+        swap = torch.rand(len(tokens), generator=torch.Generator().manual_seed(index)) < 0.1
+        tokens[swap] = (tokens[swap] + 1) % VOCAB
+        return {"input": tokens[:-1], "target": tokens[1:]}
+
+
+def collate(samples: list[dict]) -> dict:
+    length = max(len(s["input"]) for s in samples)
+    inputs = torch.zeros(len(samples), length, dtype=torch.long)
+    targets = torch.full((len(samples), length), PAD)
+    for row, s in enumerate(samples):
+        inputs[row, : len(s["input"])] = s["input"]
+        targets[row, : len(s["target"])] = s["target"]
+    return {"input": inputs, "target": targets}
+
+
+class NextToken(nn.Module):
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 24)
+        self.hidden = nn.Linear(24, 24)
+        self.out = nn.Linear(24, VOCAB)
+        self.dropout = dropout
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.hidden(self.embed(tokens)))
+        return self.out(nn.functional.dropout(h, self.dropout, self.training))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bug", choices=("none", "dropout", "token-mean"), default="none")
+    parser.add_argument("--epochs", type=int, default=100)
+    args = parser.parse_args()
+
+    engine = mg.Engine(strategy="ddp", seed=0)
+    model = NextToken(dropout=0.2 if args.bug == "dropout" else 0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = engine.setup(model, optimizer)
+    loader = engine.dataloader(Sequences(), batch_size=4, collate_fn=collate)
+    while loader.epoch < args.epochs:
+        for batch in loader:
+            with engine.accumulate(model):
+                logits = model(batch["input"]).flatten(0, 1)
+                target = batch["target"].flatten()
+                if args.bug == "token-mean":
+                    engine.backward(nn.functional.cross_entropy(logits, target, ignore_index=PAD))
+                else:
+                    loss = nn.functional.cross_entropy(logits, target, ignore_index=PAD, reduction="sum")
+                    engine.backward(loss, count=(target != PAD).sum())
+            engine.step(optimizer)
+
+
+if __name__ == "__main__":
+    main()
