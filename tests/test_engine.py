@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 from torch.utils.data import TensorDataset
 
@@ -66,3 +68,68 @@ def auto_two() -> tuple[str, str]:
 
 def test_auto_with_two_processes_asks_the_planner_at_setup() -> None:
     assert run_in_processes("tests.test_engine:auto_two", 2, timeout=60) == [("auto", "ddp")] * 2
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Samples of 1 to 6 'tokens' (rows) padded to 6, so per-rank token counts differ."""
+
+    def __init__(self, samples: int = 8) -> None:
+        generator = torch.Generator().manual_seed(7)
+        self.x = torch.randn(samples, 6, 3, generator=generator)
+        self.y = torch.randn(samples, 6, generator=generator)
+        self.mask = torch.arange(6) < torch.randint(1, 7, (samples, 1), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple:
+        return self.x[i], self.y[i], self.mask[i]
+
+
+def token_loss_sum(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return ((model(x).squeeze(-1) - y) ** 2 * mask).sum()
+
+
+def token_normalised_step(strategy: str, log_dir: str) -> dict:
+    engine = mg.Engine(strategy=strategy, grad_accum_steps=2, log_every=1, log_dir=log_dir, peak_tflops=1.0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = engine.setup(model, optimizer)
+    loader = engine.dataloader(Tokens(), batch_size=2, shuffle=False)
+    for _ in range(4):  # four epochs of one optimizer step each
+        for x, y, mask in loader:
+            with engine.accumulate(model):
+                engine.backward(token_loss_sum(model, x, y, mask), count=mask.sum())
+            engine.step(optimizer)
+    state = model.state_dict()
+    return {k.removeprefix("module."): v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
+
+
+def test_count_gives_the_token_mean_over_the_global_batch_and_the_monitor_logs(tmp_path) -> None:
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(3, 1)
+    data = Tokens()
+    x, y, mask = data.x, data.y, data.mask
+    for _ in range(4):
+        reference.zero_grad()
+        (token_loss_sum(reference, x, y, mask) / mask.sum()).backward()
+        with torch.no_grad():
+            for p in reference.parameters():
+                p -= 0.1 * p.grad
+    for strategy in ("ddp", "zero3"):
+        log_dir = tmp_path / strategy
+        results = run_in_processes(
+            "tests.test_engine:token_normalised_step", 2, timeout=120, strategy=strategy, log_dir=str(log_dir)
+        )
+        for state in results:
+            assert torch.allclose(state["weight"], reference.weight, atol=1e-6)
+            assert torch.allclose(state["bias"], reference.bias, atol=1e-6)
+        records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+        # Steps 1 (lazy initialisation) and 2 (the FLOP count) are not timed, so the reports start at step 3.
+        assert [r["step"] for r in records] == [3, 4]
+        assert records[0]["perf/tokens_per_s"] > 0 and records[0]["perf/samples_per_s"] > 0
+        assert {"memory/rank0_peak_mb", "memory/rank1_peak_mb"} <= set(records[0])
+        # One micro-step of 2 samples x 6 rows on a rank: forward 2*12*3 FLOPs, weight gradient as many;
+        # times 2 micro-steps and 2 ranks.
+        assert records[0]["perf/flops_per_step"] == 144 * 2 * 2
+        assert records[0]["perf/mfu"] > 0

@@ -196,10 +196,17 @@ def test_fit_link_refuses_what_cannot_fit(rows: list[dict[str, object]], world_s
 def test_load_calibration(tmp_path) -> None:
     path = tmp_path / "collectives.json"
     rows = timings(2, 20e-6, 2e9)
+    path.write_text(json.dumps({"backend": "nccl", "world_size": 2, "device": "gpu", "results": rows}))
+    links = load_calibration(path)
+    for link in links.values():
+        assert link.bandwidth_Bps == pytest.approx(2e9, rel=0.01)
+        assert link.alpha_s == pytest.approx(20e-6, rel=0.01)
+    # On gloo, FSDP's reduce-scatter is a whole all-reduce: it costs what the all-reduce costs.
     path.write_text(json.dumps({"backend": "gloo", "world_size": 2, "device": "cpu", "results": rows}))
-    link = load_calibration(path)
-    assert link.bandwidth_Bps == pytest.approx(2e9, rel=0.01)
-    assert link.alpha_s == pytest.approx(20e-6, rel=0.01)
+    links = load_calibration(path)
+    for size in (1e3, 1e8):
+        expected = ring_time("all_reduce", 2, size, links["all_reduce"])
+        assert ring_time("reduce_scatter", 2, size, links["reduce_scatter"]) == pytest.approx(expected)
     with pytest.raises(UsageError, match="does not exist"):
         load_calibration(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text("{not json")
@@ -261,3 +268,37 @@ def test_flops_per_token_and_compute_time() -> None:
         compute_time(flops, 1, tflops=989, mfu=0)
     with pytest.raises(UsageError):
         flops_per_token(shape, 0)
+
+
+def test_cli_from_flops_from_a_bench_report_and_its_errors(tmp_path) -> None:
+    from tests.dist import multigpu
+
+    result = multigpu(
+        "simulate", "--model", "llama-3.1-8b", "--strategy", "zero3", "--gpus", "8,128", "--json",
+        "--tflops", "989", "--mfu", "0.36", "--seq-len", "8192", "--batch-size", "2",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout
+    eight, many = json.loads(result.stdout)
+    assert (eight["nodes"], many["nodes"], eight["unit"]) == (1, 16, "tokens")
+    assert many["per_gpu_throughput"] <= eight["per_gpu_throughput"] and many["efficiency"] <= eight["efficiency"]
+    # 6 x 8.03e9 + 12 x 32 x 4096 x 8192 FLOPs per token, 16,384 tokens per GPU, at 36% of 989 TFLOPS.
+    assert eight["compute_s"] == pytest.approx(
+        (6 * load_shape("llama-3.1-8b").params + 12 * 32 * 4096 * 8192) * 16384 / (0.36 * 989e12)
+    )
+
+    bench = tmp_path / "bench.json"
+    cell = {"nproc": 1, "step_time_s": {"median": 0.02}, "samples_per_s": {"median": 1600.0}, "tokens_per_s": None}
+    bench.write_text(json.dumps({"cells": [cell]}))
+    result = multigpu("simulate", "--params", "4e6", "--layers", "4", "--bench", str(bench), "--gpus", "1,2", "--json")
+    one, two = json.loads(result.stdout)
+    assert one["compute_s"] == 0.02 and one["throughput"] == pytest.approx(1600.0) and one["unit"] == "samples"
+    assert two["step_s"] > one["step_s"]
+
+    for flags, words in [
+        (["--params", "1e9", "--compute-s", "1", "--tflops", "100"], "Give the compute time one way"),
+        (["--params", "1e9", "--compute-s", "1"], "--compute-s needs --units-per-step"),
+        (["--model", "llama-2-7b", "--params", "1e9", "--compute-s", "1"], "not both"),
+        (["--params", "1e9", "--bench", str(tmp_path / "none.json")], "does not exist"),
+    ]:
+        result = multigpu("simulate", *flags)
+        assert result.returncode == 2 and words in result.stdout, result.stdout

@@ -43,6 +43,14 @@ class BenchConfig:
         default=True, metadata={"help": "also run each multi-process cell without gradient sync, to measure it"}
     )
     out: str = field(default="bench", metadata={"help": "directory for bench.json, speedup.png and memory.png"})
+    baseline: str = field(
+        default="single",
+        metadata={
+            "help": "the 1-process run speedups are taken over: plain single-process training, or each strategy "
+            "itself on 1 process (separates a strategy's own overhead from its communication)",
+            "choices": ("single", "same"),
+        },
+    )
 
     def __post_init__(self) -> None:
         self.counts = parse_list(self.nproc, "--nproc", int)
@@ -124,15 +132,16 @@ def bench(config: BenchConfig, target: list[str], module: bool = False) -> dict[
     """Runs every cell and returns the report (also written to OUT/bench.json with the plots)."""
     cells, device, precision = [], None, None
     for n in config.counts:
-        for strategy in ["single"] if n == 1 else config.strategy_names:
+        for strategy in ["single"] if n == 1 and config.baseline == "single" else config.strategy_names:
             runs = [run_cell(target, module, n, strategy, config, sync=True) for _ in range(config.repeats)]
             unsynced = []
             if config.comm_share and n > 1:
                 unsynced = [run_cell(target, module, n, strategy, config, sync=False) for _ in range(config.repeats)]
             cells.append(summarise(n, strategy, runs, unsynced))
             device, precision = runs[0]["device"], runs[0]["precision"]
-    base = next((c for c in cells if c["nproc"] == 1), None)
     for cell in cells:
+        wanted = "single" if config.baseline == "single" else cell["strategy"]
+        base = next((c for c in cells if c["nproc"] == 1 and c["strategy"] == wanted), None)
         if base is not None:
             cell["speedup"] = cell["samples_per_s"]["median"] / base["samples_per_s"]["median"]
             cell["efficiency"] = cell["speedup"] / cell["nproc"]
@@ -160,15 +169,15 @@ def plot(report: dict[str, Any], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     cells = report["cells"]
-    strategies = list(dict.fromkeys(c["strategy"] for c in cells if c["nproc"] > 1))
+    strategies = list(dict.fromkeys(c["strategy"] for c in cells if c["strategy"] != "single"))
     counts = sorted({c["nproc"] for c in cells})
     figure, axes = plt.subplots(figsize=(6, 4))
     axes.plot(counts, counts, "k--", label="ideal")
     for strategy in strategies:
-        points = [(1, 1.0)] if any(c["nproc"] == 1 for c in cells) else []
-        points += [(c["nproc"], c["speedup"]) for c in cells if c["strategy"] == strategy and c["speedup"]]
+        points = [(c["nproc"], c["speedup"]) for c in cells if c["strategy"] in (strategy, "single") and c["speedup"]]
         axes.plot(*zip(*points, strict=True), "o-", label=strategy)
     axes.set(xlabel="processes", ylabel="speedup over 1 process", title=f"{report['device']}: speedup")
+    axes.set_xticks(counts)
     axes.legend()
     figure.savefig(out / "speedup.png", dpi=120, bbox_inches="tight")
     plt.close(figure)

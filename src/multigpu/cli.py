@@ -114,7 +114,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             json_out=str(Path(config.out) / "collectives.json"),
             **{name: getattr(args, name) for name in COLLECTIVE_FLAGS},
         )
-        collectives.print_collectives(collectives.run_collectives(measure))
+        try:
+            collectives.print_collectives(collectives.run_collectives(measure))
+        except collectives.BenchmarkFailed as failure:
+            print(f"multigpu bench: {failure}", file=sys.stderr)
+            return failure.code
         print(f"wrote {measure.json_out} (calibrates multigpu simulate --calibration)")
         return 0
     if (args.script is None) == (config.recipe is None):
@@ -131,6 +135,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 COLLECTIVE_FLAGS = ("ops", "min_bytes", "max_bytes", "factor", "iterations")
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from multigpu import simulate
+
+    config, intra, inter = simulate.resolve(config_from_args(simulate.SimulateRequest, args))
+    predictions = simulate.simulate(config, intra, inter)
+    if args.json:
+        print(simulate.to_json(predictions))
+    else:
+        title = f"{config.strategy}, {config.intra} in a node, {config.interconnect} between nodes"
+        print(simulate.format_table(predictions, title=title), end="")
+    return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -236,6 +253,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_script_arguments(bench_verb, optional=True)
     bench_verb.set_defaults(handler=cmd_bench)
+
+    from multigpu.simulate import SimulateRequest
+
+    simulate_verb = verbs.add_parser(
+        "simulate",
+        help="predict step time, throughput and scaling efficiency on 1 to thousands of GPUs",
+        description="An alpha-beta model of each strategy's collectives (ring and tree all-reduce, all-gather, "
+        "reduce-scatter; intra- and inter-node links; overlap with backward; FSDP prefetch) on top of one step's "
+        "compute time, measured (--bench), given (--compute-s) or derived (--tflops, --mfu). Calibrate links "
+        "with `multigpu bench --collectives`.",
+    )
+    add_config_arguments(simulate_verb, SimulateRequest)
+    simulate_verb.add_argument("--json", action="store_true", help="print the predictions as JSON")
+    simulate_verb.set_defaults(handler=cmd_simulate)
 
     verify_verb = verbs.add_parser(
         "verify",

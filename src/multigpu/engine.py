@@ -518,6 +518,11 @@ class Engine:
 
         return watched
 
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        """Writes `record` to log_dir's metrics.jsonl and TensorBoard, on the main process (no-op without log_dir)."""
+        if self._log is not None:
+            self._log.write(step, record)
+
     def print(self, *args: Any, **kwargs: Any) -> None:
         """print() on the main process only."""
         if self.is_main_process:

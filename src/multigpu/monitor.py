@@ -150,6 +150,11 @@ class StepMonitor:
             record["perf/samples_per_s"] = samples / seconds
         if tokens:
             record["perf/tokens_per_s"] = tokens / seconds
+        if self.flops_per_step is not None:
+            record["perf/flops_per_step"] = self.flops_per_step
+            record["perf/tflops_per_device"] = (
+                self.flops_per_step * len(self._interval) / seconds / self.world_size / 1e12
+            )
         if self.flops_per_step is not None and self.peak is not None:
             achieved = self.flops_per_step * len(self._interval) / seconds
             record["perf/mfu"] = achieved / (self.world_size * self.peak * 1e12)
@@ -162,6 +167,8 @@ class StepMonitor:
         warnings = imbalance(ranks[:, 0].tolist(), ranks[:, 1].tolist(), self.IMBALANCE)
         parts = [f"step {step}", f"{record['perf/step_time_s'] * 1e3:.1f} ms/step"]
         parts += [f"{record[k]:,.0f} {k.split('_')[0].removeprefix('perf/')}/s" for k in record if k.endswith("_per_s")]
+        if "perf/tflops_per_device" in record:
+            parts.append(f"{record['perf/tflops_per_device']:.3g} TFLOP/s per device")
         if "perf/mfu" in record:
             parts.append(f"MFU {record['perf/mfu']:.1%}")
         parts.append("peak MB " + "/".join(f"{m / 2**20:.0f}" for m in ranks[:, 1].tolist()))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -99,11 +99,22 @@ def reduce_scatter(n: int, size: float, link: Link) -> float:
     return ring_time("reduce_scatter", n, size, link)
 
 
+Links = dict[str, Link]  # one link per collective: a calibration measures each op on its own
+
+
+def per_op(link: Link | Links) -> Links:
+    return link if isinstance(link, dict) else dict.fromkeys(OPS, link)
+
+
 def span_link(n: int, gpus_per_node: int, intra: Link, inter: Link) -> Link:
     """The link a collective over n ranks sees: the slowest on its ring."""
     if n <= gpus_per_node:
         return intra
     return Link(max(intra.alpha_s, inter.alpha_s), min(intra.bandwidth_Bps, inter.bandwidth_Bps))
+
+
+def span_links(n: int, gpus_per_node: int, intra: Links, inter: Links) -> Links:
+    return {op: span_link(n, gpus_per_node, intra[op], inter[op]) for op in OPS}
 
 
 @dataclass(frozen=True)
@@ -179,8 +190,9 @@ def overlapped(times: list[float], backward_s: float, overlap: bool) -> tuple[fl
     return comm, max(comm - backward_s, times[-1]) if overlap else comm
 
 
-def strategy_comm(config: SimulateConfig, n: int, link: Link, compute_s: float) -> tuple[float, float]:
+def strategy_comm(config: SimulateConfig, n: int, links: Link | Links, compute_s: float) -> tuple[float, float]:
     """(total, exposed) communication seconds of one step on n ranks."""
+    links = per_op(links)
     if n <= 1:
         return 0.0, 0.0
     grads, weights = config.params * config.grad_bytes, config.params * config.param_bytes
@@ -188,15 +200,15 @@ def strategy_comm(config: SimulateConfig, n: int, link: Link, compute_s: float) 
     if config.strategy in ("ddp", "zero1", "zero2"):
         full, rest = divmod(grads, config.bucket_mb * 2**20)
         sizes = [config.bucket_mb * 2**20] * int(full) + ([rest] if rest else [])
-        cost = reduce_scatter if config.strategy == "zero2" else all_reduce
-        comm, exposed = overlapped([cost(n, size, link) for size in sizes], backward, config.overlap)
+        cost, op = (reduce_scatter, "reduce_scatter") if config.strategy == "zero2" else (all_reduce, "all_reduce")
+        comm, exposed = overlapped([cost(n, size, links[op]) for size in sizes], backward, config.overlap)
         if config.strategy != "ddp":  # updated shards gathered after the optimizer step: nothing left to hide them
-            gather = all_gather(n, weights, link)
+            gather = all_gather(n, weights, links["all_gather"])
             comm, exposed = comm + gather, exposed + gather
         return comm, exposed
     # zero3 / fsdp: each unit is gathered for forward and again for backward, its gradients scattered in backward.
-    gather = all_gather(n, weights / config.layers, link)
-    scatter = reduce_scatter(n, grads / config.layers, link)
+    gather = all_gather(n, weights / config.layers, links["all_gather"])
+    scatter = reduce_scatter(n, grads / config.layers, links["reduce_scatter"])
     comm = config.layers * (2 * gather + scatter)
     if not config.overlap:
         return comm, comm
@@ -208,17 +220,19 @@ def strategy_comm(config: SimulateConfig, n: int, link: Link, compute_s: float) 
     return comm, gather + scatter + config.layers * hidden_shortfall
 
 
-def simulate(config: SimulateConfig, intra: Link | None = None, inter: Link | None = None) -> list[Prediction]:
+def simulate(
+    config: SimulateConfig, intra: Link | Links | None = None, inter: Link | Links | None = None
+) -> list[Prediction]:
     """One Prediction per entry of config.gpus. `intra`/`inter` (e.g. from load_calibration) replace the presets."""
-    intra = intra or INTERCONNECTS[config.intra]
-    inter = inter or INTERCONNECTS[config.interconnect]
+    intra = per_op(intra or INTERCONNECTS[config.intra])
+    inter = per_op(inter or INTERCONNECTS[config.interconnect])
     single = config.compute_s  # one process never oversubscribes a slot, and talks to no one
     predictions = []
     for n in config.gpus:
         per_node = min(n, config.gpus_per_node)
         slots = config.compute_slots_per_node
         compute = config.compute_s * (per_node / slots if slots and per_node > slots else 1.0)
-        comm, exposed = strategy_comm(config, n, span_link(n, config.gpus_per_node, intra, inter), compute)
+        comm, exposed = strategy_comm(config, n, span_links(n, config.gpus_per_node, intra, inter), compute)
         step = compute + exposed
         speedup = n * single / step
         predictions.append(
@@ -286,8 +300,12 @@ def fit_link(results: list[dict[str, Any]], world_size: int) -> Link:
     return Link(alpha_s=float(alpha), bandwidth_Bps=float(1 / inverse_bw))
 
 
-def load_calibration(path: str | Path) -> Link:
-    """The Link fitted to a `multigpu bench --collectives` JSON file."""
+def load_calibration(path: str | Path) -> Links:
+    """One Link per collective, each fitted to that op's timings in a `multigpu bench --collectives` JSON file.
+
+    gloo's reduce-scatter, the one FSDP calls, runs a whole all-reduce (the bench times a true reduce-scatter
+    instead and notes it), so on gloo it is costed as the all-reduce it is: twice the hops and the bytes.
+    """
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"{path} does not exist; write it with `multigpu bench --collectives` first.")
@@ -297,7 +315,17 @@ def load_calibration(path: str | Path) -> Link:
         raise UsageError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}).") from None
     if not isinstance(data, dict) or not isinstance(data.get("results"), list) or "world_size" not in data:
         raise UsageError(f"{path} lacks world_size or a results list; use the file `multigpu bench` writes.")
-    return fit_link(data["results"], data["world_size"])
+    results, world = data["results"], data["world_size"]
+    measured = {row.get("op") for row in results if isinstance(row, dict)}
+    links = {op: fit_link([r for r in results if r.get("op") == op], world) for op in OPS if op in measured}
+    if not links:
+        raise UsageError(f"{path} holds no all_reduce, all_gather or reduce_scatter timings; rerun the benchmark.")
+    fallback = fit_link(results, world)
+    links = {op: links.get(op, fallback) for op in OPS}
+    if data.get("backend") == "gloo":
+        ring = links["all_reduce"]
+        links["reduce_scatter"] = Link(2 * ring.alpha_s, ring.bandwidth_Bps / 2)
+    return links
 
 
 def to_json(predictions: list[Prediction]) -> str:
@@ -321,3 +349,102 @@ def format_table(predictions: list[Prediction], title: str | None = None) -> str
     console = Console(file=io.StringIO(), width=150, color_system=None)
     console.print(table)
     return console.file.getvalue()
+
+
+@dataclass
+class SimulateRequest:
+    """`multigpu simulate`'s flags, one to one; `resolve` turns them into a SimulateConfig and its links."""
+
+    model: str | None = field(default=None, metadata={"help": "a built-in model name or a config.json (or its dir)"})
+    params: float | None = field(default=None, metadata={"help": "parameter count instead of --model, e.g. 7e9"})
+    layers: int | None = field(default=None, metadata={"help": "with --params: layers (zero3's units)"})
+    gpus: str = field(default="1,2,4,8,16,32,64,128", metadata={"help": "comma-separated GPU counts"})
+    gpus_per_node: int = field(default=8, metadata={"help": "GPUs in one node"})
+    interconnect: str = field(
+        default="infiniband", metadata={"help": "fabric between nodes", "choices": tuple(INTERCONNECTS)}
+    )
+    intra: str = field(default="nvlink", metadata={"help": "link inside a node", "choices": tuple(INTERCONNECTS)})
+    strategy: str = field(default="ddp", metadata={"help": "data-parallel strategy", "choices": STRATEGIES})
+    compute_s: float | None = field(default=None, metadata={"help": "seconds of one step on one device, if known"})
+    units_per_step: float | None = field(default=None, metadata={"help": "with --compute-s: samples per device"})
+    bench: str | None = field(
+        default=None, metadata={"help": "take compute time and units from a bench.json's 1-process cell"}
+    )
+    tflops: float | None = field(default=None, metadata={"help": "device peak TFLOPS, to derive the compute time"})
+    mfu: float = field(default=0.4, metadata={"help": "with --tflops: the utilisation assumed"})
+    seq_len: int = field(default=2048, metadata={"help": "with --tflops: tokens per sample"})
+    batch_size: int = field(default=1, metadata={"help": "with --tflops: samples per device per step"})
+    grad_bytes: int = field(default=4, metadata={"help": "bytes per gradient element reduced (4: fp32, 2: bf16)"})
+    param_bytes: int = field(default=2, metadata={"help": "bytes per parameter all-gathered (2: bf16 compute)"})
+    bucket_mb: float = field(default=25.0, metadata={"help": "DDP bucket size, MiB"})
+    overlap: bool = field(default=True, metadata={"help": "overlap communication with backward / prefetch"})
+    compute_slots_per_node: int | None = field(
+        default=None, metadata={"help": "CPU hosts: cores shared by a node's processes (compute slows beyond it)"}
+    )
+    calibration: str | None = field(
+        default=None, metadata={"help": "a bench --collectives JSON: replaces the intra-node link"}
+    )
+    inter_calibration: str | None = field(
+        default=None, metadata={"help": "a bench --collectives JSON taken across nodes: replaces the inter-node link"}
+    )
+
+
+def resolve(request: SimulateRequest) -> tuple[SimulateConfig, Link | None, Link | None]:
+    from multigpu.bench import parse_list
+    from multigpu.planner.shapes import from_counts, load_shape
+
+    if (request.model is None) == (request.params is None):
+        raise UsageError("Give the model as --model (a name or config.json) or as --params, not both.")
+    if request.model is not None:
+        shape = load_shape(request.model)
+    else:
+        shape = from_counts(request.params, None, None, None, None)
+    layers = shape.transformer.layers if shape.transformer else (request.layers or 1)
+    sources = [request.compute_s is not None, request.bench is not None, request.tflops is not None]
+    if sum(sources) != 1:
+        raise UsageError("Give the compute time one way: --compute-s (with --units-per-step), --bench or --tflops.")
+    unit = "samples"
+    if request.compute_s is not None:
+        if request.units_per_step is None:
+            raise UsageError("--compute-s needs --units-per-step, the samples one device trains per step.")
+        compute, units = request.compute_s, request.units_per_step
+    elif request.bench is not None:
+        compute, units, unit = from_bench(Path(request.bench), request.strategy)
+    else:
+        units, unit = request.batch_size * request.seq_len, "tokens"
+        compute = compute_time(flops_per_token(shape, request.seq_len), units, request.tflops, request.mfu)
+    config = SimulateConfig(
+        params=shape.params,
+        compute_s=compute,
+        units_per_step=units,
+        layers=layers,
+        unit=unit,
+        gpus=tuple(parse_list(request.gpus, "--gpus", int)),
+        gpus_per_node=request.gpus_per_node,
+        interconnect=request.interconnect,
+        intra=request.intra,
+        strategy=request.strategy,
+        grad_bytes=request.grad_bytes,
+        param_bytes=request.param_bytes,
+        bucket_mb=request.bucket_mb,
+        overlap=request.overlap,
+        compute_slots_per_node=request.compute_slots_per_node,
+    )
+    intra = load_calibration(request.calibration) if request.calibration else None
+    inter = load_calibration(request.inter_calibration) if request.inter_calibration else None
+    return config, intra, inter
+
+
+def from_bench(path: Path, strategy: str) -> tuple[float, float, str]:
+    """(seconds per step, units per device per step, unit) from a bench.json's 1-process cell: the strategy's own
+    (bench --baseline same) where there is one, as it carries the strategy's overhead; else the single one."""
+    if not path.is_file():
+        raise UsageError(f"{path} does not exist; write it with `multigpu bench --nproc 1,...` first.")
+    cells = [c for c in json.loads(path.read_text())["cells"] if c["nproc"] == 1]
+    if not cells:
+        raise UsageError(f"{path} has no 1-process cell; rerun bench with 1 in --nproc.")
+    cell = next((c for c in cells if c["strategy"] == strategy), cells[0])
+    step = cell["step_time_s"]["median"]
+    if cell["tokens_per_s"]:
+        return step, cell["tokens_per_s"]["median"] * step, "tokens"
+    return step, cell["samples_per_s"]["median"] * step, "samples"

@@ -22,7 +22,7 @@ from multigpu import checkpoint, faults
 from multigpu.config import Parser, add_config_arguments, config_from_args
 from multigpu.engine import Engine
 from multigpu.errors import UsageError
-from multigpu.monitor import MetricsLog, peak_memory_bytes
+from multigpu.monitor import peak_memory_bytes
 from multigpu.precision import PRECISIONS
 from multigpu.recipes import activity_data, activity_models
 from multigpu.recipes.activity_models import MODES
@@ -58,6 +58,9 @@ class TrainConfig:
     async_save: bool = field(default=False, metadata={"help": "write checkpoints in the background"})
     seed: int = field(default=0, metadata={"help": "seed for initialisation and data order"})
     timeout_s: float = field(default=1800.0, metadata={"help": "seconds a collective may wait before the run fails"})
+    log_every: int = field(
+        default=100, metadata={"help": "report memory, throughput and imbalance every N optimizer steps (0: never)"}
+    )
 
     def __post_init__(self) -> None:
         checks = [
@@ -169,6 +172,8 @@ def train(config: TrainConfig) -> dict:
         max_grad_norm=config.max_grad_norm,
         seed=config.seed,
         timeout_s=config.timeout_s,
+        log_every=config.log_every,
+        log_dir=config.save_dir,
     )
     resume_from = resolve_resume(config)
     data = activity_data.load(config.data)
@@ -202,7 +207,6 @@ def train(config: TrainConfig) -> dict:
 
     save_dir = Path(config.save_dir)
     checkpoints = save_dir / "checkpoints"
-    log = MetricsLog(save_dir) if engine.is_main_process else None
     progress = Progress(engine, total_steps)
 
     def save() -> None:
@@ -237,8 +241,7 @@ def train(config: TrainConfig) -> dict:
             "peak_memory_mb": [round(b / 2**20, 1) for b in per_rank(engine, peak_memory_bytes(engine.device))],
         }
         history.append(record)
-        if log is not None:
-            log.write(state["step"], {k: v for k, v in record.items() if k != "peak_memory_mb"})
+        engine.log(state["step"], {k: v for k, v in record.items() if k != "peak_memory_mb"})
         engine.print(
             f"epoch {record['epoch']}/{config.epochs}  loss {record['train_loss']:.4f}  "
             f"val acc {record['val_accuracy']:.3f}  {record['samples_per_s']:.0f} samples/s  lr {record['lr']:.2e}  "
@@ -248,8 +251,6 @@ def train(config: TrainConfig) -> dict:
     engine.wait_for_checkpoint()
     progress.close()
     export(engine, model, save_dir, spec, data)
-    if log is not None:
-        log.close()
     if engine.is_main_process and history:
         print_summary(history, save_dir)
     return {"history": history, "steps": state["step"], "world_size": engine.world_size}

@@ -1,0 +1,60 @@
+"""`multigpu bench` on real processes: the report's figures are present and consistent with each other."""
+
+import json
+from pathlib import Path
+
+from tests.dist import multigpu
+
+SCRIPT = "tests/scripts/next_token.py"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def bench(out: Path, *flags: str) -> dict:
+    result = multigpu("bench", "--out", str(out), "--steps", "4", "--warmup", "2", *flags, timeout=300)
+    assert result.returncode == 0, result.stdout
+    assert "speedup" in result.stdout and "efficiency" in result.stdout
+    return json.loads((out / "bench.json").read_text())
+
+
+def test_script_over_process_counts_and_strategies(tmp_path: Path) -> None:
+    report = bench(tmp_path, "--nproc", "1,2", "--strategies", "zero3", "--repeats", "2", SCRIPT)
+    cells = {(c["nproc"], c["strategy"]): c for c in report["cells"]}
+    assert set(cells) == {(1, "single"), (2, "zero3")}
+    assert report["device"] == "cpu" and report["precision"] == "32"
+    for (n, _), cell in cells.items():
+        assert cell["repeats"] == 2 and len(cell["peak_memory_mb"]) == n
+        assert all(m > 0 for m in cell["peak_memory_mb"])
+        for rate in ("samples_per_s", "tokens_per_s"):
+            assert 0 < cell[rate]["min"] <= cell[rate]["median"] <= cell[rate]["max"]
+        # Sequences hold 2 to 15 target tokens, so tokens per sample must fall in between.
+        assert 2 <= cell["tokens_per_s"]["median"] / cell["samples_per_s"]["median"] <= 15
+        assert 0 < cell["step_time_s"]["median"] <= cell["step_time_s"]["p90"]
+        assert abs(cell["efficiency"] - cell["speedup"] / n) < 1e-12
+        assert (cell["comm_share"] is None) == (n == 1)
+        if n > 1:
+            assert 0 <= cell["comm_share"] < 1
+    assert cells[1, "single"]["speedup"] == 1.0
+    base = cells[1, "single"]["samples_per_s"]["median"]
+    assert abs(cells[2, "zero3"]["speedup"] - cells[2, "zero3"]["samples_per_s"]["median"] / base) < 1e-12
+    for plot in ("speedup.png", "memory.png"):
+        assert (tmp_path / plot).read_bytes()[:8] == PNG
+
+
+def test_recipe_train(tmp_path: Path) -> None:
+    report = bench(tmp_path, "--recipe", "train", "--nproc", "2", "--repeats", "1", "--no-comm-share")
+    (cell,) = report["cells"]
+    assert cell["nproc"] == 2 and cell["strategy"] == "ddp" and cell["speedup"] is None
+    assert cell["tokens_per_s"] is None and cell["comm_share"] is None
+    assert "multigpu.recipes.train" in report["target"]
+
+
+def test_usage_errors_exit_2(tmp_path: Path) -> None:
+    for flags, words in [
+        (["--strategies", "dp", SCRIPT], "--strategies has dp"),
+        (["--nproc", "0,2", SCRIPT], "process counts of 1 or more"),
+        ([], "Give bench a SCRIPT or --recipe train"),
+        (["--collectives", SCRIPT], "drop SCRIPT"),
+    ]:
+        result = multigpu("bench", "--out", str(tmp_path), *flags)
+        assert result.returncode == 2 and words in result.stdout, result.stdout
+        assert len(result.stdout.strip().splitlines()) == 1
