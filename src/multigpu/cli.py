@@ -9,6 +9,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 from safetensors.torch import save_file
 
@@ -59,21 +60,38 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return launch(launch_config, ["multigpu.recipes.demo", *argv], module=True)
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    config = config_from_args(TrainConfig, args)
-    if "RANK" in os.environ:  # already under torchrun / multigpu run / accelerate launch: train in this process
-        train(config)
+def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Callable[[], None]) -> int:
+    """Runs a recipe in this process (under a launcher already, or 1 process), or launches --nproc of it."""
+    if "RANK" in os.environ:  # already under torchrun / multigpu run / accelerate launch
+        run(config)
         return 0
     nproc = config.nproc or (len(config.gpu_ids.split(",")) if config.gpu_ids else 1)
     check_engine_config(EngineConfig(strategy=config.multi_gpu, precision=config.precision), nproc)
-    activity_data.check(config.data)
-    resolve_resume(config)
-    if nproc == 1 and config.gpu_ids is None and config.max_restarts == 0:
-        train(config)
+    check()
+    restarts = getattr(config, "max_restarts", 0)
+    if nproc == 1 and config.gpu_ids is None and restarts == 0:
+        run(config)
         return 0
-    launch_config = LaunchConfig(nproc=nproc, gpu_ids=config.gpu_ids, max_restarts=config.max_restarts)
+    launch_config = LaunchConfig(nproc=nproc, gpu_ids=config.gpu_ids, max_restarts=restarts)
     argv = config_to_argv(config, skip=("nproc", "gpu_ids", "max_restarts"))
-    return launch(launch_config, ["multigpu.recipes.train", *argv], module=True)
+    return launch(launch_config, [module, *argv], module=True)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    config = config_from_args(TrainConfig, args)
+
+    def check() -> None:
+        activity_data.check(config.data)
+        resolve_resume(config)
+
+    return run_recipe(config, "multigpu.recipes.train", train, check)
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    from multigpu.recipes.finetune import FinetuneConfig, finetune
+
+    config = config_from_args(FinetuneConfig, args)
+    return run_recipe(config, "multigpu.recipes.finetune", finetune, lambda: resolve_resume(config))
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -205,6 +223,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_arguments(train_verb, TrainConfig)
     train_verb.set_defaults(handler=cmd_train)
+
+    from multigpu.recipes.finetune import FinetuneConfig
+
+    finetune_verb = verbs.add_parser(
+        "finetune",
+        help="full, LoRA or QLoRA fine-tuning of a causal language model (default: SmolLM2 on Shakespeare)",
+        description="Fine-tune a local Hugging Face causal LM (or the built-in SmolLM2-135M-Instruct) on packed "
+        "text or chat records, with a token-normalised loss over the global batch, on any strategy. Writes a "
+        "peft adapter (lora, qlora) or a model directory (full) to --save-dir.",
+    )
+    add_config_arguments(finetune_verb, FinetuneConfig)
+    finetune_verb.set_defaults(handler=cmd_finetune)
 
     plan = verbs.add_parser(
         "plan",

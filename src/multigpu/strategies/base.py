@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -18,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from multigpu.env import DistEnv
+from multigpu.errors import UsageError
 from multigpu.precision import Precision
 
 
@@ -49,12 +51,20 @@ class Strategy(ABC):
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     # State dicts keyed by parameter names, sharded as the strategy holds them (DTensors under FSDP), so that
-    # torch.distributed.checkpoint can reshard them for any other world size or strategy on load.
+    # torch.distributed.checkpoint can reshard them for any other world size or strategy on load. Frozen
+    # parameters (a LoRA run's base model) never change, so checkpoints leave them out.
     def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        return get_model_state_dict(model)
+        return get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
-        set_model_state_dict(model, state)
+        keys = set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+        frozen = {name.removeprefix("module.") for name, p in model.named_parameters() if not p.requires_grad}
+        missing = [key for key in keys.missing_keys if key not in frozen]
+        if missing or keys.unexpected_keys:
+            raise UsageError(
+                f"The checkpoint does not fit this model (missing {missing[:3]}, unexpected "
+                f"{keys.unexpected_keys[:3]}); resume with the model it was saved from."
+            )
 
     def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return get_optimizer_state_dict(model, optimizer)

@@ -1,0 +1,232 @@
+"""`multigpu finetune`: full, LoRA or QLoRA fine-tuning of a causal language model with the Engine.
+
+    python -m multigpu.recipes.finetune --model smollm2 --data shakespeare --method lora ...
+
+The loss of each step is the mean over the target tokens of its whole global batch: every micro-batch backs
+up its *summed* token loss with its token count (`engine.backward(loss_sum, count=tokens)`), so 1 process x 8
+sequences, 2 x 4 and 2 x 2 x 2 accumulation give the same gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from multigpu.config import Parser, add_config_arguments, config_from_args
+from multigpu.engine import Engine
+from multigpu.errors import UsageError
+from multigpu.monitor import peak_memory_bytes
+from multigpu.precision import PRECISIONS
+from multigpu.recipes import lm_data, lm_models
+from multigpu.recipes.train import Progress, per_rank, resolve_resume, warmup_cosine
+from multigpu.strategies import STRATEGIES
+
+
+@dataclass
+class FinetuneConfig:
+    model: str = field(
+        default="smollm2", metadata={"help": "smollm2, tiny (random, for tests) or a local HF directory"}
+    )
+    data: str = field(
+        default="shakespeare", metadata={"help": "shakespeare, a .txt file, or a .jsonl of chat/instruction records"}
+    )
+    method: str = field(default="lora", metadata={"help": "what trains", "choices": lm_models.METHODS})
+    multi_gpu: str = field(default="auto", metadata={"help": "strategy", "choices": STRATEGIES})
+    nproc: int | None = field(default=None, metadata={"help": "processes to launch when not under a launcher"})
+    gpu_ids: str | None = field(default=None, metadata={"help": "GPUs to use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES)"})
+    seq_len: int = field(default=256, metadata={"help": "tokens per sequence (packed blocks, or truncation)"})
+    batch_size: int = field(default=4, metadata={"help": "sequences per device per micro-batch"})
+    grad_accum_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    lr: float = field(default=2e-4, metadata={"help": "peak learning rate (AdamW)"})
+    epochs: int = field(default=1, metadata={"help": "passes over the data (unless --max-steps stops sooner)"})
+    max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
+    warmup_steps: int = field(default=10, metadata={"help": "linear warm-up steps, then cosine decay"})
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling numerator (scale = alpha / r)"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
+    precision: str = field(default="32", metadata={"help": "number format", "choices": PRECISIONS})
+    save_dir: str = field(default="checkpoints/finetune", metadata={"help": "checkpoints, metrics, adapter or model"})
+    resume: str = field(default="auto", metadata={"help": "'auto' (newest checkpoint in --save-dir), 'none' or PATH"})
+    save_every: int = field(default=0, metadata={"help": "checkpoint every N optimizer steps (0: at the end only)"})
+    merge: bool = field(default=False, metadata={"help": "also write the base model with the adapter merged in"})
+    sample_prompt: str | None = field(
+        default=None, metadata={"help": "print this prompt's greedy continuation before and after training"}
+    )
+    log_every: int = field(default=10, metadata={"help": "report throughput and memory every N steps (0: never)"})
+    seed: int = field(default=0, metadata={"help": "seed for initialisation and data order"})
+    timeout_s: float = field(default=1800.0, metadata={"help": "seconds a collective may wait before the run fails"})
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.seq_len >= 8, f"--seq-len must be 8 or more (got {self.seq_len})."),
+            (self.batch_size >= 1, f"--batch-size must be 1 or more (got {self.batch_size}); it is per device."),
+            (self.lr > 0, f"--lr must be positive (got {self.lr})."),
+            (self.epochs >= 1, f"--epochs must be 1 or more (got {self.epochs})."),
+            (self.max_steps is None or self.max_steps >= 1, f"--max-steps must be 1 or more (got {self.max_steps})."),
+            (self.lora_r >= 1 and self.lora_alpha >= 1, "--lora-r and --lora-alpha must be 1 or more."),
+            (self.method in lm_models.METHODS, f"Unknown --method {self.method!r}; choose full, lora or qlora."),
+            (not self.merge or self.method != "full", "--merge merges an adapter; drop it for --method full."),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UsageError(message)
+
+
+def token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed cross-entropy over the target tokens, their number); labels are already aligned with inputs."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"]
+    loss = nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
+    )
+    return loss, (labels != -100).sum()
+
+
+def build(config: FinetuneConfig, engine: Engine) -> tuple[nn.Module, torch.optim.Optimizer, Any, lm_data.LMData]:
+    """Tokenizer, data, model and optimizer, set up for the engine's strategy."""
+    tokenizer = lm_models.load_tokenizer(config.model)
+    data = lm_data.load(config.data, tokenizer, config.seq_len)
+    model = lm_models.load_model(
+        config.model, config.method, config.lora_r, config.lora_alpha, config.gradient_checkpointing
+    )
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
+    model, optimizer = engine.setup(model, optimizer)
+    return model, optimizer, tokenizer, data
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The HF / peft model inside a DDP or DataParallel wrapper (FSDP2 keeps the module itself)."""
+    return model.module if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) else model
+
+
+@torch.no_grad()
+def sample(model: nn.Module, tokenizer: Any, prompt: str, engine: Engine, new_tokens: int = 40) -> str:
+    """Greedy continuation; every rank runs it (sharded models gather weights in forward)."""
+    inner = unwrap(model)
+    inner.eval()
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(engine.device)
+    out = inner.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    inner.train()
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def evaluate(engine: Engine, model: nn.Module, loader: Any) -> float:
+    """Mean loss per target token over the validation set, all ranks together."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for batch in loader:
+            real = loader.yielded[-1].real > 0  # a padding-only batch counts nothing
+            loss, count = token_loss(model, batch)
+            totals += torch.tensor([loss.item(), count.item()], dtype=torch.float64) * real
+    model.train()
+    totals = engine.reduce(totals, op="sum")
+    return float(totals[0] / totals[1].clamp(min=1))
+
+
+def save_result(config: FinetuneConfig, engine: Engine, model: nn.Module, tokenizer: Any) -> Path:
+    """A peft adapter directory (lora, qlora) or an HF model directory (full), from any strategy.
+
+    The full state dict is gathered collectively (DTensors under zero3 become whole tensors on rank 0); peft's
+    own save would read sharded storage and fail, or write an empty adapter.
+    """
+    out = Path(config.save_dir) / ("model" if config.method == "full" else "adapter")
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=config.method != "full")
+    state = get_model_state_dict(model, options=options)
+    if engine.is_main_process:
+        unwrap(model).save_pretrained(out, state_dict=state)
+        tokenizer.save_pretrained(out)
+        if config.merge:
+            merged = lm_models.load_model(config.model, "full")
+            from peft import PeftModel
+
+            merged = PeftModel.from_pretrained(merged, out).merge_and_unload()
+            merged.save_pretrained(Path(config.save_dir) / "merged")
+            tokenizer.save_pretrained(Path(config.save_dir) / "merged")
+    engine.barrier()
+    return out
+
+
+def finetune(config: FinetuneConfig) -> dict[str, Any]:
+    engine = Engine(
+        strategy=config.multi_gpu,
+        precision=config.precision,
+        grad_accum_steps=config.grad_accum_steps,
+        seed=config.seed,
+        timeout_s=config.timeout_s,
+        log_every=config.log_every,
+        log_dir=config.save_dir,
+    )
+    model, optimizer, tokenizer, data = build(config, engine)
+    collate = functools.partial(lm_data.collate, pad_id=tokenizer.pad_token_id)
+    train_loader = engine.dataloader(data.train, batch_size=config.batch_size, collate_fn=collate)
+    val_loader = engine.dataloader(data.validation, batch_size=config.batch_size, shuffle=False, collate_fn=collate)
+    steps_per_epoch = math.ceil(len(train_loader) / config.grad_accum_steps)
+    total = min(config.max_steps or steps_per_epoch * config.epochs, steps_per_epoch * config.epochs)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(config.warmup_steps, total))
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": train_loader, "step": 0}
+    checkpoints = Path(config.save_dir) / "checkpoints"
+    resume_from = resolve_resume(config)
+    if resume_from is not None:
+        engine.load(resume_from, state)
+        engine.print(f"resumed from {resume_from} at step {state['step']}")
+    trainable = sum(p.numel() for p in unwrap(model).parameters() if p.requires_grad)
+    engine.print(
+        f"{data.source}: {len(data.train)} training / {len(data.validation)} validation sequences ({data.kind}), "
+        f"{config.model} {config.method}: {trainable:,} trainable parameters; strategy {engine.strategy}, "
+        f"{engine.world_size} process(es), {total} steps"
+    )
+    if config.sample_prompt:
+        engine.print(f"before: {config.sample_prompt}{sample(model, tokenizer, config.sample_prompt, engine)}")
+    history = [{"step": state["step"], "val_loss": evaluate(engine, model, val_loader)}]
+    engine.print(f"step {state['step']}: validation loss {history[-1]['val_loss']:.4f}")
+    progress = Progress(engine, total)
+    start, tokens = time.perf_counter(), 0.0
+    while state["step"] < total:
+        for batch in train_loader:
+            with engine.accumulate(model):
+                loss, count = token_loss(model, batch)
+                engine.backward(loss, count=count)
+            tokens += float(count) * engine.world_size
+            if engine.step(optimizer):
+                scheduler.step()
+                state["step"] += 1
+                rate = tokens / (time.perf_counter() - start)
+                status = f"loss {loss.item() / max(float(count), 1):.3f} lr {scheduler.get_last_lr()[0]:.2e} "
+                progress.advance(state["step"], status + f"{rate:,.0f} tokens/s")
+                if config.save_every and state["step"] % config.save_every == 0:
+                    engine.save(checkpoints / f"step-{state['step']:08d}", state, keep_last=2)
+                if state["step"] >= total:
+                    break
+    progress.close()
+    engine.save(checkpoints / f"step-{state['step']:08d}", state, keep_last=2)
+    history.append({"step": state["step"], "val_loss": evaluate(engine, model, val_loader)})
+    engine.log(state["step"], {"val_loss": history[-1]["val_loss"]})
+    engine.print(f"step {state['step']}: validation loss {history[-1]['val_loss']:.4f}")
+    if config.sample_prompt:
+        engine.print(f"after: {config.sample_prompt}{sample(model, tokenizer, config.sample_prompt, engine)}")
+    out = save_result(config, engine, model, tokenizer)
+    memory = [round(b / 2**20) for b in per_rank(engine, peak_memory_bytes(engine.device))]
+    engine.print(f"wrote {out}; peak memory per rank (MB): {memory}")
+    return {"history": history, "steps": state["step"], "output": str(out), "model": model}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = Parser(prog="python -m multigpu.recipes.finetune", description=__doc__)
+    add_config_arguments(parser, FinetuneConfig)
+    finetune(config_from_args(FinetuneConfig, parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    from multigpu.cli import exit_on_usage_error
+
+    exit_on_usage_error(main)

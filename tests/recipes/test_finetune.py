@@ -1,0 +1,123 @@
+"""multigpu finetune on a tiny random Llama: LoRA and QLoRA under ddp and zero3, adapters that reload, and the
+token-normalised loss that makes 1 x 8, 2 x 4 and 2 x 2 x 2 the same step."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist import multigpu, run_in_processes
+
+ANSWERS = ["Yes.", "No, not today.", "Perhaps, if the weather holds and the roads are dry enough for travel.", "Ay."]
+PROBE = torch.tensor([[1, 520, 2138, 314, 29, 905, 71]])
+
+
+def write_text(path: Path) -> str:
+    path.write_text(" ".join(f"Line {i}: to be, or not to be, that is the question." for i in range(200)))
+    return str(path)
+
+
+def write_chat(path: Path) -> str:
+    records = [{"instruction": f"Question {i}?", "output": ANSWERS[i % 4] * (1 + i % 3)} for i in range(10)]
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    return str(path)
+
+
+def train_and_probe(**options: object) -> dict:
+    from multigpu.recipes.finetune import FinetuneConfig, finetune
+
+    result = finetune(FinetuneConfig(model="tiny", seq_len=32, batch_size=2, lr=1e-2, log_every=0, **options))
+    model = result["model"]
+    model.eval()
+    with torch.no_grad():  # every rank runs the forward: zero3 gathers its shards in it
+        logits = model(input_ids=PROBE).logits
+    return {"logits": logits, "output": result["output"], "history": result["history"]}
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_adapter_trained_on_two_processes_reloads_with_peft(tmp_path: Path, method: str, strategy: str) -> None:
+    from multigpu.recipes.lm_models import load_model
+
+    data = write_text(tmp_path / "text.txt")
+    ranks = run_in_processes(
+        "tests.recipes.test_finetune:train_and_probe",
+        2,
+        timeout=240,
+        data=data,
+        method=method,
+        multi_gpu=strategy,
+        max_steps=3,
+        save_dir=str(tmp_path / "run"),
+        resume="none",
+    )
+    assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])
+    adapter = Path(ranks[0]["output"])
+    assert (adapter / "adapter_config.json").is_file()
+    from safetensors.torch import load_file
+
+    weights = load_file(adapter / "adapter_model.safetensors")
+    lora_b = [w for name, w in weights.items() if "lora_B" in name]
+    assert len(lora_b) == 2 * 7 and all(w.abs().sum() > 0 for w in lora_b)  # trained, never empty
+    reloaded = load_model("tiny", method, adapter=str(adapter)).eval()
+    with torch.no_grad():
+        logits = reloaded(input_ids=PROBE).logits
+    torch.testing.assert_close(logits, ranks[0]["logits"], atol=1e-5, rtol=1e-5)
+    history = ranks[0]["history"]
+    assert [h["step"] for h in history] == [0, 3]
+
+
+def one_step(data: str, strategy: str, batch_size: int, accum: int) -> dict:
+    """One optimizer step of LoRA with SGD at lr 1, so the change in each parameter is minus its gradient."""
+    import multigpu as mg
+    from multigpu.recipes.finetune import FinetuneConfig, build, token_loss
+    from multigpu.recipes.lm_data import collate
+
+    engine = mg.Engine(strategy=strategy, grad_accum_steps=accum, seed=0)
+    config = FinetuneConfig(model="tiny", data=data, seq_len=48, batch_size=batch_size, method="lora")
+    model, _, tokenizer, lm = build(config, engine)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(trainable, lr=1.0)
+    loader = engine.dataloader(lm.train, batch_size=batch_size, collate_fn=lambda s: collate(s, tokenizer.pad_token_id))
+    before = [p.detach().clone() for p in trainable]
+    for batch in loader:
+        with engine.accumulate(model):
+            engine.backward(*token_loss(model, batch))
+        if engine.step(optimizer):
+            break
+    return {"grads": [b - p.detach() for b, p in zip(before, trainable, strict=True)], "samples": len(lm.train)}
+
+
+def test_token_normalised_loss_is_the_same_for_1x8_2x4_and_2x2x2(tmp_path: Path) -> None:
+    data = write_chat(tmp_path / "chat.jsonl")  # 10 records: 9 train, 1 validation
+    kwargs = {"data": data, "timeout": 180}
+    (one,) = run_in_processes(
+        "tests.recipes.test_finetune:one_step", 1, strategy="single", batch_size=8, accum=1, **kwargs
+    )
+    two = run_in_processes("tests.recipes.test_finetune:one_step", 2, strategy="ddp", batch_size=4, accum=1, **kwargs)
+    accumulated = run_in_processes(
+        "tests.recipes.test_finetune:one_step", 2, strategy="ddp", batch_size=2, accum=2, **kwargs
+    )
+    assert one["samples"] == 9
+    changed = [g for g in one["grads"] if g.abs().sum() > 0]
+    assert changed, "the step changed nothing"
+    for other in (two[0], two[1], accumulated[0], accumulated[1]):
+        for reference, grad in zip(one["grads"], other["grads"], strict=True):
+            torch.testing.assert_close(grad, reference, atol=1e-5, rtol=0)
+
+
+def test_finetune_cli_resumes_and_merges(tmp_path: Path) -> None:
+    data = write_text(tmp_path / "text.txt")
+    common = ["finetune", "--model", "tiny", "--data", data, "--seq-len", "32", "--batch-size", "2"]
+    common += ["--save-dir", str(tmp_path / "run"), "--log-every", "0"]
+    first = multigpu(
+        *common, "--nproc", "2", "--multi-gpu", "ddp", "--max-steps", "2", "--gradient-checkpointing", timeout=240
+    )
+    assert first.returncode == 0, first.stdout
+    second = multigpu(*common, "--max-steps", "4", "--merge", timeout=240)
+    assert second.returncode == 0, second.stdout
+    assert "resumed from" in second.stdout and "step-00000002" in second.stdout
+    assert (tmp_path / "run" / "merged" / "config.json").is_file()
+    bad = multigpu("finetune", "--method", "full", "--merge")
+    assert bad.returncode == 2 and "--merge merges an adapter" in bad.stdout
