@@ -52,7 +52,7 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
     for flags, words in [
         (["--strategies", "dp", SCRIPT], "--strategies has dp"),
         (["--nproc", "0,2", SCRIPT], "process counts of 1 or more"),
-        ([], "Give bench a SCRIPT or --recipe train"),
+        ([], "Give bench a SCRIPT or --recipe train|finetune"),
         (["--collectives", SCRIPT], "drop SCRIPT"),
     ]:
         result = multigpu("bench", "--out", str(tmp_path), *flags)

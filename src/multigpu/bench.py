@@ -23,7 +23,10 @@ from multigpu.errors import UsageError
 from multigpu.precision import PRECISIONS
 from multigpu.strategies import STRATEGIES
 
-RECIPES = {"train": ["multigpu.recipes.train", "--resume", "none", "--epochs", "1000"]}
+RECIPES = {
+    "train": ["multigpu.recipes.train", "--resume", "none", "--epochs", "1000", "--log-every", "0"],
+    "finetune": ["multigpu.recipes.finetune", "--resume", "none", "--epochs", "1000", "--log-every", "0"],
+}
 
 
 @dataclass

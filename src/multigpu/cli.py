@@ -94,6 +94,12 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     return run_recipe(config, "multigpu.recipes.finetune", finetune, lambda: resolve_resume(config))
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from multigpu.recipes.generate import GenerateConfig, run
+
+    return run(config_from_args(GenerateConfig, args))
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     tensors = checkpoint.full_model_state(Path(args.checkpoint), key=args.key)
     out = Path(args.out)
@@ -140,7 +146,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"wrote {measure.json_out} (calibrates multigpu simulate --calibration)")
         return 0
     if (args.script is None) == (config.recipe is None):
-        raise UsageError("Give bench a SCRIPT or --recipe train (not both), or --collectives for the interconnect.")
+        raise UsageError(
+            "Give bench a SCRIPT or --recipe train|finetune (not both), or --collectives for the interconnect."
+        )
     with tempfile.TemporaryDirectory(prefix="multigpu-bench-recipe-") as scratch:
         if config.recipe is not None:
             target, module = [*RECIPES[config.recipe], "--save-dir", scratch, *args.script_args], True
@@ -236,6 +244,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(finetune_verb, FinetuneConfig)
     finetune_verb.set_defaults(handler=cmd_finetune)
 
+    from multigpu.recipes.generate import GenerateConfig
+
+    generate_verb = verbs.add_parser(
+        "generate",
+        help="batched generation from a causal LM (with a peft adapter), prompts split over N processes",
+        description="Generate continuations for a JSONL file of prompts ({\"prompt\": ...} or "
+        "{\"messages\": [...]}); each process takes every N-th prompt; rank 0 writes the outputs in input order. "
+        "--device-map splits one model's layers over this machine's GPUs instead (one process).",
+    )
+    add_config_arguments(generate_verb, GenerateConfig)
+    generate_verb.set_defaults(handler=cmd_generate)
+
     plan = verbs.add_parser(
         "plan",
         help="memory per GPU for every strategy, and the fastest that fits",
@@ -264,11 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_verb = verbs.add_parser(
         "bench",
         help="throughput, speedup, efficiency, memory and communication share over process counts and strategies",
-        description="Benchmark an Engine SCRIPT (or --recipe train) at each --nproc and strategy: samples/s and "
-        "tokens/s, step time median and p90, speedup and scaling efficiency over 1 process, peak memory per rank "
-        "and the share of the step spent on gradient communication. Writes OUT/bench.json, speedup.png and "
-        "memory.png. With --collectives: all-reduce / all-gather / reduce-scatter bus bandwidth and latency "
-        "over message sizes at the largest --nproc, as nccl-tests reports them.",
+        description="Benchmark an Engine SCRIPT (or --recipe train|finetune) at each --nproc and strategy: "
+        "samples/s and tokens/s, step time median and p90, speedup and scaling efficiency over 1 process, "
+        "peak memory per rank and the share of the step spent on gradient communication. Writes OUT/bench.json, "
+        "speedup.png and memory.png. With --collectives: all-reduce / all-gather / reduce-scatter bus "
+        "bandwidth and latency over message sizes at the largest --nproc, as nccl-tests reports them.",
     )
     add_config_arguments(bench_verb, BenchConfig)
     bench_verb.add_argument(

