@@ -249,8 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate_verb = verbs.add_parser(
         "generate",
         help="batched generation from a causal LM (with a peft adapter), prompts split over N processes",
-        description="Generate continuations for a JSONL file of prompts ({\"prompt\": ...} or "
-        "{\"messages\": [...]}); each process takes every N-th prompt; rank 0 writes the outputs in input order. "
+        description='Generate continuations for a JSONL file of prompts ({"prompt": ...} or '
+        '{"messages": [...]}); each process takes every N-th prompt; rank 0 writes the outputs in input order. '
         "--device-map splits one model's layers over this machine's GPUs instead (one process).",
     )
     add_config_arguments(generate_verb, GenerateConfig)

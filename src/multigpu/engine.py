@@ -136,6 +136,7 @@ class Engine:
         self._micro_steps = 0  # micro-steps since the last optimizer step
         self._batch: Batch | None = None  # the engine-loader batch being trained on, if any
         self._loader: DistributedLoader | None = None
+        self._train_loader: DistributedLoader | None = None  # the loader whose batches backward last saw
         self._printed_batch_size = False
         self.last_grad_norm: float | None = None
         self._progress = Progress(self.rank, self.world_size, timeout_s)
@@ -267,7 +268,8 @@ class Engine:
 
     def _on_batch(self, loader: DistributedLoader, batch: Batch) -> None:
         self._loader, self._batch = loader, batch
-        self._window.samples += batch.global_size
+        if self._train_loader is not None and loader is not self._train_loader:
+            self._window.other_work = True  # an evaluation pass between two training steps
 
     # -- the training step ------------------------------------------------------------------------------------
     def _syncs_now(self) -> bool:
@@ -295,6 +297,9 @@ class Engine:
         the token-normalised loss one process would compute over the same global batch.
         """
         self._window.busy_s += time.perf_counter() - self._mark
+        if self._batch is not None:
+            self._window.samples += self._batch.global_size
+            self._train_loader = self._loader
         summed = count is not None
         if self._micro_steps > 0 and summed != (self._window.count is not None):
             raise UsageError("Pass count= to engine.backward on every micro-step of an optimizer step, or on none.")

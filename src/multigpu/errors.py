@@ -3,3 +3,10 @@
 
 class UsageError(ValueError):
     """A configuration or input that cannot run; the message says what to do instead."""
+
+
+def require(*checks: tuple[bool, str]) -> None:
+    """Raises the message of the first (condition, message) pair whose condition is false."""
+    for ok, message in checks:
+        if not ok:
+            raise UsageError(message)

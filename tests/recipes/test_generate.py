@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -87,6 +88,11 @@ def cli_args(prompts_file: Path, out: Path, *extra: str) -> list[str]:
     return ["--model", "tiny", "--prompts", str(prompts_file), "--out", str(out), *extra]
 
 
+def generate_module(*args: str, timeout: int) -> subprocess.CompletedProcess:
+    """`python -m multigpu.recipes.generate ARGS`, as a user (or the CLI) runs it."""
+    return run_command([sys.executable, "-m", "multigpu.recipes.generate", *args], timeout=timeout)
+
+
 def test_one_and_two_processes_write_what_greedy_gives_one_prompt_at_a_time(
     prompts_file: Path, reference: list[str], tmp_path: Path
 ) -> None:
@@ -101,13 +107,8 @@ def test_one_and_two_processes_write_what_greedy_gives_one_prompt_at_a_time(
     )
     assert two.returncode == 0, two.stdout
     assert "tokens/s" in two.stdout and "wrote 5 outputs" in two.stdout
-    one = run_command(
-        [
-            sys.executable,
-            "-m",
-            "multigpu.recipes.generate",
-            *cli_args(prompts_file, tmp_path / "one.jsonl", "--max-new-tokens", str(NEW_TOKENS)),
-        ],
+    one = generate_module(
+        *cli_args(prompts_file, tmp_path / "one.jsonl", "--max-new-tokens", str(NEW_TOKENS)),
         timeout=120,
     )
     assert one.returncode == 0, one.stdout
@@ -128,14 +129,9 @@ def test_sampled_outputs_depend_on_the_seed_but_not_on_processes_or_batches(
     options = {"max_new_tokens": NEW_TOKENS, "temperature": 1.0}
     one = generate_here(prompts_file, tmp_path / "one.jsonl", batch_size=8, **options)
     # --nproc 2 outside a launcher: the recipe launches itself, as `multigpu generate --nproc 2` does.
-    two = run_command(
-        [
-            sys.executable,
-            "-m",
-            "multigpu.recipes.generate",
-            *cli_args(prompts_file, tmp_path / "two.jsonl", "--nproc", "2", "--batch-size", "1"),
-            *("--max-new-tokens", str(NEW_TOKENS), "--temperature", "1.0"),
-        ],
+    two = generate_module(
+        *cli_args(prompts_file, tmp_path / "two.jsonl", "--nproc", "2", "--batch-size", "1"),
+        *("--max-new-tokens", str(NEW_TOKENS), "--temperature", "1.0"),
         timeout=180,
     )
     assert two.returncode == 0, two.stdout

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from multigpu.config import Parser, add_config_arguments, config_from_args
 from multigpu.engine import Engine
-from multigpu.errors import UsageError
+from multigpu.errors import require
 from multigpu.monitor import peak_memory_bytes
 from multigpu.precision import PRECISIONS
 from multigpu.recipes import lm_data, lm_models
@@ -60,6 +60,7 @@ class FinetuneConfig:
     sample_prompt: str | None = field(
         default=None, metadata={"help": "print this prompt's greedy continuation before and after training"}
     )
+    eval_batches: int = field(default=20, metadata={"help": "validation batches per rank per evaluation (0: all)"})
     log_every: int = field(default=10, metadata={"help": "report throughput and memory every N steps (0: never)"})
     seed: int = field(default=0, metadata={"help": "seed for initialisation and data order"})
     timeout_s: float = field(default=1800.0, metadata={"help": "seconds a collective may wait before the run fails"})
@@ -71,13 +72,12 @@ class FinetuneConfig:
             (self.lr > 0, f"--lr must be positive (got {self.lr})."),
             (self.epochs >= 1, f"--epochs must be 1 or more (got {self.epochs})."),
             (self.max_steps is None or self.max_steps >= 1, f"--max-steps must be 1 or more (got {self.max_steps})."),
+            (self.eval_batches >= 0, f"--eval-batches must be 0 or more (got {self.eval_batches})."),
             (self.lora_r >= 1 and self.lora_alpha >= 1, "--lora-r and --lora-alpha must be 1 or more."),
             (self.method in lm_models.METHODS, f"Unknown --method {self.method!r}; choose full, lora or qlora."),
             (not self.merge or self.method != "full", "--merge merges an adapter; drop it for --method full."),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise UsageError(message)
+        require(*checks)
 
 
 def token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,12 +119,14 @@ def sample(model: nn.Module, tokenizer: Any, prompt: str, engine: Engine, new_to
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
-def evaluate(engine: Engine, model: nn.Module, loader: Any) -> float:
-    """Mean loss per target token over the validation set, all ranks together."""
+def evaluate(engine: Engine, model: nn.Module, loader: Any, batches: int) -> float:
+    """Mean loss per target token over the validation set (its first `batches` per rank), all ranks together."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
-        for batch in loader:
+        for number, batch in enumerate(loader):
+            if batches and number == batches:  # every rank has as many batches, so all stop together
+                break
             real = loader.yielded[-1].real > 0  # a padding-only batch counts nothing
             loss, count = token_loss(model, batch)
             totals += torch.tensor([loss.item(), count.item()], dtype=torch.float64) * real
@@ -187,7 +189,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     )
     if config.sample_prompt:
         engine.print(f"before: {config.sample_prompt}{sample(model, tokenizer, config.sample_prompt, engine)}")
-    history = [{"step": state["step"], "val_loss": evaluate(engine, model, val_loader)}]
+    history = [{"step": state["step"], "val_loss": evaluate(engine, model, val_loader, config.eval_batches)}]
     engine.print(f"step {state['step']}: validation loss {history[-1]['val_loss']:.4f}")
     progress = Progress(engine, total)
     start, tokens = time.perf_counter(), 0.0
@@ -209,7 +211,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
                     break
     progress.close()
     engine.save(checkpoints / f"step-{state['step']:08d}", state, keep_last=2)
-    history.append({"step": state["step"], "val_loss": evaluate(engine, model, val_loader)})
+    history.append({"step": state["step"], "val_loss": evaluate(engine, model, val_loader, config.eval_batches)})
     engine.log(state["step"], {"val_loss": history[-1]["val_loss"]})
     engine.print(f"step {state['step']}: validation loss {history[-1]['val_loss']:.4f}")
     if config.sample_prompt:

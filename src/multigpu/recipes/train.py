@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from multigpu import checkpoint, faults
 from multigpu.config import Parser, add_config_arguments, config_from_args
 from multigpu.engine import Engine
-from multigpu.errors import UsageError
+from multigpu.errors import UsageError, require
 from multigpu.monitor import peak_memory_bytes
 from multigpu.precision import PRECISIONS
 from multigpu.recipes import activity_data, activity_models
@@ -72,9 +72,7 @@ class TrainConfig:
             (self.save_every >= 0, f"--save-every must be 0 or more (got {self.save_every})."),
             (self.mode in MODES, f"Unknown --mode {self.mode!r}; choose one of {', '.join(MODES)}."),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise UsageError(message)
+        require(*checks)
 
 
 def resolve_resume(config: TrainConfig) -> Path | None:
