@@ -54,11 +54,14 @@ class Strategy(ABC):
     # torch.distributed.checkpoint can reshard them for any other world size or strategy on load. Frozen
     # parameters (a LoRA run's base model) never change, so checkpoints leave them out.
     def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        return get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+        # torch's ignore_frozen_params keeps a tied weight's second name (a head tied to the embeddings).
+        frozen = frozen_names(model)
+        state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+        return {key: value for key, value in state.items() if key not in frozen}
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
         keys = set_model_state_dict(model, state, options=StateDictOptions(strict=False))
-        frozen = {name.removeprefix("module.") for name, p in model.named_parameters() if not p.requires_grad}
+        frozen = frozen_names(model)
         missing = [key for key in keys.missing_keys if key not in frozen]
         if missing or keys.unexpected_keys:
             raise UsageError(
@@ -73,6 +76,12 @@ class Strategy(ABC):
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
         set_optimizer_state_dict(model, optimizer, state)
+
+
+def frozen_names(model: nn.Module) -> set[str]:
+    """Every name of every parameter that does not train, tied names included, as state dicts key them."""
+    named = model.named_parameters(remove_duplicate=False)
+    return {name.removeprefix("module.") for name, p in named if not p.requires_grad}
 
 
 def move_to_device(model: nn.Module, env: DistEnv) -> nn.Module:
