@@ -197,6 +197,11 @@ def plot(report: dict[str, Any], out: Path) -> None:
     plt.close(figure)
 
 
+def rate(value: float) -> str:
+    """Thousands separators for large rates, three significant digits for small ones (a 135M model on CPU)."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
 def print_report(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -209,9 +214,9 @@ def print_report(report: dict[str, Any]) -> None:
         table.add_column(column, justify="right")
     for c in report["cells"]:
         s = c["samples_per_s"]
-        row = [str(c["nproc"]), c["strategy"], f"{s['min']:,.0f} / {s['median']:,.0f} / {s['max']:,.0f}"]
+        row = [str(c["nproc"]), c["strategy"], " / ".join(rate(s[k]) for k in ("min", "median", "max"))]
         if tokens:
-            row.append(f"{c['tokens_per_s']['median']:,.0f}" if c["tokens_per_s"] else "-")
+            row.append(rate(c["tokens_per_s"]["median"]) if c["tokens_per_s"] else "-")
         row += [
             f"{c['step_time_s']['median'] * 1e3:.1f} / {c['step_time_s']['p90'] * 1e3:.1f}",
             f"{c['speedup']:.2f}x" if c["speedup"] is not None else "-",
