@@ -9,6 +9,15 @@ import torch
 
 from tests.dist import multigpu, run_in_processes
 
+
+@pytest.fixture(scope="module", autouse=True)
+def tiny_model() -> None:
+    """Builds the model cache once here, not in two workers at once (the first build converts SmolLM2, ~40 s)."""
+    from multigpu.recipes.lm_models import model_dir
+
+    model_dir("tiny")
+
+
 ANSWERS = ["Yes.", "No, not today.", "Perhaps, if the weather holds and the roads are dry enough for travel.", "Ay."]
 PROBE = torch.tensor([[1, 520, 2138, 314, 29, 905, 71]])
 
