@@ -106,14 +106,8 @@ class StepMonitor:
     ) -> None:
         import torch
 
-        self.rank, self.world_size, self.device, self.every, self.log, self.say = (
-            rank,
-            world_size,
-            device,
-            every,
-            log,
-            say,
-        )
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.every, self.log, self.say = every, log, say
         name = torch.cuda.get_device_name(device) if getattr(device, "type", "cpu") == "cuda" else "CPU"
         self.peak = peak if peak is not None else peak_tflops(name, precision)
         self.flops_per_step: float | None = None  # all ranks together, counted once by the Engine
@@ -166,7 +160,11 @@ class StepMonitor:
                 record[f"gpu/rank{r}_used_mb"] = used / 2**20
         warnings = imbalance(ranks[:, 0].tolist(), ranks[:, 1].tolist(), self.IMBALANCE)
         parts = [f"step {step}", f"{record['perf/step_time_s'] * 1e3:.1f} ms/step"]
-        parts += [f"{record[k]:,.0f} {k.split('_')[0].removeprefix('perf/')}/s" for k in record if k.endswith("_per_s")]
+        parts += [
+            f"{record[f'perf/{unit}_per_s']:,.0f} {unit}/s"
+            for unit in ("samples", "tokens")
+            if f"perf/{unit}_per_s" in record
+        ]
         if "perf/tflops_per_device" in record:
             parts.append(f"{record['perf/tflops_per_device']:.3g} TFLOP/s per device")
         if "perf/mfu" in record:
