@@ -49,11 +49,10 @@ def partial_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.partial")
 
 
-def _owner(optimizer: torch.optim.Optimizer, modules: dict[str, nn.Module]) -> nn.Module:
+def _owner(optimizer: torch.optim.Optimizer, modules: dict[str, nn.Module], strategy: Strategy) -> nn.Module:
     """The module whose parameters `optimizer` updates (DCP keys optimizer states by parameter names)."""
-    first = next(p for group in optimizer.param_groups for p in group["params"])
     for module in modules.values():
-        if any(p is first for p in module.parameters()):
+        if strategy.updates(optimizer, module):
             return module
     raise UsageError("An optimizer in the checkpoint state updates no module in it; put its model in the state too.")
 
@@ -69,7 +68,7 @@ def split_state(
             tensors[key] = strategy.model_state_dict(value)
             restore.append(lambda loaded, key=key, value=value: strategy.load_model_state_dict(value, loaded[key]))
         elif isinstance(value, torch.optim.Optimizer):
-            model = _owner(value, modules)
+            model = _owner(value, modules, strategy)
             tensors[key] = strategy.optimizer_state_dict(model, value)
             restore.append(
                 lambda loaded, key=key, model=model, value=value: strategy.load_optimizer_state_dict(

@@ -9,7 +9,7 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -31,12 +31,13 @@ from multigpu.planner import choose_strategy
 from multigpu.precision import PRECISIONS, Precision
 from multigpu.progress import Progress
 from multigpu.strategies import STRATEGIES, Strategy, resolve_strategy
+from multigpu.strategies.deepspeed import DeepSpeedOptions
 
 REDUCE_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
 @dataclass
-class EngineConfig:
+class EngineConfig(DeepSpeedOptions):
     strategy: str = field(
         default="auto", metadata={"help": "how to spread training over processes", "choices": STRATEGIES}
     )
@@ -60,6 +61,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         # Strategy names are checked where they are resolved (resolve_strategy), precisions by Precision.
+        super().__post_init__()
         Precision(self.precision)
         if self.grad_accum_steps < 1:
             raise UsageError(f"grad_accum_steps must be 1 or more (got {self.grad_accum_steps}).")
@@ -98,6 +100,10 @@ class Engine:
         log_every: int = 0,
         log_dir: str | None = None,
         peak_tflops: float | None = None,
+        zero_stage: int | None = None,
+        offload_optimizer: bool = False,
+        offload_param: bool = False,
+        deepspeed_config: str | None = None,
     ) -> None:
         self._harness = harness.active()
         if self._harness is not None:  # bench / verify decide these, whatever the script asks for
@@ -105,21 +111,25 @@ class Engine:
             precision = self._harness.precision or precision
             grad_accum_steps *= self._harness.grad_accum_factor
         name = strategy if isinstance(strategy, str) else strategy.name
+        deepspeed = DeepSpeedOptions(zero_stage, offload_optimizer, offload_param, deepspeed_config)
         self.config = EngineConfig(
-            name,
-            precision,
-            grad_accum_steps,
-            max_grad_norm,
-            seed,
-            cpu_offload,
-            backend,
-            timeout_s,
-            log_every,
-            log_dir,
-            peak_tflops,
+            **asdict(deepspeed),
+            strategy=name,
+            precision=precision,
+            grad_accum_steps=grad_accum_steps,
+            max_grad_norm=max_grad_norm,
+            seed=seed,
+            cpu_offload=cpu_offload,
+            backend=backend,
+            timeout_s=timeout_s,
+            log_every=log_every,
+            log_dir=log_dir,
+            peak_tflops=peak_tflops,
         )
         self.env = DistEnv.from_environ()
-        self._strategy = resolve_strategy(strategy, self.env, cpu_offload, say=self.print)
+        self._strategy = resolve_strategy(
+            strategy, self.env, cpu_offload, say=self.print, deepspeed=deepspeed, max_grad_norm=max_grad_norm
+        )
         self._auto_pending = strategy == "auto" and self.env.is_distributed
         self.precision = Precision(precision)
         self.device = self.env.device
@@ -319,7 +329,7 @@ class Engine:
             loss = self._scaler.scale(loss)
         self._progress.advance()
         with self._progress.diagnose("backward"):
-            loss.backward()
+            self._strategy.backward(self._model, loss, self._syncs_now())
         if self._flop_counter is not None:
             self._flop_counter.__exit__(None, None, None)
             counted = self._flop_counter.get_total_flops()
@@ -337,7 +347,11 @@ class Engine:
         self._micro_steps = 0
         with self._progress.diagnose("optimizer step"):
             count, loss = self._window_totals()
-            self._optimizer_step(optimizer, count)
+            norm = self._strategy.optimizer_step(
+                self._model, optimizer, self._scaler, count, self.config.max_grad_norm
+            )
+            if norm is not None:
+                self.last_grad_norm = norm
         self._end_window(count, loss)
         return True
 
@@ -381,26 +395,6 @@ class Engine:
     def _finish_harness(self) -> None:
         if self._recorder is not None:
             self._recorder.finish(self._model, self._strategy.model_state_dict, peak_memory_bytes(self.device))
-
-    def _optimizer_step(self, optimizer: torch.optim.Optimizer, count: float | None) -> None:
-        if self._scaler is not None:
-            self._scaler.unscale_(optimizer)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if count is not None:
-            with torch.no_grad():
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.div_(max(count, 1.0))
-        if self.config.max_grad_norm is not None:
-            norm = self._strategy.total_grad_norm(params)
-            torch.nn.utils.clip_grads_with_norm_(params, self.config.max_grad_norm, norm)
-            self.last_grad_norm = float(norm)
-        if self._scaler is not None:
-            self._scaler.step(optimizer)
-            self._scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def save(

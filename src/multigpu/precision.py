@@ -50,14 +50,15 @@ class Precision:
         bf16-true casts floating inputs to bf16 to meet its bf16 weights; mixed modes run under autocast unless
         the strategy casts parameters itself (`use_autocast=False`). fp32 outputs keep losses at full width.
         """
-        if self.name == "32" or (self.compute_dtype is not None and not use_autocast):
+        if self.name == "32":
             return forward
+        autocast = self.autocast if use_autocast else lambda device: contextlib.nullcontext()
 
         @functools.wraps(forward)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             if self.name == "bf16-true":
                 args, kwargs = _cast_floats((args, kwargs), self.param_dtype)
-            with self.autocast(device):
+            with autocast(device):
                 output = forward(*args, **kwargs)
             return _cast_floats(output, torch.float32)
 

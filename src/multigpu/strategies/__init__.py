@@ -10,6 +10,7 @@ from multigpu.env import DistEnv
 from multigpu.errors import UsageError
 from multigpu.strategies.base import Strategy
 from multigpu.strategies.ddp import DDP
+from multigpu.strategies.deepspeed import DeepSpeed, DeepSpeedOptions
 from multigpu.strategies.dp import DataParallel
 from multigpu.strategies.fsdp import FSDP
 from multigpu.strategies.single import Single
@@ -23,16 +24,39 @@ _FACTORIES: dict[str, Callable[[], Strategy]] = {
     "zero2": lambda: FSDP(reshard_after_forward=False),
     "zero3": FSDP,
     "fsdp": FSDP,
+    "deepspeed": DeepSpeed,
 }
 STRATEGIES = ("auto", *_FACTORIES)
 
-__all__ = ["DDP", "FSDP", "STRATEGIES", "DataParallel", "Single", "Strategy", "Zero1", "resolve_strategy"]
+__all__ = [
+    "DDP",
+    "FSDP",
+    "STRATEGIES",
+    "DataParallel",
+    "DeepSpeed",
+    "DeepSpeedOptions",
+    "Single",
+    "Strategy",
+    "Zero1",
+    "resolve_strategy",
+]
 
 
 def resolve_strategy(
-    spec: str | Strategy, env: DistEnv, cpu_offload: bool = False, say: Callable[[str], None] = print
+    spec: str | Strategy,
+    env: DistEnv,
+    cpu_offload: bool = False,
+    say: Callable[[str], None] = print,
+    deepspeed: DeepSpeedOptions | None = None,
+    max_grad_norm: float | None = None,
 ) -> Strategy:
     """Turns a strategy name (or a configured Strategy) into the Strategy that will run, or refuses."""
+    deepspeed = deepspeed or DeepSpeedOptions()
+    if deepspeed.given and spec != "deepspeed":
+        raise UsageError(
+            "zero_stage, offload_optimizer, offload_param and deepspeed_config are options of strategy deepspeed; "
+            "drop them or choose strategy deepspeed."
+        )
     if isinstance(spec, Strategy):
         strategy = spec
     elif spec not in STRATEGIES:
@@ -45,9 +69,13 @@ def resolve_strategy(
     elif spec == "dp" and torch.cuda.device_count() < 2:
         say(f"strategy dp needs 2 or more GPUs and this machine has {torch.cuda.device_count()}; running as single.")
         strategy = Single()
+    elif spec == "deepspeed":
+        strategy = DeepSpeed(deepspeed, max_grad_norm)
     else:
         strategy = _FACTORIES[spec]()
 
+    if isinstance(strategy, DeepSpeed) and strategy.max_grad_norm is None:
+        strategy.max_grad_norm = max_grad_norm  # DeepSpeed clips inside its step, so it must know the limit
     if cpu_offload and not (spec == "auto" and env.is_distributed):  # auto: the planner decides at setup
         if not isinstance(strategy, FSDP) or not strategy.reshard_after_forward:
             raise UsageError(f"cpu_offload works with strategy zero3 only, not {strategy.name}; drop it or use zero3.")

@@ -40,8 +40,47 @@ class Strategy(ABC):
         """A context in which backward accumulates local gradients without communicating."""
         return contextlib.nullcontext()
 
-    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
+    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler | None:
         return torch.amp.GradScaler(device.type)
+
+    def updates(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
+        """Whether `optimizer` (as setup returned it) updates `module`'s parameters."""
+        first = next(p for group in optimizer.param_groups for p in group["params"])
+        return any(p is first for p in module.parameters())
+
+    def backward(self, model: nn.Module, loss: torch.Tensor, syncs: bool) -> None:
+        """Backward of the (already weighted and scaled) loss; `syncs` is False inside an accumulation window."""
+        loss.backward()
+
+    def optimizer_step(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler | None,
+        count: float | None,
+        max_grad_norm: float | None,
+    ) -> float | None:
+        """Unscales, divides by the step's `count` (when the loss was a sum), clips, steps and zeroes the
+        gradients; returns the gradient norm before clipping when clipping is on."""
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if count is not None:
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.div_(max(count, 1.0))
+        norm = None
+        if max_grad_norm is not None:
+            norm = self.total_grad_norm(params)
+            torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return None if norm is None else float(norm)
 
     def total_grad_norm(self, parameters: Iterable[nn.Parameter]) -> torch.Tensor:
         """The 2-norm of all gradients of the *whole* model, the same on every rank."""

@@ -1,0 +1,343 @@
+"""ZeRO stages 1-3 through DeepSpeed (an optional dependency), behind the same Engine calls as every strategy.
+
+The Engine keeps what it owns for every strategy: the data order, the loss weighting that makes each step's
+gradient the mean over its global batch, the accumulation boundaries and its resharding checkpoint format.
+DeepSpeed partitions, reduces and clips the gradients and takes the optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from multigpu.env import DistEnv
+from multigpu.errors import UsageError, require
+from multigpu.precision import Precision
+from multigpu.strategies.base import Strategy, frozen_names
+
+INSTALL = "pip install 'multigpu[deepspeed]'"
+# Config keys the Engine sets, and the Engine option to use instead. "auto" (as in HF configs) always fits.
+ENGINE_OWNED = {
+    "gradient_accumulation_steps": "grad_accum_steps",
+    "gradient_clipping": "max_grad_norm",
+    "fp16": "precision",
+    "bf16": "precision",
+    "torch_autocast": "precision",
+}
+# DeepSpeed needs these for its own bookkeeping only; engine.dataloader's batch_size decides the batches.
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu")
+
+
+@dataclass
+class DeepSpeedOptions:
+    """The flags of strategy deepspeed; the Engine, `multigpu train` and `multigpu finetune` all take them."""
+
+    zero_stage: int | None = field(
+        default=None,
+        metadata={"help": "deepspeed: ZeRO stage (default: the config file's, else 2)", "choices": (1, 2, 3)},
+    )
+    offload_optimizer: bool = field(
+        default=False, metadata={"help": "deepspeed: keep optimizer states in CPU memory and step there"}
+    )
+    offload_param: bool = field(default=False, metadata={"help": "deepspeed stage 3: keep parameters in CPU memory"})
+    deepspeed_config: str | None = field(
+        default=None, metadata={"help": "deepspeed: a DeepSpeed JSON config to start from", "metavar": "JSON"}
+    )
+
+    def __post_init__(self) -> None:
+        require(
+            (self.zero_stage in (None, 1, 2, 3), f"zero_stage must be 1, 2 or 3 (got {self.zero_stage})."),
+            (
+                not self.offload_param or self.zero_stage in (None, 3),
+                "offload_param needs ZeRO stage 3, where parameters are partitioned; set zero_stage 3.",
+            ),
+        )
+
+    @property
+    def given(self) -> bool:
+        return self != DeepSpeedOptions()
+
+
+@dataclass
+class DeepSpeed(Strategy):
+    options: DeepSpeedOptions = field(default_factory=DeepSpeedOptions)
+    max_grad_norm: float | None = None
+
+    name = "deepspeed"
+
+    def __post_init__(self) -> None:
+        self._groups: list[list[str]] = []  # trainable parameter names per optimizer group, in DeepSpeed's order
+        self._fp16 = False
+        self._partitioned: Any = None  # DeepSpeed's ZeRO optimizer, around the torch one setup returns
+
+    def updates(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
+        return self._partitioned is not None and optimizer is self._partitioned.optimizer
+
+    def config(self, precision: Precision) -> dict[str, Any]:
+        """The DeepSpeed config: the user's file, if any, with the Engine's settings and the flags applied."""
+        config = read_config(self.options.deepspeed_config)
+        for key, option in ENGINE_OWNED.items():
+            value = config.pop(key, "auto")
+            if value != "auto" and not _disabled(value):
+                raise UsageError(
+                    f"The DeepSpeed config sets {key!r}, which the Engine controls; remove it and set the Engine's "
+                    f"{option} instead."
+                )
+        for key in BATCH_KEYS:
+            config.pop(key, None)
+        zero = dict(config.get("zero_optimization", {}))
+        stage = zero.get("stage", 2) if self.options.zero_stage is None else self.options.zero_stage
+        if zero.get("stage", stage) != stage:
+            raise UsageError(
+                f"zero_stage {stage} contradicts the DeepSpeed config's stage {zero['stage']}; pass one of them."
+            )
+        require((stage in (1, 2, 3), f"strategy deepspeed runs ZeRO stage 1, 2 or 3, not {stage}; use ddp for 0."))
+        if self.options.offload_optimizer:
+            zero["offload_optimizer"] = {"device": "cpu"}
+        if self.options.offload_param:
+            require((stage == 3, "offload_param needs ZeRO stage 3, where parameters are partitioned."))
+            zero["offload_param"] = {"device": "cpu"}
+        if "offload_optimizer" in zero:
+            # The Engine's users bring a torch optimizer; DeepSpeed would insist on its compiled CPU Adam.
+            config.setdefault("zero_force_ds_cpu_optimizer", False)
+        config.update(
+            gradient_clipping=self.max_grad_norm or 0.0,
+            gradient_accumulation_steps=1,  # the Engine marks each boundary itself
+            train_micro_batch_size_per_gpu=1,
+            zero_optimization={**zero, "stage": stage},
+        )
+        config.setdefault("zero_allow_untested_optimizer", True)
+        config.setdefault("steps_per_print", 2**62)  # the Engine reports progress itself
+        if precision.name == "fp16-mixed":
+            # DeepSpeed's own fp16: fp16 weights with fp32 masters and dynamic loss scaling; inputs cast to fp16.
+            config["fp16"] = {"enabled": True, "auto_cast": True}
+        return config
+
+    @property
+    def stage(self) -> int:
+        return self._config["zero_optimization"]["stage"]
+
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, precision: Precision
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        deepspeed = import_deepspeed(env)
+        if precision.name == "bf16-true":
+            raise UsageError(
+                "DeepSpeed keeps fp32 master weights, so it has no bf16-true; use precision bf16-mixed."
+            )
+        if precision.name == "fp16-mixed" and env.device.type != "cuda":
+            raise UsageError("DeepSpeed's fp16 runs on GPUs only; use precision bf16-mixed or 32 on CPU.")
+        if optimizer is not None and optimizer.state:
+            raise UsageError("deepspeed must partition a fresh optimizer; call engine.setup before the first step.")
+        self._config = self.config(precision)
+        if optimizer is None and "optimizer" not in self._config:
+            raise UsageError("Strategy deepspeed trains only: pass the optimizer to engine.setup, or set one in the config.")
+        if optimizer is not None and "optimizer" in self._config:
+            raise UsageError(
+                "Both engine.setup and the DeepSpeed config give an optimizer; drop the config's 'optimizer' section."
+            )
+        self._fp16 = precision.name == "fp16-mixed"
+        self.uses_autocast = not self._fp16  # DeepSpeed's fp16 runs the model in fp16 itself
+        names = {id(p): name for name, p in model.named_parameters()}
+        if optimizer is not None:
+            self._groups = [
+                [names[id(p)] for p in group["params"] if p.requires_grad] for group in optimizer.param_groups
+            ]
+        else:
+            self._groups = [[name for name, p in model.named_parameters() if p.requires_grad]]
+        engine, self._partitioned, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=self._config, dist_init_required=False
+        )
+        # DeepSpeed's wrapper is no torch Optimizer, so schedulers refuse it; the torch optimizer inside it (now
+        # over flat partitions) is one, and its learning rates are the ones DeepSpeed steps with.
+        return engine, self._partitioned.optimizer
+
+    # The boundary is set on every backward: ZeRO-1 reduces only on it, ZeRO-2/3 reduce-scatter every
+    # micro-step by design (their gradients are partitioned), so there is nothing to skip here.
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def grad_scaler(self, device: torch.device) -> None:
+        return None  # DeepSpeed scales fp16 losses itself
+
+    def backward(self, model: nn.Module, loss: torch.Tensor, syncs: bool) -> None:
+        model.set_gradient_accumulation_boundary(syncs)
+        # The Engine has already weighted the loss for accumulation.
+        model.backward(loss, scale_wrt_gas=False)
+
+    def optimizer_step(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler | None,
+        count: float | None,
+        max_grad_norm: float | None,
+    ) -> float | None:
+        if count is not None:
+            if self._fp16:
+                raise UsageError(
+                    "engine.backward(count=) cannot divide DeepSpeed's fp16 gradients by the token count; "
+                    "use precision bf16-mixed or 32."
+                )
+            # DeepSpeed divides the reduced, partitioned gradients by its loss scale (1 outside fp16) in step().
+            self._partitioned.loss_scale = max(count, 1.0)
+        try:
+            model.step()
+        finally:
+            if count is not None:
+                self._partitioned.loss_scale = 1.0
+        return float(model.get_global_grad_norm()) if max_grad_norm is not None else None
+
+    def total_grad_norm(self, parameters: Any) -> torch.Tensor:
+        raise UsageError("DeepSpeed clips gradients itself; set max_grad_norm on the Engine instead.")
+
+    # Checkpoints hold every trainable parameter and its optimizer states whole, keyed by name, as the other
+    # strategies' do: DCP then loads them at any world size, into any strategy, and `multigpu export` reads them.
+    # Assembling a whole tensor is a collective, so every rank walks the parameters in the same order.
+    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        module, frozen = model.module, frozen_names(model.module)
+        state = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            if name not in frozen:
+                full = safe_get_full_fp32_param(param)
+                state[name] = (full if full is not None else param).detach().clone()
+        for name, buffer in _persistent_buffers(module):
+            state[name] = buffer
+        return state
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        module = model.module
+        params = dict(module.named_parameters(remove_duplicate=False))
+        for name, value in state.items():
+            if name not in params:
+                dict(_persistent_buffers(module))[name].copy_(value)
+                continue
+            param = params[name]
+            safe_set_full_fp32_param(param, value)  # the optimizer's fp32 master copy
+            # ...and the weights forward uses; under ZeRO-3 they are partitioned, so gather, write, re-partition.
+            gathered = deepspeed.zero.GatheredParameters([param], modifier_rank=0) if self.stage == 3 else None
+            with gathered or contextlib.nullcontext():
+                param.data.copy_(value)
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        base = _initialised(self._partitioned)
+        keys, step = _state_layout(base)
+        params = dict(model.module.named_parameters())
+        state = {}
+        for names in self._groups:
+            for name in names:
+                entry = {key: safe_get_full_optimizer_state(params[name], key).detach().clone() for key in keys}
+                state[name] = {**entry, "step": step.clone()} if step is not None else entry
+        groups = [
+            {**{key: value for key, value in group.items() if key != "params"}, "params": names}
+            for group, names in zip(base.param_groups, self._groups, strict=True)
+        ]
+        return {"state": state, "param_groups": groups}
+
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        base = _initialised(self._partitioned)
+        keys, _ = _state_layout(base)
+        params = dict(model.module.named_parameters())
+        for name, entry in state["state"].items():
+            for key in keys:
+                safe_set_full_optimizer_state(params[name], entry[key], key)
+        steps = [entry["step"] for entry in state["state"].values() if "step" in entry]
+        for flat_state in base.state.values():
+            if steps and "step" in flat_state:
+                flat_state["step"] = steps[0].clone().to(flat_state["step"])
+        for group, loaded in zip(base.param_groups, state["param_groups"], strict=True):
+            group.update({key: value for key, value in loaded.items() if key != "params"})
+
+
+def import_deepspeed(env: DistEnv) -> Any:
+    """DeepSpeed, told which accelerator to use; one sentence on how to install it if it is missing."""
+    wanted = "cuda" if env.device.type == "cuda" else "cpu"
+    chosen = os.environ.setdefault("DS_ACCELERATOR", wanted)
+    if chosen != wanted:
+        raise UsageError(f"DS_ACCELERATOR={chosen} but this run is on {wanted}; unset DS_ACCELERATOR.")
+    try:
+        import deepspeed
+    except ImportError:
+        raise UsageError(f"Strategy deepspeed needs DeepSpeed, which is not installed; run `{INSTALL}`.") from None
+    return deepspeed
+
+
+def read_config(source: str | None) -> dict[str, Any]:
+    if source is None:
+        return {}
+    path = Path(source)
+    if not path.is_file():
+        raise UsageError(f"The DeepSpeed config {path} does not exist; pass the path of a JSON file.")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise UsageError(f"The DeepSpeed config {path} is not valid JSON ({error}); fix it.") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"The DeepSpeed config {path} must hold a JSON object; fix it.")
+    return config
+
+
+def _disabled(section: Any) -> bool:
+    return isinstance(section, dict) and not section.get("enabled", False)
+
+
+def _persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    found = []
+    for owner_name, owner in module.named_modules():
+        for name, buffer in owner.named_buffers(recurse=False):
+            if name not in owner._non_persistent_buffers_set:
+                found.append((f"{owner_name}.{name}" if owner_name else name, buffer))
+    return found
+
+
+def _initialised(partitioned: Any) -> torch.optim.Optimizer:
+    """DeepSpeed's inner torch optimizer, with its states created (torch creates them at the first step).
+
+    A step at learning rate 0 with zero gradients creates them without moving any weight, the way
+    torch.distributed.checkpoint prepares a fresh optimizer for loading.
+    """
+    base = partitioned.optimizer
+    if base.state:
+        return base
+    flat = [p for group in base.param_groups for p in group["params"]]
+    rates = [group["lr"] for group in base.param_groups]
+    for param in flat:
+        param.grad = torch.zeros_like(param)
+    for group in base.param_groups:
+        group["lr"] = 0.0
+    base.step()
+    for group, rate in zip(base.param_groups, rates, strict=True):
+        group["lr"] = rate
+    for param in flat:
+        param.grad = None
+        if "step" in base.state[param]:
+            base.state[param]["step"].zero_()
+    if hasattr(partitioned, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2 link per-parameter views lazily
+        partitioned._lazy_init_hp_params_optimizer_state()
+    return base
+
+
+def _state_layout(base: torch.optim.Optimizer) -> tuple[list[str], torch.Tensor | None]:
+    """The per-element state keys (e.g. exp_avg) and the step count, which DeepSpeed keeps per flat group."""
+    flat_state = next(iter(base.state.values()))
+    keys = [key for key, value in flat_state.items() if torch.is_tensor(value) and value.dim() > 0]
+    step = flat_state.get("step")
+    return keys, (torch.as_tensor(step, dtype=torch.float32) if step is not None else None)
