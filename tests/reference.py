@@ -50,6 +50,7 @@ class Case:
     max_grad_norm: float = 0.5
     lr: float = 1e-2
     async_save: bool = False
+    zero_stage: int | None = None  # strategy deepspeed only
 
 
 @dataclass
@@ -88,6 +89,7 @@ def train_engine(
         grad_accum_steps=case.grad_accum_steps,
         max_grad_norm=case.max_grad_norm,
         seed=0,
+        zero_stage=case.zero_stage,
     )
     model = TinyNet()
     optimizer = torch.optim.AdamW(model.parameters(), lr=case.lr)

@@ -7,7 +7,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +23,11 @@ from multigpu.launch import LaunchConfig, launch
 from multigpu.planner.memory import PlanConfig, plan_shape
 from multigpu.planner.report import print_table, to_json
 from multigpu.planner.shapes import BUILTIN, from_counts, load_shape
+from multigpu.precision import Precision
 from multigpu.recipes import activity_data
 from multigpu.recipes.demo import DemoConfig
 from multigpu.recipes.train import TrainConfig, resolve_resume, train
-from multigpu.strategies import resolve_strategy
+from multigpu.strategies import DeepSpeed, DeepSpeedOptions, resolve_strategy
 from multigpu.verify import VerifyConfig, print_verdict, verify
 
 
@@ -42,7 +43,10 @@ def exit_on_usage_error(main: Callable[[], int | None]) -> int:
 def check_engine_config(config: EngineConfig, nproc: int) -> None:
     """Refuses, before any process starts, what the Engine would refuse in every worker."""
     env = DistEnv(world_size=nproc, local_world_size=nproc)
-    resolve_strategy(config.strategy, env, config.cpu_offload, say=lambda _: None)
+    options = DeepSpeedOptions.of(config)
+    strategy = resolve_strategy(config.strategy, env, config.cpu_offload, lambda _: None, options)
+    if isinstance(strategy, DeepSpeed):
+        strategy.config(Precision(config.precision), env.device)
     if config.backend is not None:
         check_backend(config.backend, env.device)
 
@@ -66,7 +70,8 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
         run(config)
         return 0
     nproc = config.nproc or (len(config.gpu_ids.split(",")) if config.gpu_ids else 1)
-    check_engine_config(EngineConfig(strategy=config.multi_gpu, precision=config.precision), nproc)
+    options = asdict(DeepSpeedOptions.of(config))
+    check_engine_config(EngineConfig(strategy=config.multi_gpu, precision=config.precision, **options), nproc)
     check()
     restarts = getattr(config, "max_restarts", 0)
     if nproc == 1 and config.gpu_ids is None and restarts == 0:

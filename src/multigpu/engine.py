@@ -347,9 +347,7 @@ class Engine:
         self._micro_steps = 0
         with self._progress.diagnose("optimizer step"):
             count, loss = self._window_totals()
-            norm = self._strategy.optimizer_step(
-                self._model, optimizer, self._scaler, count, self.config.max_grad_norm
-            )
+            norm = self._strategy.optimizer_step(self._model, optimizer, self._scaler, count, self.config.max_grad_norm)
             if norm is not None:
                 self.last_grad_norm = norm
         self._end_window(count, loss)

@@ -94,6 +94,8 @@ def launch(config: LaunchConfig, target: list[str], module: bool = False, harnes
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, ids))
         nproc = nproc or len(ids)
     nproc = nproc or max(present, 1)
+    if present == 0 and nproc * config.nnodes > 1:
+        use_cpu_for_accelerate(nproc * config.nnodes)
     if config.max_restarts > 0:
         # Measured: with the rendezvous store shared with workers, restarted workers hang or fail in most runs.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -106,6 +108,22 @@ def launch(config: LaunchConfig, target: list[str], module: bool = False, harnes
         except ChildFailedError as error:
             return report_failure(error, Path(exits))
     return 0
+
+
+def use_cpu_for_accelerate(world: int) -> None:
+    """Makes accelerate and HF Trainer scripts cooperate when the workers have no CUDA GPU.
+
+    Measured with accelerate 1.15 and transformers 5.x on CPU: unless ACCELERATE_USE_CPU is true (or the script
+    passes Accelerator(cpu=True) / TrainingArguments(use_cpu=True)), each worker joins a torch.distributed group
+    of the full size yet reports num_processes 1, neither wraps the model in DDP nor splits the data, and trains
+    alone on the whole dataset, without an error. Plain torch.distributed scripts ignore the variable.
+    """
+    value = os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+    if value.strip().lower() in ("0", "false", "no", "n", "f", "off"):
+        raise UsageError(
+            f"ACCELERATE_USE_CPU={value} on a machine without CUDA GPUs makes accelerate and HF Trainer train each "
+            f"of the {world} processes alone; unset it (multigpu run then sets it to true) or set it to true."
+        )
 
 
 def report_failure(error: ChildFailedError, exits: Path) -> int:

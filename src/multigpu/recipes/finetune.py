@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +27,11 @@ from multigpu.monitor import peak_memory_bytes
 from multigpu.precision import PRECISIONS
 from multigpu.recipes import lm_data, lm_models
 from multigpu.recipes.train import Progress, per_rank, resolve_resume, warmup_cosine
-from multigpu.strategies import STRATEGIES
+from multigpu.strategies import STRATEGIES, DeepSpeedOptions
 
 
 @dataclass
-class FinetuneConfig:
+class FinetuneConfig(DeepSpeedOptions):
     model: str = field(
         default="smollm2", metadata={"help": "smollm2, tiny (random, for tests) or a local HF directory"}
     )
@@ -66,6 +66,7 @@ class FinetuneConfig:
     timeout_s: float = field(default=1800.0, metadata={"help": "seconds a collective may wait before the run fails"})
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         checks = [
             (self.seq_len >= 8, f"--seq-len must be 8 or more (got {self.seq_len})."),
             (self.batch_size >= 1, f"--batch-size must be 1 or more (got {self.batch_size}); it is per device."),
@@ -167,6 +168,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
         timeout_s=config.timeout_s,
         log_every=config.log_every,
         log_dir=config.save_dir,
+        **asdict(DeepSpeedOptions.of(config)),
     )
     model, optimizer, tokenizer, data = build(config, engine)
     collate = functools.partial(lm_data.collate, pad_id=tokenizer.pad_token_id)

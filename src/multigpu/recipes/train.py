@@ -10,7 +10,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,13 +26,13 @@ from multigpu.monitor import peak_memory_bytes
 from multigpu.precision import PRECISIONS
 from multigpu.recipes import activity_data, activity_models
 from multigpu.recipes.activity_models import MODES
-from multigpu.strategies import STRATEGIES
+from multigpu.strategies import STRATEGIES, DeepSpeedOptions
 
 LR_SCALING = ("none", "linear", "sqrt")
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(DeepSpeedOptions):
     multi_gpu: str = field(default="auto", metadata={"help": "strategy", "choices": STRATEGIES})
     nproc: int | None = field(default=None, metadata={"help": "processes to launch when not under a launcher"})
     gpu_ids: str | None = field(default=None, metadata={"help": "GPUs to use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES)"})
@@ -63,6 +63,7 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         checks = [
             (self.epochs >= 1, f"--epochs must be 1 or more (got {self.epochs})."),
             (self.batch_size >= 1, f"--batch-size must be 1 or more (got {self.batch_size}); it is per device."),
@@ -172,6 +173,7 @@ def train(config: TrainConfig) -> dict:
         timeout_s=config.timeout_s,
         log_every=config.log_every,
         log_dir=config.save_dir,
+        **asdict(DeepSpeedOptions.of(config)),
     )
     resume_from = resolve_resume(config)
     data = activity_data.load(config.data)

@@ -10,7 +10,7 @@ from multigpu.env import DistEnv
 from multigpu.errors import UsageError
 from multigpu.strategies.base import Strategy
 from multigpu.strategies.ddp import DDP
-from multigpu.strategies.deepspeed import DeepSpeed, DeepSpeedOptions
+from multigpu.strategies.deepspeed import DeepSpeed, DeepSpeedOptions, check_installed
 from multigpu.strategies.dp import DataParallel
 from multigpu.strategies.fsdp import FSDP
 from multigpu.strategies.single import Single
@@ -70,6 +70,7 @@ def resolve_strategy(
         say(f"strategy dp needs 2 or more GPUs and this machine has {torch.cuda.device_count()}; running as single.")
         strategy = Single()
     elif spec == "deepspeed":
+        check_installed()
         strategy = DeepSpeed(deepspeed, max_grad_norm)
     else:
         strategy = _FACTORIES[spec]()

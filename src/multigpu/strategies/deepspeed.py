@@ -8,6 +8,7 @@ DeepSpeed partitions, reduces and clips the gradients and takes the optimizer st
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
@@ -64,6 +65,11 @@ class DeepSpeedOptions:
     def given(self) -> bool:
         return self != DeepSpeedOptions()
 
+    @classmethod
+    def of(cls, config: Any) -> DeepSpeedOptions:
+        """The DeepSpeed flags of a config that carries them (EngineConfig, TrainConfig, FinetuneConfig)."""
+        return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
+
 
 @dataclass
 class DeepSpeed(Strategy):
@@ -80,8 +86,12 @@ class DeepSpeed(Strategy):
     def updates(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
         return self._partitioned is not None and optimizer is self._partitioned.optimizer
 
-    def config(self, precision: Precision) -> dict[str, Any]:
+    def config(self, precision: Precision, device: torch.device) -> dict[str, Any]:
         """The DeepSpeed config: the user's file, if any, with the Engine's settings and the flags applied."""
+        if precision.name == "bf16-true":
+            raise UsageError("DeepSpeed keeps fp32 master weights, so it has no bf16-true; use precision bf16-mixed.")
+        if precision.name == "fp16-mixed" and device.type != "cuda":
+            raise UsageError("DeepSpeed's fp16 runs on GPUs only; use precision bf16-mixed or 32 on CPU.")
         config = read_config(self.options.deepspeed_config)
         for key, option in ENGINE_OWNED.items():
             value = config.pop(key, "auto")
@@ -128,17 +138,13 @@ class DeepSpeed(Strategy):
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, precision: Precision
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         deepspeed = import_deepspeed(env)
-        if precision.name == "bf16-true":
-            raise UsageError(
-                "DeepSpeed keeps fp32 master weights, so it has no bf16-true; use precision bf16-mixed."
-            )
-        if precision.name == "fp16-mixed" and env.device.type != "cuda":
-            raise UsageError("DeepSpeed's fp16 runs on GPUs only; use precision bf16-mixed or 32 on CPU.")
+        self._config = self.config(precision, env.device)
         if optimizer is not None and optimizer.state:
             raise UsageError("deepspeed must partition a fresh optimizer; call engine.setup before the first step.")
-        self._config = self.config(precision)
         if optimizer is None and "optimizer" not in self._config:
-            raise UsageError("Strategy deepspeed trains only: pass the optimizer to engine.setup, or set one in the config.")
+            raise UsageError(
+                "Strategy deepspeed trains only: pass the optimizer to engine.setup, or set one in the config."
+            )
         if optimizer is not None and "optimizer" in self._config:
             raise UsageError(
                 "Both engine.setup and the DeepSpeed config give an optimizer; drop the config's 'optimizer' section."
@@ -267,16 +273,20 @@ class DeepSpeed(Strategy):
             group.update({key: value for key, value in loaded.items() if key != "params"})
 
 
+def check_installed() -> None:
+    if importlib.util.find_spec("deepspeed") is None:
+        raise UsageError(f"Strategy deepspeed needs DeepSpeed, which is not installed; run `{INSTALL}`.")
+
+
 def import_deepspeed(env: DistEnv) -> Any:
     """DeepSpeed, told which accelerator to use; one sentence on how to install it if it is missing."""
     wanted = "cuda" if env.device.type == "cuda" else "cpu"
     chosen = os.environ.setdefault("DS_ACCELERATOR", wanted)
     if chosen != wanted:
         raise UsageError(f"DS_ACCELERATOR={chosen} but this run is on {wanted}; unset DS_ACCELERATOR.")
-    try:
-        import deepspeed
-    except ImportError:
-        raise UsageError(f"Strategy deepspeed needs DeepSpeed, which is not installed; run `{INSTALL}`.") from None
+    check_installed()
+    import deepspeed
+
     return deepspeed
 
 

@@ -1,0 +1,133 @@
+"""Strategy deepspeed: ZeRO stages 1-3 through DeepSpeed compute what one process computes, and their
+checkpoints load at any world size, into any strategy, and export like every other strategy's."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from multigpu import checkpoint
+from multigpu.errors import UsageError
+from multigpu.precision import Precision
+from multigpu.strategies import DeepSpeed, DeepSpeedOptions
+from tests.dist import multigpu, run_command, run_in_processes
+from tests.reference import Case, Outcome, TinyNet, train_reference
+from tests.strategies.test_equivalence import assert_matches
+from tests.test_checkpoint import GLOBAL_BATCH, SAMPLES, STOP, samples_per_epoch
+
+MATRIX = [Case("deepspeed", "32", accum, zero_stage=stage) for stage, accum in itertools.product((1, 2, 3), (1, 4))] + [
+    Case("deepspeed", "bf16-mixed", 2, zero_stage=stage) for stage in (1, 3)
+]
+
+
+@pytest.fixture(scope="module")
+def two_process_outcomes() -> list[list[Outcome]]:
+    return run_in_processes("tests.strategies.test_equivalence:train_cases", 2, timeout=300, cases=MATRIX)
+
+
+@pytest.mark.parametrize(
+    "index", range(len(MATRIX)), ids=[f"stage{c.zero_stage}-{c.precision}-accum{c.grad_accum_steps}" for c in MATRIX]
+)
+def test_two_processes_match_one(two_process_outcomes: list[list[Outcome]], index: int) -> None:
+    case = MATRIX[index]
+    rank0, rank1 = (outcomes[index] for outcomes in two_process_outcomes)
+    for name in rank0.params:
+        assert (rank0.params[name] == rank1.params[name]).all(), f"{case}: ranks differ in {name}"
+    assert_matches(case, rank0, train_reference(case, world_size=2))
+
+
+def run(case: Case, nproc: int, **kwargs) -> list[Outcome]:
+    return run_in_processes("tests.reference:train_engine", nproc, timeout=180, case=case, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Outcome]]:
+    """2 processes under DeepSpeed ZeRO-3 train 4 steps of epoch 0, save and stop."""
+    path = tmp_path_factory.mktemp("ckpt") / "step-4"
+    case = Case("deepspeed", samples=SAMPLES, batch_size=GLOBAL_BATCH // 2, zero_stage=3)
+    return path, run(case, 2, save_to=str(path), stop_after=STOP)
+
+
+def assert_resumed_exactly(first: list[Outcome], second: list[Outcome]) -> None:
+    for epoch, counts in samples_per_epoch(first, second).items():
+        assert counts == Counter(range(SAMPLES)), f"epoch {epoch}: {counts}"
+    want = train_reference(Case(samples=SAMPLES, batch_size=GLOBAL_BATCH), world_size=1)
+    assert first[0].grad_norms + second[0].grad_norms == pytest.approx(want.grad_norms, rel=1e-5)
+    for name, param in want.params.items():
+        assert (second[0].params[name] - param).abs().max().item() <= 1e-5, name
+
+
+@pytest.mark.parametrize(
+    ("strategy", "stage", "nproc"), [("deepspeed", 1, 3), ("ddp", None, 1)], ids=["deepspeed1-3proc", "ddp-1proc"]
+)
+def test_a_deepspeed_checkpoint_resumes_anywhere(saved, strategy: str, stage: int | None, nproc: int) -> None:
+    path, first = saved
+    case = Case(strategy, samples=SAMPLES, batch_size=GLOBAL_BATCH // nproc, zero_stage=stage)
+    assert_resumed_exactly(first, run(case, nproc, resume_from=str(path)))
+
+
+def test_a_zero3_checkpoint_resumes_under_deepspeed(tmp_path: Path) -> None:
+    path = tmp_path / "step-4"
+    first = run(Case("zero3", samples=SAMPLES, batch_size=GLOBAL_BATCH // 2), 2, save_to=str(path), stop_after=STOP)
+    case = Case("deepspeed", samples=SAMPLES, batch_size=GLOBAL_BATCH // 2, zero_stage=2)
+    assert_resumed_exactly(first, run(case, 2, resume_from=str(path)))
+
+
+def test_export_consolidates_a_deepspeed_checkpoint(saved, tmp_path: Path) -> None:
+    path, first = saved
+    result = multigpu("export", str(path), str(tmp_path / "model.safetensors"))
+    assert result.returncode == 0, result.stdout
+    params = checkpoint.full_model_state(path)
+    assert set(params) == set(first[0].params)
+    for name, tensor in params.items():
+        assert (tensor == first[0].params[name]).all(), name
+    TinyNet().load_state_dict(params)
+
+
+def config(tmp_path: Path, options: dict, settings: dict | None = None, **strategy) -> dict:
+    file = tmp_path / "ds.json"
+    file.write_text(json.dumps(settings or {}))
+    options = DeepSpeedOptions(**options, deepspeed_config=str(file))
+    return DeepSpeed(options, **strategy).config(Precision("32"), torch.device("cpu"))
+
+
+def test_a_users_config_is_kept_and_completed(tmp_path: Path) -> None:
+    settings = {"zero_optimization": {"stage": 3, "overlap_comm": False}, "train_batch_size": "auto", "bf16": "auto"}
+    built = config(tmp_path, {"offload_optimizer": True}, settings, max_grad_norm=1.0)
+    assert built["zero_optimization"] == {"stage": 3, "overlap_comm": False, "offload_optimizer": {"device": "cpu"}}
+    assert built["gradient_clipping"] == 1.0 and built["gradient_accumulation_steps"] == 1
+    assert "bf16" not in built and "train_batch_size" not in built
+
+
+@pytest.mark.parametrize(
+    ("options", "settings", "message"),
+    [
+        ({}, {"gradient_accumulation_steps": 4}, "remove it and set the Engine's grad_accum_steps"),
+        ({}, {"bf16": {"enabled": True}}, "remove it and set the Engine's precision"),
+        ({"zero_stage": 1}, {"zero_optimization": {"stage": 3}}, "zero_stage 1 contradicts"),
+        ({}, {"zero_optimization": {"stage": 0}}, "use ddp for 0"),
+        ({"offload_param": True, "zero_stage": 2}, {}, "offload_param needs ZeRO stage 3"),
+    ],
+)
+def test_conflicts_are_refused(tmp_path: Path, options: dict, settings: dict, message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        config(tmp_path, options, settings)
+
+
+def test_cli_refuses_what_deepspeed_cannot_do(tmp_path: Path) -> None:
+    result = multigpu("train", "--multi-gpu", "deepspeed", "--precision", "bf16-true", "--save-dir", str(tmp_path))
+    assert result.returncode == 2 and "use precision bf16-mixed" in result.stdout, result.stdout
+    result = multigpu("train", "--multi-gpu", "ddp", "--zero-stage", "2", "--save-dir", str(tmp_path))
+    assert result.returncode == 2 and "options of strategy deepspeed" in result.stdout, result.stdout
+
+
+def test_without_deepspeed_one_sentence_says_how_to_install_it() -> None:
+    code = "import sys; sys.modules['deepspeed'] = None; import multigpu as mg; mg.Engine(strategy='deepspeed')"
+    result = run_command([sys.executable, "-c", code])
+    assert result.returncode == 1 and "pip install 'multigpu[deepspeed]'" in result.stdout, result.stdout
