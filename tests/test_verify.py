@@ -16,7 +16,7 @@ def verify(*flags: str, bug: str = "none") -> tuple[int, dict]:
     return result.returncode, report
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "deepspeed"])
 def test_passes_a_correct_script(strategy: str) -> None:
     code, report = verify("--strategy", strategy)
     assert code == 0 and report["passed"], report

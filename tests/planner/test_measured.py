@@ -71,6 +71,41 @@ def test_model_states_match_what_each_rank_holds() -> None:
                 assert value == pytest.approx(want, rel=0.05), f"{strategy} lora={lora} rank {rank} {part}"
 
 
+def measure_deepspeed(stage: int, lora: bool) -> dict[str, int]:
+    """The same after one DeepSpeed step; DeepSpeed frees its gradient partitions inside the step."""
+    engine = mg.Engine(strategy="deepspeed", zero_stage=stage)
+    model = stack(lora)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    model, optimizer = engine.setup(model, optimizer)
+    engine.backward(model(torch.randn(4, 256)).pow(2).mean())
+    engine.step(optimizer)
+    # `optimizer` is the torch optimizer DeepSpeed steps; its states are keyed by this rank's fp32 master partitions.
+    masters = list(optimizer.state)
+    weights = [getattr(p, "ds_tensor", p) for p in model.module.parameters()]  # ZeRO-3 holds a partition
+    states = [t for s in optimizer.state.values() for key, t in s.items() if key != "step"]
+    return {
+        "params": sum(local_bytes(t) for t in weights + masters),
+        "optimizer": sum(local_bytes(t) for t in states),
+    }
+
+
+DEEPSPEED_CASES = [(1, False), (2, False), (3, False), (3, True)]
+
+
+def measure_all_deepspeed() -> list[dict[str, int]]:
+    return [measure_deepspeed(stage, lora) for stage, lora in DEEPSPEED_CASES]
+
+
+def test_deepspeed_model_states_match_what_each_rank_holds() -> None:
+    measured = run_in_processes("tests.planner.test_measured:measure_all_deepspeed", 2, timeout=180)
+    for index, (stage, lora) in enumerate(DEEPSPEED_CASES):
+        rows = {m.strategy: m for m in plan(stack(lora), gpus=2, precision="32", optimizer="adamw").strategies}
+        for rank in range(2):
+            for part, value in measured[rank][index].items():
+                want = getattr(rows[f"deepspeed{stage}"], part)
+                assert value == pytest.approx(want, rel=0.05), f"deepspeed{stage} lora={lora} rank {rank} {part}"
+
+
 def saved_bytes(model: nn.Module, forward) -> int:
     """Bytes of the distinct storages autograd keeps for backward during `forward()`, parameters excluded.
 

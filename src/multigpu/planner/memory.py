@@ -15,6 +15,7 @@ OPTIMIZERS = ("adamw", "sgd", "adamw8bit")
 ORDER = ("ddp", "zero1", "zero2", "zero3", "zero3+offload")
 #: Shown too, for one GPU and for the guides' simple mode; dp's GPU 0 holds the whole model and optimizer.
 REPORTED = ("single", "dp", *ORDER)
+DEEPSPEED = ("deepspeed1", "deepspeed2", "deepspeed3")  # reported, never recommended: DeepSpeed is optional
 FRAMEWORK_OVERHEAD = 1 << 30  # CUDA context, kernels, allocator slack: about 1 GiB that no tensor accounts for
 
 
@@ -158,6 +159,15 @@ def strategy_memory(name: str, shape: ModelShape, config: PlanConfig, batch: int
     elif name == "zero3":
         memory.params, memory.grads, memory.optimizer = params / n, grads / n, optim / n
         memory.temporary = 2 * unit  # the unit in use and the next one, prefetched
+    elif name in DEEPSPEED:
+        # DeepSpeed keeps an fp32 master copy of this rank's partition of the trainable weights beside the
+        # weights forward uses, in fp32 training too; stage 3 partitions those weights as well.
+        stage = int(name[-1])
+        master = grads / n
+        memory.optimizer = optim / n
+        memory.params = (params / n if stage == 3 else params) + master
+        memory.grads = grads if stage == 1 else grads / n
+        memory.temporary = 2 * unit if stage == 3 else autocast_weights
     elif name == "zero3+offload":
         memory.cpu = (params + grads + optim) / n
         memory.params = memory.grads = memory.optimizer = 0.0
@@ -172,7 +182,7 @@ def strategy_memory(name: str, shape: ModelShape, config: PlanConfig, batch: int
 def plan_shape(shape: ModelShape, config: PlanConfig) -> Plan:
     _, _, _, trainable = model_states(shape, config)
     plan = Plan(shape.name, shape.params, trainable, config)
-    for name in REPORTED if config.world == 1 else ORDER:
+    for name in REPORTED if config.world == 1 else (*ORDER, *DEEPSPEED):
         memory = strategy_memory(name, shape, config, config.batch_size)
         memory.max_batch_size = _max_batch(name, shape, config)
         plan.strategies.append(memory)
