@@ -95,7 +95,7 @@ def launch(config: LaunchConfig, target: list[str], module: bool = False, harnes
         nproc = nproc or len(ids)
     nproc = nproc or max(present, 1)
     if present == 0 and nproc * config.nnodes > 1:
-        pass  # mutation
+        use_cpu_for_accelerate(nproc * config.nnodes)
     if config.max_restarts > 0:
         # Measured: with the rendezvous store shared with workers, restarted workers hang or fail in most runs.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"

@@ -11,13 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
+import multigpu as mg
 from multigpu import checkpoint
 from multigpu.errors import UsageError
 from multigpu.precision import Precision
 from multigpu.strategies import DeepSpeed, DeepSpeedOptions
 from tests.dist import multigpu, run_command, run_in_processes
-from tests.reference import Case, Outcome, TinyNet, train_reference
+from tests.reference import Case, Outcome, TinyNet, dataset, train_reference
 from tests.strategies.test_equivalence import assert_matches
 from tests.test_checkpoint import GLOBAL_BATCH, SAMPLES, STOP, samples_per_epoch
 
@@ -131,3 +133,41 @@ def test_without_deepspeed_one_sentence_says_how_to_install_it() -> None:
     code = "import sys; sys.modules['deepspeed'] = None; import multigpu as mg; mg.Engine(strategy='deepspeed')"
     result = run_command([sys.executable, "-c", code])
     assert result.returncode == 1 and "pip install 'multigpu[deepspeed]'" in result.stdout, result.stdout
+
+
+def train_with_offload(stage: int, offload_optimizer: bool, offload_param: bool) -> dict:
+    """One epoch of TinyNet under DeepSpeed; returns the trained weights (runs in each worker)."""
+    engine = mg.Engine(
+        strategy="deepspeed",
+        zero_stage=stage,
+        offload_optimizer=offload_optimizer,
+        offload_param=offload_param,
+        max_grad_norm=0.5,
+    )
+    model = TinyNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = engine.setup(model, optimizer)
+    for x, y in engine.dataloader(dataset(42), batch_size=2):
+        engine.backward(nn.functional.cross_entropy(model(x), y))
+        engine.step(optimizer)
+    return model_weights(engine, model)
+
+
+def model_weights(engine: mg.Engine, model: nn.Module) -> dict:
+    return {name: tensor.clone() for name, tensor in engine._strategy.model_state_dict(model).items()}
+
+
+def offload_variants() -> list[dict]:
+    return [train_with_offload(*variant) for variant in ((2, False, False), (2, True, False), (3, True, True))]
+
+
+def test_offload_trains_the_same_model() -> None:
+    """ZeRO-Offload moves states to CPU memory and the step there; the arithmetic must not change."""
+    plain, offload_optimizer, offload_both = run_in_processes(
+        "tests.strategies.test_deepspeed:offload_variants", 2, timeout=240
+    )[0]
+    for name, weight in plain.items():
+        assert torch.equal(weight, offload_optimizer[name]) and torch.equal(weight, offload_both[name]), name
+    torch.manual_seed(0)  # the Engine's seed: the weights training started from
+    initial = TinyNet().state_dict()
+    assert not any(torch.equal(plain[name], weight) for name, weight in initial.items()), "nothing trained"

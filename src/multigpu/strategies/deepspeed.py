@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -285,6 +286,8 @@ def import_deepspeed(env: DistEnv) -> Any:
     if chosen != wanted:
         raise UsageError(f"DS_ACCELERATOR={chosen} but this run is on {wanted}; unset DS_ACCELERATOR.")
     check_installed()
+    # DeepSpeed still calls a torch collective that torch has renamed; the notice is for DeepSpeed, not our users.
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated", category=FutureWarning)
     import deepspeed
 
     return deepspeed
