@@ -425,6 +425,11 @@ class Engine:
         self._pending_save = future
         return path
 
+    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """`model`'s trainable weights and buffers as checkpoints hold them (whole tensors, or DTensor shards under
+        FSDP2), keyed as in the unwrapped model. Every rank must call it: assembling them is a collective."""
+        return self._strategy.model_state_dict(model)
+
     def wait_for_checkpoint(self) -> None:
         """Blocks until a background save has finished (and re-raises its error, if it failed)."""
         if self._pending_save is not None:

@@ -130,3 +130,26 @@ def test_finetune_cli_resumes_and_merges(tmp_path: Path) -> None:
     assert (tmp_path / "run" / "merged" / "config.json").is_file()
     bad = multigpu("finetune", "--method", "full", "--merge")
     assert bad.returncode == 2 and "--merge merges an adapter" in bad.stdout
+
+
+def test_lora_under_deepspeed_zero3_writes_the_adapter_ddp_writes(tmp_path: Path) -> None:
+    data = write_text(tmp_path / "text.txt")
+    common = {"data": data, "method": "lora", "max_steps": 3, "resume": "none"}
+    adapters = {}
+    for strategy, options in (("ddp", {}), ("deepspeed", {"zero_stage": 3})):
+        ranks = run_in_processes(
+            "tests.recipes.test_finetune:train_and_probe",
+            2,
+            timeout=240,
+            multi_gpu=strategy,
+            save_dir=str(tmp_path / strategy),
+            **common,
+            **options,
+        )
+        from safetensors.torch import load_file
+
+        adapters[strategy] = load_file(Path(ranks[0]["output"]) / "adapter_model.safetensors")
+    assert set(adapters["ddp"]) == set(adapters["deepspeed"])
+    for name, weight in adapters["ddp"].items():
+        torch.testing.assert_close(adapters["deepspeed"][name], weight, atol=1e-5, rtol=1e-5)
+    assert any(w.abs().sum() > 0 for name, w in adapters["ddp"].items() if "lora_B" in name)

@@ -154,7 +154,7 @@ def train_with_offload(stage: int, offload_optimizer: bool, offload_param: bool)
 
 
 def model_weights(engine: mg.Engine, model: nn.Module) -> dict:
-    return {name: tensor.clone() for name, tensor in engine._strategy.model_state_dict(model).items()}
+    return {name: tensor.clone() for name, tensor in engine.model_state_dict(model).items()}
 
 
 def offload_variants() -> list[dict]:

@@ -105,8 +105,9 @@ def build(config: FinetuneConfig, engine: Engine) -> tuple[nn.Module, torch.opti
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The HF / peft model inside a DDP or DataParallel wrapper (FSDP2 keeps the module itself)."""
-    return model.module if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) else model
+    """The HF / peft model inside a DDP, DataParallel or DeepSpeed wrapper (FSDP2 keeps the module itself)."""
+    wrapped = isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel))
+    return model.module if wrapped or type(model).__name__ == "DeepSpeedEngine" else model
 
 
 @torch.no_grad()
@@ -143,8 +144,12 @@ def save_result(config: FinetuneConfig, engine: Engine, model: nn.Module, tokeni
     own save would read sharded storage and fail, or write an empty adapter.
     """
     out = Path(config.save_dir) / ("model" if config.method == "full" else "adapter")
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=config.method != "full")
-    state = get_model_state_dict(model, options=options)
+    if engine.strategy == "deepspeed":  # its checkpoint state is already whole: DeepSpeed assembles each tensor
+        state = engine.model_state_dict(model)
+    else:
+        frozen = config.method != "full"
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=frozen)
+        state = get_model_state_dict(model, options=options)
     if engine.is_main_process:
         unwrap(model).save_pretrained(out, state_dict=state)
         tokenizer.save_pretrained(out)
@@ -183,7 +188,8 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     if resume_from is not None:
         engine.load(resume_from, state)
         engine.print(f"resumed from {resume_from} at step {state['step']}")
-    trainable = sum(p.numel() for p in unwrap(model).parameters() if p.requires_grad)
+    # ZeRO-3 under DeepSpeed leaves each parameter empty outside forward; ds_numel is its real size.
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in unwrap(model).parameters() if p.requires_grad)
     engine.print(
         f"{data.source}: {len(data.train)} training / {len(data.validation)} validation sequences ({data.kind}), "
         f"{config.model} {config.method}: {trainable:,} trainable parameters; strategy {engine.strategy}, "
