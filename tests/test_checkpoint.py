@@ -42,7 +42,10 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Outcome]
 def test_resume_at_another_world_size_and_strategy(saved, strategy: str, nproc: int) -> None:
     path, first = saved
     case = Case(strategy, samples=SAMPLES, batch_size=GLOBAL_BATCH // nproc)
-    second = run(case, nproc, resume_from=str(path))
+    assert_resumed_exactly(first, run(case, nproc, resume_from=str(path)))
+
+
+def assert_resumed_exactly(first: list[Outcome], second: list[Outcome]) -> None:
     # Every sample of every epoch exactly once, across the interruption and the change of world size.
     for epoch, counts in samples_per_epoch(first, second).items():
         assert counts == Counter(range(SAMPLES)), f"epoch {epoch}: {counts}"

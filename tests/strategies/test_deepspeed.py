@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import json
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from multigpu.strategies import DeepSpeed, DeepSpeedOptions
 from tests.dist import multigpu, run_command, run_in_processes
 from tests.reference import Case, Outcome, TinyNet, dataset, train_reference
 from tests.strategies.test_equivalence import assert_matches
-from tests.test_checkpoint import GLOBAL_BATCH, SAMPLES, STOP, samples_per_epoch
+from tests.test_checkpoint import GLOBAL_BATCH, SAMPLES, STOP, assert_resumed_exactly
 
 MATRIX = [Case("deepspeed", "32", accum, zero_stage=stage) for stage, accum in itertools.product((1, 2, 3), (1, 4))] + [
     Case("deepspeed", "bf16-mixed", 2, zero_stage=stage) for stage in (1, 3)
@@ -54,15 +53,6 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Outcome]
     path = tmp_path_factory.mktemp("ckpt") / "step-4"
     case = Case("deepspeed", samples=SAMPLES, batch_size=GLOBAL_BATCH // 2, zero_stage=3)
     return path, run(case, 2, save_to=str(path), stop_after=STOP)
-
-
-def assert_resumed_exactly(first: list[Outcome], second: list[Outcome]) -> None:
-    for epoch, counts in samples_per_epoch(first, second).items():
-        assert counts == Counter(range(SAMPLES)), f"epoch {epoch}: {counts}"
-    want = train_reference(Case(samples=SAMPLES, batch_size=GLOBAL_BATCH), world_size=1)
-    assert first[0].grad_norms + second[0].grad_norms == pytest.approx(want.grad_norms, rel=1e-5)
-    for name, param in want.params.items():
-        assert (second[0].params[name] - param).abs().max().item() <= 1e-5, name
 
 
 @pytest.mark.parametrize(
