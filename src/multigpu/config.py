@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
+
+from multigpu.errors import UsageError
 
 T = TypeVar("T")
 
@@ -68,3 +72,14 @@ def config_to_argv(config: Any, skip: tuple[str, ...] = ()) -> list[str]:
         else:
             argv += [flag, str(value)]
     return argv
+
+
+def read_json(path: str | Path, how_to_get_it: str) -> Any:
+    """A user-given JSON file, or one sentence on what is wrong with it."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"{path} does not exist; {how_to_get_it}.")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise UsageError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}); fix it.") from None

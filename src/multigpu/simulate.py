@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from multigpu.config import read_json
 from multigpu.errors import UsageError
 
 if TYPE_CHECKING:
@@ -306,13 +307,7 @@ def load_calibration(path: str | Path) -> Links:
     gloo's reduce-scatter, the one FSDP calls, runs a whole all-reduce (the bench times a true reduce-scatter
     instead and notes it), so on gloo it is costed as the all-reduce it is: twice the hops and the bytes.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"{path} does not exist; write it with `multigpu bench --collectives` first.")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise UsageError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}).") from None
+    data = read_json(path, "write it with `multigpu bench --collectives` first")
     if not isinstance(data, dict) or not isinstance(data.get("results"), list) or "world_size" not in data:
         raise UsageError(f"{path} lacks world_size or a results list; use the file `multigpu bench` writes.")
     results, world = data["results"], data["world_size"]
@@ -438,9 +433,9 @@ def resolve(request: SimulateRequest) -> tuple[SimulateConfig, Link | None, Link
 def from_bench(path: Path, strategy: str) -> tuple[float, float, str]:
     """(seconds per step, units per device per step, unit) from a bench.json's 1-process cell: the strategy's own
     (bench --baseline same) where there is one, as it carries the strategy's overhead; else the single one."""
-    if not path.is_file():
-        raise UsageError(f"{path} does not exist; write it with `multigpu bench --nproc 1,...` first.")
-    cells = [c for c in json.loads(path.read_text())["cells"] if c["nproc"] == 1]
+    cells = [
+        c for c in read_json(path, "write it with `multigpu bench --nproc 1,...` first")["cells"] if c["nproc"] == 1
+    ]
     if not cells:
         raise UsageError(f"{path} has no 1-process cell; rerun bench with 1 in --nproc.")
     cell = next((c for c in cells if c["strategy"] == strategy), cells[0])

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import os
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from multigpu.config import read_json
 from multigpu.env import DistEnv
 from multigpu.errors import UsageError, require
 from multigpu.precision import Precision
@@ -296,15 +295,9 @@ def import_deepspeed(env: DistEnv) -> Any:
 def read_config(source: str | None) -> dict[str, Any]:
     if source is None:
         return {}
-    path = Path(source)
-    if not path.is_file():
-        raise UsageError(f"The DeepSpeed config {path} does not exist; pass the path of a JSON file.")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise UsageError(f"The DeepSpeed config {path} is not valid JSON ({error}); fix it.") from None
+    config = read_json(source, "pass the path of a DeepSpeed JSON config")
     if not isinstance(config, dict):
-        raise UsageError(f"The DeepSpeed config {path} must hold a JSON object; fix it.")
+        raise UsageError(f"The DeepSpeed config {source} must hold a JSON object; fix it.")
     return config
 
 
