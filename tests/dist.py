@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -37,10 +38,28 @@ def run_command(
         try:
             output, _ = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            # torchrun starts each worker in a session of its own: kill the whole tree, not only our group, or a
+            # surviving worker keeps the output pipe open and this test hangs after all.
+            for pid in [process.pid, *descendants(process.pid)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             output, _ = process.communicate()
             raise AssertionError(f"{' '.join(argv)} did not finish within {timeout}s; output:\n{output}") from None
     return subprocess.CompletedProcess(argv, process.returncode, output, None)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, children before grandchildren (read from /proc)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for child, parent in parents.items() if parent in frontier]
+        found += frontier
+    return found
 
 
 def multigpu(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

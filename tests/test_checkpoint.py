@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import random
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -111,3 +114,96 @@ def test_export_consolidates_a_sharded_checkpoint(saved) -> None:
     for name, tensor in params.items():
         assert torch.equal(tensor, first[0].params[name])
     TinyNet().load_state_dict(params)  # loads into the plain model
+
+
+def test_every_file_is_on_disk_before_the_rename_makes_the_checkpoint_exist(tmp_path: Path, monkeypatch) -> None:
+    # Files are known by inode rather than name: DCP syncs .metadata under a temporary name, then renames it.
+    events: list[tuple[str, tuple[int, int], str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        synced = os.fstat(fd)
+        events.append(("fsync", (synced.st_dev, synced.st_ino), os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(source: str | Path, target: str | Path) -> None:
+        moved = os.stat(source)
+        events.append(("replace", (moved.st_dev, moved.st_ino), f"{source} -> {target}"))
+        real_replace(source, target)
+
+    engine, state = single_engine_state(tmp_path)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    path = engine.save(tmp_path / "step-3", state)
+    monkeypatch.undo()
+
+    def inode(of: Path) -> tuple[int, int]:
+        return os.stat(of).st_dev, os.stat(of).st_ino
+
+    rename = next(i for i, (kind, what, _) in enumerate(events) if kind == "replace" and what == inode(path))
+    synced_at = {what: i for i, (kind, what, _) in enumerate(events[:rename]) if kind == "fsync"}
+    names = [name for _, _, name in events]
+    files = sorted(path.iterdir())
+    assert {checkpoint.OBJECTS, checkpoint.METADATA, "rng-rank0.pt"} <= {file.name for file in files}
+    for file in files:
+        assert inode(file) in synced_at, f"{file.name} was not synced before the rename: {names}"
+    last_file = max(synced_at[inode(file)] for file in files)
+    assert synced_at.get(inode(path), -1) > last_file, f"the directory was not synced after its files: {names}"
+    synced_after = [what for kind, what, _ in events[rename + 1 :] if kind == "fsync"]
+    assert inode(tmp_path) in synced_after, f"the rename itself was not synced: {names}"
+
+
+def test_a_crash_while_replacing_a_checkpoint_keeps_the_old_one(tmp_path: Path, monkeypatch) -> None:
+    engine, state = single_engine_state(tmp_path)
+    path = engine.save(tmp_path / "step-3", state)
+    real_replace = os.replace
+
+    def power_loss_at_the_rename(source: str | Path, target: str | Path) -> None:
+        if Path(source) == checkpoint.partial_path(path):
+            raise OSError("power loss")
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", power_loss_at_the_rename)
+    with pytest.raises(OSError, match="power loss"):
+        engine.save(path, {**state, "step": 4})
+    monkeypatch.undo()
+    kept = [old for old in tmp_path.iterdir() if old != checkpoint.partial_path(path) and old.is_dir()]
+    assert len(kept) == 1, f"the old checkpoint is gone: {sorted(tmp_path.iterdir())}"
+    _, fresh = single_engine_state(tmp_path)
+    engine.load(kept[0], fresh)
+    assert fresh["step"] == 3
+
+
+def test_rng_files_written_by_earlier_versions_still_load(tmp_path: Path) -> None:
+    engine, state = single_engine_state(tmp_path)
+    path = engine.save(tmp_path / "step-3", state)
+    old_style = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    torch.save(old_style, path / "rng-rank0.pt")
+    numpy_next, python_next = np.random.rand(3), random.random()
+    np.random.seed(7)
+    random.seed(7)
+    engine.load(path, state)
+    assert np.array_equal(np.random.rand(3), numpy_next)
+    assert random.random() == python_next
+
+
+class CreatesAFile:
+    """A pickle that runs code when loaded: what a checkpoint from a stranger may hold."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (self.marker,)
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_without_running_it(tmp_path: Path) -> None:
+    engine, state = single_engine_state(tmp_path)
+    path = engine.save(tmp_path / "step-3", state)
+    marker = tmp_path / "code-ran"
+    torch.save(CreatesAFile(marker), path / checkpoint.OBJECTS)
+    with pytest.raises(
+        mg.UsageError, match=r"objects\.pt holds .*pathlib\.Path\b.*if you trust the file.*add_safe_globals"
+    ):
+        engine.load(path, state)
+    assert not marker.exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import torch
@@ -133,3 +134,46 @@ def test_count_gives_the_token_mean_over_the_global_batch_and_the_monitor_logs(t
         # times 2 micro-steps and 2 ranks.
         assert records[0]["perf/flops_per_step"] == 144 * 2 * 2
         assert records[0]["perf/mfu"] > 0
+
+
+def overflow_once(strategy: str) -> dict:
+    """Four fp16-mixed steps, the second with an infinite loss: the scaler must skip it, and the schedule wait."""
+    engine = mg.Engine(strategy=strategy, precision="fp16-mixed")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = engine.setup(model, optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    lrs, applied, weights = [], [], []
+    for step in range(4):
+        loss = model(torch.ones(3, 4)).float().pow(2).mean()
+        engine.backward(loss * float("inf") if step == 1 else loss)
+        assert engine.step(optimizer, scheduler)  # every step ends its window, applied or not
+        applied.append(engine.last_step_applied)
+        lrs.append(scheduler.get_last_lr()[0])
+        weights.append(_full(engine.model_state_dict(model)["weight"]).detach().clone())
+    same = [torch.equal(before, after) for before, after in itertools.pairwise(weights)]
+    return {"applied": applied, "skipped": engine.skipped_steps, "lrs": lrs, "unchanged": same}
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def overflow_once_each(strategies: list[str]) -> list[dict]:
+    return [overflow_once(strategy) for strategy in strategies]
+
+
+def assert_skipped_second_step(result: dict) -> None:
+    assert result["applied"] == [True, False, True, True] and result["skipped"] == 1
+    assert result["lrs"] == [0.05, 0.05, 0.025, 0.0125]  # the skipped step did not advance the schedule
+    assert result["unchanged"] == [True, False, False]  # step 2 left the weights as step 1 did
+
+
+def test_fp16_overflow_skips_the_step_and_the_schedule_waits() -> None:
+    assert_skipped_second_step(overflow_once("single"))
+    strategies = ["ddp", "zero3"]
+    results = run_in_processes("tests.test_engine:overflow_once_each", 2, timeout=120, strategies=strategies)
+    for per_rank in results:
+        for result in per_rank:
+            assert_skipped_second_step(result)

@@ -38,6 +38,12 @@ def test_fails_per_rank_randomness_and_per_rank_token_means(bug: str) -> None:
     assert report["steps"][0]["relative_diff"] > 5 * report["loss_tolerance"]
 
 
-def test_refuses_one_process() -> None:
+def test_refuses_one_process_compared_with_itself() -> None:
     result = multigpu("verify", "--nproc", "1", SCRIPT)
-    assert result.returncode == 2 and "--nproc must be 2 or more" in result.stdout
+    assert result.returncode == 2 and "--nproc 1 compares one process with itself" in result.stdout
+
+
+def test_one_process_under_a_strategy_against_the_plain_run() -> None:
+    """What one GPU can check: the strategy's wrapping and precision path in a group of one."""
+    code, report = verify("--nproc", "1", "--strategy", "zero3")
+    assert code == 0 and report["passed"] and report["strategy"] == "zero3", report

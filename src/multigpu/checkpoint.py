@@ -4,13 +4,15 @@ A checkpoint is a directory:
   .metadata, __*_*.distcp   model and optimizer tensors, each rank writing its own shards (DCP)
   objects.pt                everything else in the state (schedulers, the loader's position, counters), rank 0
   rng-rank<R>.pt            each rank's random number generator states
-It is written under `.<name>.partial` and renamed to `<name>` only when every part is on disk, so a crash during a
-save never leaves something that resume would pick up.
+It is written under `.<name>.partial` and renamed to `<name>` only when every part is synced to disk, so a crash or
+a power loss during a save never leaves something that resume would pick up. Loading builds only tensors and plain
+data (torch.load's weights_only), so a checkpoint from someone else cannot run code.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import re
 import shutil
@@ -49,6 +51,38 @@ def partial_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.partial")
 
 
+def _replaced_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.replaced")
+
+
+def _fsync(path: Path) -> None:
+    """Forces `path` to disk: a file's bytes, or a directory's entries (the files created and renamed in it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_synced(obj: Any, file: Path) -> None:
+    torch.save(obj, file)
+    _fsync(file)
+
+
+def _load_data(file: Path) -> Any:
+    """torch.load restricted to tensors and plain data; a refused global becomes a sentence that says what to do."""
+    try:
+        return torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as refusal:
+        refused = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(file))
+        if not refused:
+            raise  # damaged rather than refused: torch's own message says more
+        raise UsageError(
+            f"{file} holds {', '.join(refused)}, which loading refuses to build because unpickling could run code; "
+            "if you trust the file, allow-list the types with torch.serialization.add_safe_globals before loading."
+        ) from refusal
+
+
 def _owner(optimizer: torch.optim.Optimizer, modules: dict[str, nn.Module], strategy: Strategy) -> nn.Module:
     """The module whose parameters `optimizer` updates (DCP keys optimizer states by parameter names)."""
     for module in modules.values():
@@ -58,18 +92,22 @@ def _owner(optimizer: torch.optim.Optimizer, modules: dict[str, nn.Module], stra
 
 
 def split_state(
-    state: dict[str, Any], strategy: Strategy
+    state: dict[str, Any], strategy: Strategy, loading: bool = False
 ) -> tuple[dict[str, Any], dict[str, Any], list[Callable[[dict[str, Any]], None]]]:
-    """Tensors for DCP, everything else for objects.pt, and the calls that put loaded tensors back."""
+    """Tensors for DCP (to write, or with `loading` to read into), everything else for objects.pt, and the calls
+    that put loaded tensors back."""
     modules = {key: value for key, value in state.items() if isinstance(value, nn.Module)}
     tensors, objects, restore = {}, {}, []
     for key, value in state.items():
         if isinstance(value, nn.Module):
-            tensors[key] = strategy.model_state_dict(value)
+            tensors[key] = strategy.model_state_to_load(value) if loading else strategy.model_state_dict(value)
             restore.append(lambda loaded, key=key, value=value: strategy.load_model_state_dict(value, loaded[key]))
         elif isinstance(value, torch.optim.Optimizer):
             model = _owner(value, modules, strategy)
-            tensors[key] = strategy.optimizer_state_dict(model, value)
+            if loading:
+                tensors[key] = strategy.optimizer_state_to_load(model, value)
+            else:
+                tensors[key] = strategy.optimizer_state_dict(model, value)
             restore.append(
                 lambda loaded, key=key, model=model, value=value: strategy.load_optimizer_state_dict(
                     model, value, loaded[key]
@@ -80,6 +118,18 @@ def split_state(
         else:
             objects[key] = value
     return tensors, objects, restore
+
+
+# numpy's RNG state is a tuple holding a uint32 array; unpickling it takes these globals. The array's reconstructor
+# moved from numpy.core to numpy._core in numpy 2 (an array's reduce names it in either); numpy 1's files use the old.
+_reconstruct_array = np.empty(0).__reduce__()[0]
+NUMPY_RNG_GLOBALS = [
+    np.ndarray,
+    np.dtype,
+    np.dtypes.UInt32DType,
+    _reconstruct_array,
+    (_reconstruct_array, "numpy.core.multiarray._reconstruct"),
+]
 
 
 def rng_state() -> dict[str, Any]:
@@ -106,22 +156,25 @@ def begin_save(path: Path, state: dict[str, Any], strategy: Strategy) -> tuple[P
         tmp.mkdir(parents=True)
     _barrier()
     if _rank() == 0:
-        torch.save(objects, tmp / OBJECTS)
-    torch.save(rng_state(), tmp / f"rng-rank{_rank()}.pt")
+        _save_synced(objects, tmp / OBJECTS)
+    _save_synced(rng_state(), tmp / f"rng-rank{_rank()}.pt")
     return tmp, tensors
 
 
 def commit(path: Path) -> None:
-    """Rank 0 only, once every rank's data is on disk: the rename that makes the checkpoint exist."""
-    tmp = partial_path(path)
+    """Rank 0 only, once every rank's files are written and synced: the rename that makes the checkpoint exist.
+
+    A checkpoint already at `path` is moved aside and removed only once the new one is in place, so a crash at any
+    moment leaves a complete checkpoint on disk (between the two renames, the old one as `.<name>.replaced`).
+    """
+    tmp, replaced = partial_path(path), _replaced_path(path)
+    _fsync(tmp)  # the names of its files; their bytes are synced by whoever wrote them (DCP: sync_files=True)
     if path.exists():
-        shutil.rmtree(path)
+        shutil.rmtree(replaced, ignore_errors=True)  # left by a crash after an earlier commit of this name
+        os.replace(path, replaced)
     os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself must survive a power loss
-    finally:
-        os.close(fd)
+    _fsync(path.parent)  # the rename itself must survive a power loss
+    shutil.rmtree(replaced, ignore_errors=True)
 
 
 def save(path: str | Path, state: dict[str, Any], strategy: Strategy) -> Path:
@@ -173,12 +226,12 @@ def load(path: str | Path, state: dict[str, Any], strategy: Strategy) -> None:
     """Restores `state` in place: modules and optimizers from DCP, stateful objects, plain values and RNG."""
     path = Path(path)
     check_checkpoint(path)
-    tensors, _, restore = split_state(state, strategy)
+    tensors, _, restore = split_state(state, strategy, loading=True)
     _check_shapes(path, tensors)
     dcp.load(tensors, checkpoint_id=path)
     for put_back in restore:
         put_back(tensors)
-    objects = torch.load(path / OBJECTS, weights_only=False)
+    objects = _load_data(path / OBJECTS)
     for key, value in state.items():
         if isinstance(value, (nn.Module, torch.optim.Optimizer)):
             continue
@@ -190,7 +243,8 @@ def load(path: str | Path, state: dict[str, Any], strategy: Strategy) -> None:
             state[key] = objects[key]
     rng = path / f"rng-rank{_rank()}.pt"
     if rng.is_file():  # a rank that did not exist when the checkpoint was written keeps its seeded streams
-        set_rng_state(torch.load(rng, weights_only=False))
+        with torch.serialization.safe_globals(NUMPY_RNG_GLOBALS):
+            set_rng_state(_load_data(rng))
 
 
 def list_checkpoints(directory: Path) -> list[Path]:

@@ -44,7 +44,14 @@ def check_engine_config(config: EngineConfig, nproc: int) -> None:
     """Refuses, before any process starts, what the Engine would refuse in every worker."""
     env = DistEnv(world_size=nproc, local_world_size=nproc)
     options = DeepSpeedOptions.of(config)
-    strategy = resolve_strategy(config.strategy, env, config.cpu_offload, lambda _: None, options)
+    strategy = resolve_strategy(
+        config.strategy,
+        env,
+        config.cpu_offload,
+        lambda _: None,
+        options,
+        unsharded_grad_accum=config.unsharded_grad_accum,
+    )
     if isinstance(strategy, DeepSpeed):
         strategy.config(Precision(config.precision), env.device)
     if config.backend is not None:
@@ -69,9 +76,16 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
     if "RANK" in os.environ:  # already under torchrun / multigpu run / accelerate launch
         run(config)
         return 0
-    nproc = config.nproc or (len(config.gpu_ids.split(",")) if config.gpu_ids else 1)
+    named_gpus = [part for part in (config.gpu_ids or "").split(",") if part.strip()]
+    nproc = config.nproc or len(named_gpus) or 1
     options = asdict(DeepSpeedOptions.of(config))
-    check_engine_config(EngineConfig(strategy=config.multi_gpu, precision=config.precision, **options), nproc)
+    engine_config = EngineConfig(
+        strategy=config.multi_gpu,
+        precision=config.precision,
+        unsharded_grad_accum=config.unsharded_grad_accum,
+        **options,
+    )
+    check_engine_config(engine_config, nproc)
     check()
     restarts = getattr(config, "max_restarts", 0)
     if nproc == 1 and config.gpu_ids is None and restarts == 0:
@@ -93,10 +107,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
+    from multigpu.recipes import lm_data, lm_models
     from multigpu.recipes.finetune import FinetuneConfig, finetune
 
     config = config_from_args(FinetuneConfig, args)
-    return run_recipe(config, "multigpu.recipes.finetune", finetune, lambda: resolve_resume(config))
+
+    def check() -> None:
+        lm_models.check(config.model)
+        lm_data.check(config.data)
+        resolve_resume(config)
+
+    return run_recipe(config, "multigpu.recipes.finetune", finetune, check)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

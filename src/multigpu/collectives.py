@@ -112,7 +112,7 @@ def _prepare(op: str, total_bytes: int, device: torch.device) -> tuple[Callable[
     # Slot j of every rank's input holds j + 1, so rank r must receive world * (r + 1).
     full = torch.arange(1, world + 1, device=device, dtype=torch.float32).repeat_interleave(shard)
     mine = torch.empty(shard, device=device)
-    if dist.get_backend() != "gloo":
+    if "nccl" in dist.get_backend():
         return lambda: REDUCE_SCATTER(mine, full), lambda: bool((mine == world * (rank + 1)).all())
     received = torch.empty(count, device=device)
 
@@ -153,7 +153,8 @@ def run_worker(out: str, config: CollectivesConfig) -> None:
     """In each launched process: every op at every size; rank 0 writes the results to `out`."""
     env = DistEnv.from_environ()
     init_process_group(env, env.default_backend(), timedelta(minutes=5))
-    world, backend = dist.get_world_size(), dist.get_backend()
+    # GPU tensors go through NCCL; the gloo beside it (see multigpu.env.group_backend) only serves CPU tensors.
+    world, backend = dist.get_world_size(), "nccl" if "nccl" in dist.get_backend() else dist.get_backend()
     results = [
         measure(op, size, config.iterations, config.warmup, env.device)
         for op in config.op_list

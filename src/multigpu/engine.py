@@ -19,12 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset
 from torch.utils.flop_counter import FlopCounterMode
 
 from multigpu import checkpoint, harness
 from multigpu.data import Batch, DistributedLoader
-from multigpu.env import BACKENDS, DistEnv, check_backend, init_process_group
+from multigpu.env import BACKENDS, DistEnv, check_backend, collective_device, init_process_group
 from multigpu.errors import UsageError
 from multigpu.monitor import MetricsLog, StepMonitor, peak_memory_bytes
 from multigpu.planner import choose_strategy
@@ -33,6 +34,11 @@ from multigpu.progress import Progress
 from multigpu.strategies import STRATEGIES, Strategy, resolve_strategy
 from multigpu.strategies.deepspeed import DeepSpeedOptions
 
+UNSHARDED_GRAD_ACCUM_HELP = (
+    "zero2/zero3: accumulate whole gradients locally and reduce-scatter once per optimizer step (less "
+    "communication, a full gradient per rank) instead of on every micro-step"
+)
+PEAK_TFLOPS_HELP = "the device's dense peak TFLOPS for MFU (default: looked up by the GPU's exact name)"
 REDUCE_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
@@ -46,6 +52,7 @@ class EngineConfig(DeepSpeedOptions):
     max_grad_norm: float | None = field(default=None, metadata={"help": "clip the global gradient norm to this"})
     seed: int = field(default=0, metadata={"help": "seed for model init and data order (the same on every rank)"})
     cpu_offload: bool = field(default=False, metadata={"help": "keep zero3's sharded parameters in CPU memory"})
+    unsharded_grad_accum: bool = field(default=False, metadata={"help": UNSHARDED_GRAD_ACCUM_HELP})
     backend: str | None = field(
         default=None,
         metadata={"help": "process-group backend (default: nccl on GPUs, gloo on CPU)", "choices": BACKENDS},
@@ -55,9 +62,7 @@ class EngineConfig(DeepSpeedOptions):
         default=0, metadata={"help": "report memory, throughput and MFU every N optimizer steps (0: never)"}
     )
     log_dir: str | None = field(default=None, metadata={"help": "also write those reports as JSONL and TensorBoard"})
-    peak_tflops: float | None = field(
-        default=None, metadata={"help": "the device's peak TFLOPS for MFU (default: looked up by GPU name)"}
-    )
+    peak_tflops: float | None = field(default=None, metadata={"help": PEAK_TFLOPS_HELP})
 
     def __post_init__(self) -> None:
         # Strategy names are checked where they are resolved (resolve_strategy), precisions by Precision.
@@ -95,6 +100,7 @@ class Engine:
         max_grad_norm: float | None = None,
         seed: int = 0,
         cpu_offload: bool = False,
+        unsharded_grad_accum: bool = False,
         backend: str | None = None,
         timeout_s: float = 1800.0,
         log_every: int = 0,
@@ -120,6 +126,7 @@ class Engine:
             max_grad_norm=max_grad_norm,
             seed=seed,
             cpu_offload=cpu_offload,
+            unsharded_grad_accum=unsharded_grad_accum,
             backend=backend,
             timeout_s=timeout_s,
             log_every=log_every,
@@ -128,7 +135,13 @@ class Engine:
         )
         self.env = DistEnv.from_environ()
         self._strategy = resolve_strategy(
-            strategy, self.env, cpu_offload, say=self.print, deepspeed=deepspeed, max_grad_norm=max_grad_norm
+            strategy,
+            self.env,
+            cpu_offload,
+            say=self.print,
+            deepspeed=deepspeed,
+            max_grad_norm=max_grad_norm,
+            unsharded_grad_accum=unsharded_grad_accum,
         )
         self._auto_pending = strategy == "auto" and self.env.is_distributed
         self.precision = Precision(precision)
@@ -149,6 +162,8 @@ class Engine:
         self._train_loader: DistributedLoader | None = None  # the loader whose batches backward last saw
         self._printed_batch_size = False
         self.last_grad_norm: float | None = None
+        self.last_step_applied = True  # False after a step that fp16 loss scaling skipped
+        self.skipped_steps = 0  # optimizer steps skipped so far for inf/nan gradients (fp16-mixed)
         self._progress = Progress(self.rank, self.world_size, timeout_s)
         self._pending_save: Future | None = None
         self._checkpoint_group: dist.ProcessGroup | None = None
@@ -220,7 +235,7 @@ class Engine:
                 "grad_accum_steps": self.config.grad_accum_steps,
                 "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             }
-            self._recorder.dump_params("initial_params", model, self._strategy.model_state_dict)
+            self._recorder.dump_params("initial_params", model, self._trained_state)
         self._mark = self._step_end = time.perf_counter()
         return model, optimizer
 
@@ -239,9 +254,17 @@ class Engine:
             gpu_bytes=memory,
             precision=self.precision.name,
             offload_possible=self.device.type == "cuda",
+            grad_accum_steps=self.config.grad_accum_steps,
+            unsharded_grad_accum=self.config.unsharded_grad_accum,
         )
         self.print(f"strategy auto -> {name}: {reason}")
-        return resolve_strategy("zero3" if name == "zero3+offload" else name, self.env, name == "zero3+offload")
+        fsdp = name.startswith("zero2") or name.startswith("zero3")
+        return resolve_strategy(
+            "zero3" if name == "zero3+offload" else name,
+            self.env,
+            name == "zero3+offload",
+            unsharded_grad_accum=fsdp and self.config.unsharded_grad_accum,
+        )
 
     def dataloader(
         self,
@@ -290,8 +313,9 @@ class Engine:
 
     @contextlib.contextmanager
     def accumulate(self, model: nn.Module) -> Iterator[None]:
-        """Skips gradient communication on every micro-step but the last of an accumulation window."""
-        if self._syncs_now():
+        """Skips gradient communication on every micro-step but the last of an accumulation window, where the
+        strategy accumulates that way (zero2/zero3 reduce-scatter every micro-step unless unsharded_grad_accum)."""
+        if self._syncs_now() or not self._strategy.accumulates_unsynced:
             yield
         else:
             with self._strategy.no_sync(model):
@@ -337,8 +361,14 @@ class Engine:
             self._flop_counter, self._count_flops = None, False
         self._mark = time.perf_counter()
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """On the last micro-step: unscale, clip, step, zero the gradients and return True; else False."""
+    def step(self, optimizer: torch.optim.Optimizer, scheduler: LRScheduler | None = None) -> bool:
+        """On the last micro-step of a window: unscale, clip, step, zero the gradients, advance `scheduler` and
+        return True; on the others, return False.
+
+        fp16-mixed skips the update of a step whose gradients overflowed (the loss scale is lowered instead): that
+        step still ends its window and returns True, but leaves `scheduler` where it was, so the learning-rate
+        schedule follows the updates that happened. `skipped_steps` counts such steps.
+        """
         syncs = self._syncs_now()
         self._batch = None
         if not syncs:
@@ -347,9 +377,16 @@ class Engine:
         self._micro_steps = 0
         with self._progress.diagnose("optimizer step"):
             count, loss = self._window_totals()
-            norm = self._strategy.optimizer_step(self._model, optimizer, self._scaler, count, self.config.max_grad_norm)
-            if norm is not None:
-                self.last_grad_norm = norm
+            outcome = self._strategy.optimizer_step(
+                self._model, optimizer, self._scaler, count, self.config.max_grad_norm
+            )
+        if outcome.grad_norm is not None:
+            self.last_grad_norm = outcome.grad_norm
+        self.last_step_applied = outcome.applied
+        if not outcome.applied:
+            self.skipped_steps += 1
+        elif scheduler is not None:
+            scheduler.step()
         self._end_window(count, loss)
         return True
 
@@ -361,7 +398,7 @@ class Engine:
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         totals = torch.stack([zero if t is None else t for t in (window.count, window.loss)])
         if self._grouped:
-            totals = totals.to(self._comm_device())
+            totals = totals.to(collective_device(self.device))
             with self._progress.diagnose("step totals"):
                 dist.all_reduce(totals)
         count, loss = totals.tolist()
@@ -392,7 +429,10 @@ class Engine:
 
     def _finish_harness(self) -> None:
         if self._recorder is not None:
-            self._recorder.finish(self._model, self._strategy.model_state_dict, peak_memory_bytes(self.device))
+            self._recorder.finish(self._model, self._trained_state, peak_memory_bytes(self.device))
+
+    def _trained_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return self._strategy.full_state_dict(model, trainable_only=True)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def save(
@@ -426,9 +466,17 @@ class Engine:
         return path
 
     def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """`model`'s trainable weights and buffers as checkpoints hold them (whole tensors, or DTensor shards under
-        FSDP2), keyed as in the unwrapped model. Every rank must call it: assembling them is a collective."""
+        """What this rank writes of `model` into a checkpoint: its trainable weights and buffers, keyed as in the
+        unwrapped model (whole tensors, DTensor shards under FSDP2, or this rank's share of the whole tensors under
+        DeepSpeed). Every rank must call it: assembling them is a collective."""
         return self._strategy.model_state_dict(model)
+
+    def full_state_dict(self, model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+        """`model`'s whole weights and buffers (frozen weights left out with `trainable_only`) on rank 0's CPU, an
+        empty dict on the other ranks, keyed as in the unwrapped model: for writing a model or adapter out.
+        Assembled one tensor at a time, so no device holds more than one whole tensor besides its own shard.
+        Every rank must call it."""
+        return self._strategy.full_state_dict(model, trainable_only)
 
     def wait_for_checkpoint(self) -> None:
         """Blocks until a background save has finished (and re-raises its error, if it failed)."""
@@ -449,9 +497,6 @@ class Engine:
     def _grouped(self) -> bool:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
-    def _comm_device(self) -> torch.device:
-        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-
     def reduce(self, value: float | torch.Tensor, op: str = "mean") -> float | torch.Tensor:
         """`value` combined over all ranks ("mean", "sum" or "max"), returned on every rank as the same type."""
         if op not in REDUCE_OPS:
@@ -460,7 +505,7 @@ class Engine:
             return value
         is_tensor = isinstance(value, torch.Tensor)
         tensor = value.detach() if is_tensor else torch.tensor(float(value), dtype=torch.float64)
-        work = tensor.to(self._comm_device(), copy=True)
+        work = tensor.to(collective_device(self.device), copy=True)
         with self._progress.diagnose("reduce"):
             dist.all_reduce(work, op=REDUCE_OPS[op])
         if op == "mean":
@@ -492,7 +537,7 @@ class Engine:
 
     def _all_gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenates every rank's rows, which may differ in number by rank."""
-        world, device = dist.get_world_size(), self._comm_device()
+        world, device = dist.get_world_size(), collective_device(self.device)
         local = tensor.detach().to(device)
         sizes = [torch.zeros((), dtype=torch.long, device=device) for _ in range(world)]
         dist.all_gather(sizes, torch.tensor(len(local), device=device))

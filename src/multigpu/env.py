@@ -153,8 +153,21 @@ def init_process_group(env: DistEnv, backend: str, timeout: timedelta) -> None:
         init_method = f"tcp://127.0.0.1:{free_port()}"
     else:
         init_method = f"tcp://{env.master_addr}:{env.master_port}"
-    dist.init_process_group(backend, init_method=init_method, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    dist.init_process_group(
+        group_backend(backend), init_method=init_method, rank=env.rank, world_size=env.world_size, timeout=timeout
+    )
     atexit.register(destroy_process_groups)
+
+
+def group_backend(backend: str) -> str:
+    """The backend string for init_process_group: NCCL serves GPU tensors only, so gloo serves the CPU ones beside it
+    (zero3's offloaded shards and their gradient norm, checkpoints' background writes, one-process groups)."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
+def collective_device(device: torch.device) -> torch.device:
+    """Where a tensor for a collective of the default group must be: this GPU under NCCL, else the CPU."""
+    return device if device.type == "cuda" and "nccl" in dist.get_backend() else torch.device("cpu")
 
 
 def destroy_process_groups() -> None:

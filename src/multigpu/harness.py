@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from multigpu.errors import UsageError
 
@@ -89,11 +88,9 @@ class Recorder:
         """Rank 0 writes the full parameters to DIR/`name`.pt. Collective under sharding: every rank calls it."""
         if not self.harness.dump_params:
             return
-        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state_dict(model).items()}
+        full = state_dict(model)  # whole tensors on rank 0's CPU
         if self.rank == 0:
-            torch.save(
-                {k: v.detach().float().cpu() for k, v in full.items()}, Path(self.harness.directory, f"{name}.pt")
-            )
+            torch.save({k: v.float() for k, v in full.items()}, Path(self.harness.directory, f"{name}.pt"))
 
     def finish(self, model: torch.nn.Module | None, state_dict: Callable, peak_memory: int) -> None:
         """Writes this rank's records, and the final parameters. Every rank calls it."""

@@ -16,6 +16,7 @@ from torch.distributed.run import run as torch_run
 
 from multigpu.env import free_port
 from multigpu.errors import UsageError
+from multigpu.progress import explain_nccl_timeout, nccl_watchdog_environment, read_nccl_traces
 from multigpu.worker import EXIT_DIR
 
 
@@ -26,7 +27,10 @@ class LaunchConfig:
     )
     gpu_ids: str | None = field(
         default=None,
-        metadata={"help": "comma-separated GPU indices to use, e.g. 0,1,3 (sets CUDA_VISIBLE_DEVICES)"},
+        metadata={
+            "help": "comma-separated GPU indices to use, e.g. 0,1,3, counted among the GPUs CUDA_VISIBLE_DEVICES "
+            "already exposes if it is set (sets CUDA_VISIBLE_DEVICES)"
+        },
     )
     nnodes: int = field(default=1, metadata={"help": "number of machines"})
     node_rank: int = field(default=0, metadata={"help": "this machine's index, 0..nnodes-1"})
@@ -47,7 +51,8 @@ class LaunchConfig:
             raise UsageError("Several nodes need the same --master-port on every node; pass e.g. --master-port 29500.")
 
 
-def parse_gpu_ids(gpu_ids: str, present: int) -> list[int]:
+def parse_gpu_ids(gpu_ids: str, present: int, where: str = "this machine has") -> list[int]:
+    """The indices in --gpu-ids, each checked against the `present` GPUs torch sees (`where` says whose count)."""
     try:
         ids = [int(part) for part in gpu_ids.split(",") if part.strip()]
     except ValueError:
@@ -55,12 +60,43 @@ def parse_gpu_ids(gpu_ids: str, present: int) -> list[int]:
     absent = [i for i in ids if not 0 <= i < present]
     if not ids or absent:
         raise UsageError(
-            f"--gpu-ids {gpu_ids} names GPUs that are not present (this machine has {present}: "
+            f"--gpu-ids {gpu_ids} names GPUs that are not present ({where} {present}: "
             f"{', '.join(map(str, range(present))) or 'none'}); choose among those."
         )
     if len(set(ids)) != len(ids):
         raise UsageError(f"--gpu-ids {gpu_ids} names a GPU twice; list each GPU once.")
     return ids
+
+
+def select_gpus(config: LaunchConfig, present: int, cuda_visible_devices: str | None) -> tuple[int, str | None]:
+    """The processes to start on this node, and the CUDA_VISIBLE_DEVICES to give them (None: leave it as it is).
+
+    `present` is torch.cuda.device_count(), which counts only what `cuda_visible_devices` (the variable as the
+    user left it) exposes; --gpu-ids index those GPUs, so with CUDA_VISIBLE_DEVICES=2,3, --gpu-ids 1 is GPU 3.
+    """
+    if cuda_visible_devices is None:
+        visible, where = [str(index) for index in range(present)], "this machine has"
+    else:
+        # CUDA stops at the first entry it cannot use, so the GPUs torch counts are the first `present` entries.
+        # They are kept verbatim: an index, a GPU-<uuid> or a MIG-<uuid> each means something only to CUDA.
+        visible = [entry.strip() for entry in cuda_visible_devices.split(",")][:present]
+        where = f"CUDA_VISIBLE_DEVICES={cuda_visible_devices} leaves"
+    if config.gpu_ids is None:
+        selected, usable = None, present
+        gpus = f"the {present} GPU{'s' if present != 1 else ''} {where}"
+    else:
+        ids = parse_gpu_ids(config.gpu_ids, present, where)
+        selected, usable = ",".join(visible[i] for i in ids), len(ids)
+        gpus = f"the {usable} GPU{'s' if usable != 1 else ''} --gpu-ids {config.gpu_ids} names"
+    nproc = config.nproc or max(usable, 1)
+    # Without GPUs the workers run on CPU, as many as asked. With GPUs, two processes on one GPU make NCCL fail
+    # on a duplicate device, or share it silently under gloo.
+    if present and nproc > usable:
+        raise UsageError(
+            f"--nproc {nproc} starts more processes than {gpus}, and each needs a GPU of its own; "
+            f"pass --nproc {usable}{' or fewer' if usable > 1 else ''}."
+        )
+    return nproc, selected
 
 
 def torchrun_argv(
@@ -88,12 +124,9 @@ def launch(config: LaunchConfig, target: list[str], module: bool = False, harnes
     Returns the exit code of the first worker that failed, 0 if all succeeded.
     """
     present = torch.cuda.device_count()
-    nproc = config.nproc
-    if config.gpu_ids is not None:
-        ids = parse_gpu_ids(config.gpu_ids, present)
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, ids))
-        nproc = nproc or len(ids)
-    nproc = nproc or max(present, 1)
+    nproc, visible_devices = select_gpus(config, present, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if visible_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     if present == 0 and nproc * config.nnodes > 1:
         use_cpu_for_accelerate(nproc * config.nnodes)
     if config.max_restarts > 0:
@@ -103,6 +136,9 @@ def launch(config: LaunchConfig, target: list[str], module: bool = False, harnes
     args = get_args_parser().parse_args(torchrun_argv(config, nproc, target, module, harness_dir))
     with tempfile.TemporaryDirectory(prefix="multigpu-exits-") as exits:
         os.environ[EXIT_DIR] = exits
+        if present:
+            for name, value in nccl_watchdog_environment(Path(exits)).items():
+                os.environ.setdefault(name, value)
         try:
             torch_run(args)
         except ChildFailedError as error:
@@ -166,4 +202,7 @@ def report_failure(error: ChildFailedError, exits: Path) -> int:
     print(
         f"multigpu run: worker rank {rank} (pid {failure.pid}) {how}{also}; errors are printed above.", file=sys.stderr
     )
+    stuck = explain_nccl_timeout(read_nccl_traces(exits))
+    if stuck is not None:
+        print(f"multigpu run: {stuck}", file=sys.stderr)
     return code

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class MetricsLog:
@@ -39,32 +39,58 @@ def peak_memory_bytes(device: Any) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-# Dense (no sparsity) peak TFLOPS from NVIDIA's datasheets: (16-bit tensor cores, TF32 tensor cores, plain FP32).
-# Matched against torch.cuda.get_device_name() in this order, so the more specific names come first.
-PEAK_TFLOPS: dict[str, tuple[float, float, float]] = {
-    "H200": (989.4, 494.7, 66.9),
-    "H100 PCIe": (756.0, 378.0, 51.2),
-    "H100": (989.4, 494.7, 66.9),  # SXM
-    "A100": (312.0, 156.0, 19.5),
-    "L40S": (362.0, 183.0, 91.6),
-    "L4": (121.0, 60.0, 30.3),
-    "A10": (125.0, 62.5, 31.2),
-    "V100": (125.0, 15.7, 15.7),  # fp16 tensor cores; no bf16 or TF32
-    "T4": (65.0, 8.1, 8.1),
-    "RTX 4090": (165.2, 82.6, 82.6),
+class PeakTflops(NamedTuple):
+    """One card's dense (no sparsity) peak TFLOPS; None where it has no tensor cores for the format."""
+
+    fp16: float  # tensor cores, FP32 accumulation
+    bf16: float | None
+    tf32: float | None
+    fp32: float  # plain FP32, without tensor cores
+
+
+HOPPER_SXM = PeakTflops(fp16=989.4, bf16=989.4, tf32=494.7, fp32=66.9)
+AMPERE_A100 = PeakTflops(fp16=312.0, bf16=312.0, tf32=156.0, fp32=19.5)
+VOLTA_V100_SXM2 = PeakTflops(fp16=125.0, bf16=None, tf32=None, fp32=15.7)
+
+# Keyed by the exact names torch.cuda.get_device_name() returns: a substring would lend "NVIDIA H100 NVL" the SXM
+# card's figures, "NVIDIA A10G" the A10's and "NVIDIA L40" the L4's. Figures are NVIDIA's datasheets' (Hopper's
+# and Ada's architecture whitepapers for their unrounded values and for the GeForce card); a card whose figures
+# are not certain is left out, and MFU is then not reported rather than wrong.
+PEAK_TFLOPS: dict[str, PeakTflops] = {
+    "NVIDIA H100 80GB HBM3": HOPPER_SXM,
+    "NVIDIA H200": HOPPER_SXM,  # the SXM card, the H100 SXM's compute; the H200 NVL is named "NVIDIA H200 NVL"
+    "NVIDIA H100 PCIe": PeakTflops(fp16=756.0, bf16=756.0, tf32=378.0, fp32=51.2),
+    "NVIDIA A100-SXM4-40GB": AMPERE_A100,
+    "NVIDIA A100-SXM4-80GB": AMPERE_A100,
+    "NVIDIA A100-PCIE-40GB": AMPERE_A100,
+    "NVIDIA A100 80GB PCIe": AMPERE_A100,
+    "NVIDIA L40S": PeakTflops(fp16=362.05, bf16=362.05, tf32=183.0, fp32=91.6),
+    "NVIDIA L4": PeakTflops(fp16=121.0, bf16=121.0, tf32=60.0, fp32=30.3),
+    "NVIDIA A10": PeakTflops(fp16=125.0, bf16=125.0, tf32=62.5, fp32=31.2),
+    "Tesla V100-SXM2-16GB": VOLTA_V100_SXM2,
+    "Tesla V100-SXM2-32GB": VOLTA_V100_SXM2,
+    "Tesla T4": PeakTflops(fp16=65.0, bf16=None, tf32=None, fp32=8.1),
+    "NVIDIA GeForce RTX 4090": PeakTflops(fp16=165.2, bf16=165.2, tf32=82.6, fp32=82.6),
 }
 
 
-def peak_tflops(device_name: str, precision: str) -> float | None:
-    """The device's dense peak for `precision`, or None where the table has no entry for it."""
-    for name, (half, tf32, fp32) in PEAK_TFLOPS.items():
-        if name in device_name:
-            if precision != "32":
-                return half
-            import torch
+def peak_tflops(device_name: str, precision: str, tf32: bool | None = None) -> float | None:
+    """The device's dense peak for `precision`, or None where the table has no figure for it.
 
-            return tf32 if torch.backends.cuda.matmul.allow_tf32 else fp32
-    return None
+    `tf32`: whether fp32 matrix products may use TF32 tensor cores; torch's current setting unless given.
+    """
+    peak = PEAK_TFLOPS.get(device_name)
+    if peak is None:
+        return None
+    if precision == "fp16-mixed":
+        return peak.fp16
+    if precision != "32":
+        return peak.bf16  # None on cards that run bf16 without tensor cores: a peak they never reach
+    if tf32 is None:
+        import torch
+
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+    return peak.tf32 if tf32 and peak.tf32 is not None else peak.fp32
 
 
 def nvml_stats(device: Any) -> tuple[float, float] | None:
@@ -113,7 +139,10 @@ class StepMonitor:
         self.flops_per_step: float | None = None  # all ranks together, counted once by the Engine
         self._interval: list[tuple[float, int, float, float]] = []  # (seconds, samples, tokens, data+forward s)
         if self.peak is None and every:
-            say(f"MFU not reported: no peak FLOPS known for {name}; pass peak_tflops to report it.")
+            say(
+                f"MFU not reported: no peak FLOPS known for {name!r} in precision {precision}; pass the device's "
+                "dense peak TFLOPS as --peak-tflops (Engine(peak_tflops=...) in a script) to report it."
+            )
 
     def add(self, step: int, seconds: float, samples: int, tokens: float, busy_s: float, timed: bool) -> None:
         if timed:
@@ -126,12 +155,14 @@ class StepMonitor:
         import torch
         import torch.distributed as dist
 
+        from multigpu.env import collective_device
+
         busy = sum(i[3] for i in self._interval) / max(len(self._interval), 1)
         gpu = nvml_stats(self.device) or (float("nan"), float("nan"))
         local = torch.tensor([busy, peak_memory_bytes(self.device), *gpu], dtype=torch.float64)
         ranks = local.unsqueeze(0)
         if self.world_size > 1:
-            on = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+            on = collective_device(self.device)
             parts = [torch.empty(4, dtype=torch.float64, device=on) for _ in range(self.world_size)]
             dist.all_gather(parts, local.to(on))
             ranks = torch.stack(parts).cpu()

@@ -35,6 +35,11 @@ class Precision:
         return {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(self.name)
 
     @property
+    def matmul_dtype(self) -> torch.dtype:
+        """The dtype matrix products run in: the autocast dtype in mixed modes, else the parameters' dtype."""
+        return self.compute_dtype or self.param_dtype
+
+    @property
     def needs_grad_scaler(self) -> bool:
         # fp16's narrow exponent underflows small gradients; bf16 shares fp32's exponent and needs no scaling.
         return self.name == "fp16-mixed"

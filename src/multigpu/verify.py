@@ -31,7 +31,9 @@ TOLERANCES = {"32": (1e-4, 1e-3), "bf16-mixed": (3e-2, 0.3), "fp16-mixed": (1e-2
 
 @dataclass
 class VerifyConfig:
-    nproc: int = field(default=2, metadata={"help": "processes to compare with one (default: 2)"})
+    nproc: int = field(
+        default=2, metadata={"help": "processes to compare with one (default: 2; 1 with --strategy, for one GPU)"}
+    )
     strategy: str | None = field(
         default=None,
         metadata={"help": "strategy for the N-process run (default: the script's own)", "choices": STRATEGIES},
@@ -49,8 +51,15 @@ class VerifyConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.nproc < 2:
-            raise UsageError(f"--nproc must be 2 or more to compare with one process (got {self.nproc}).")
+        if self.nproc < 1:
+            raise UsageError(f"--nproc must be 1 or more (got {self.nproc}).")
+        if self.nproc == 1 and self.strategy in (None, "single", "auto"):
+            # One process under a real strategy (on one GPU: NCCL in a group of one) still checks its wrapping,
+            # sharding and precision against the plain run; without one there is nothing to compare.
+            raise UsageError(
+                "--nproc 1 compares one process with itself; pass --strategy (e.g. zero3) to check that strategy "
+                "in one process, or --nproc 2 or more."
+            )
         if self.steps < 1:
             raise UsageError(f"--steps must be 1 or more (got {self.steps}).")
         for name in ("loss_tolerance", "param_tolerance"):

@@ -26,7 +26,7 @@ def plan(model: Any, sample_input: Any = None, **options: Any) -> Plan:
     `sample_input`, one sample, its activations are measured by a traced forward and scaled by the batch size).
 
     `options` are PlanConfig's fields (gpus, nodes, gpu_memory such as "80GB", precision, optimizer, batch_size,
-    seq_len, grad_accum_steps, activation_checkpointing, lora_r, qlora, cpu_offload).
+    seq_len, grad_accum_steps, unsharded_grad_accum, activation_checkpointing, lora_r, qlora, cpu_offload).
     """
     config = PlanConfig(**options)
     if isinstance(model, ModelShape):
@@ -39,7 +39,15 @@ def plan(model: Any, sample_input: Any = None, **options: Any) -> Plan:
 
 
 def choose_strategy(
-    model: Any, optimizer: str, gpus: int, nodes: int, gpu_bytes: float, precision: str, offload_possible: bool
+    model: Any,
+    optimizer: str,
+    gpus: int,
+    nodes: int,
+    gpu_bytes: float,
+    precision: str,
+    offload_possible: bool,
+    grad_accum_steps: int = 1,
+    unsharded_grad_accum: bool = False,
 ) -> tuple[str, str]:
     """`auto`: the fastest strategy whose model states and buffers fit (activations depend on the batch, unknown
     here, so leave room for them). Returns the strategy name and the reason, for the user."""
@@ -53,6 +61,8 @@ def choose_strategy(
         batch_size=1,
         seq_len=1,
         cpu_offload=offload_possible,
+        grad_accum_steps=grad_accum_steps,
+        unsharded_grad_accum=unsharded_grad_accum,
     )
     if result.recommendation is None:
         raise UsageError(f"No strategy fits this model: {result.reason}.")

@@ -38,7 +38,13 @@ class PlanConfig:
     optimizer: str = field(default="adamw", metadata={"help": "optimizer states to count", "choices": OPTIMIZERS})
     batch_size: int = field(default=8, metadata={"help": "sequences per GPU per micro-batch"})
     seq_len: int = field(default=2048, metadata={"help": "tokens per sequence"})
-    grad_accum_steps: int = field(default=1, metadata={"help": "micro-batches per step (no effect on memory)"})
+    grad_accum_steps: int = field(
+        default=1, metadata={"help": "micro-batches per step (memory only with --unsharded-grad-accum)"}
+    )
+    unsharded_grad_accum: bool = field(
+        default=False,
+        metadata={"help": "zero2/zero3 accumulate whole gradients between reduce-scatters (as the Engine option)"},
+    )
     activation_checkpointing: bool = field(default=False, metadata={"help": "keep layer inputs only, recompute"})
     lora_r: int | None = field(default=None, metadata={"help": "LoRA rank: train adapters on every projection"})
     qlora: bool = field(default=False, metadata={"help": "4-bit (nf4) frozen base under LoRA adapters"})
@@ -138,6 +144,15 @@ def autocast_weights_bytes(shape: ModelShape, config: PlanConfig) -> float:
     return shape.params * 2 if config.precision in ("bf16-mixed", "fp16-mixed") else 0
 
 
+def _accumulates_unsharded(config: PlanConfig) -> bool:
+    return config.unsharded_grad_accum and config.grad_accum_steps > 1
+
+
+def _fsdp_grads(grads: float, config: PlanConfig) -> float:
+    """FSDP's gradients per rank: a shard, or whole while micro-steps defer their reduce-scatter."""
+    return grads if _accumulates_unsharded(config) else grads / config.world
+
+
 def strategy_memory(name: str, shape: ModelShape, config: PlanConfig, batch: int) -> StrategyMemory:
     params, grads, optim, _ = model_states(shape, config)
     n = config.world
@@ -154,10 +169,10 @@ def strategy_memory(name: str, shape: ModelShape, config: PlanConfig, batch: int
         memory.optimizer = optim / n
         memory.temporary = grads + autocast_weights
     elif name == "zero2":
-        memory.params, memory.grads, memory.optimizer = params / n, grads / n, optim / n
+        memory.params, memory.grads, memory.optimizer = params / n, _fsdp_grads(grads, config), optim / n
         memory.temporary = shape.params * compute  # parameters stay gathered from forward to backward
     elif name == "zero3":
-        memory.params, memory.grads, memory.optimizer = params / n, grads / n, optim / n
+        memory.params, memory.grads, memory.optimizer = params / n, _fsdp_grads(grads, config), optim / n
         memory.temporary = 2 * unit  # the unit in use and the next one, prefetched
     elif name in DEEPSPEED:
         # DeepSpeed keeps an fp32 master copy of this rank's partition of the trainable weights beside the
@@ -170,7 +185,9 @@ def strategy_memory(name: str, shape: ModelShape, config: PlanConfig, batch: int
         memory.temporary = 2 * unit if stage == 3 else autocast_weights
     elif name == "zero3+offload":
         memory.cpu = (params + grads + optim) / n
-        memory.params = memory.grads = memory.optimizer = 0.0
+        memory.params = memory.optimizer = 0.0
+        # Deferred reduce-scatters keep the whole gradients on the GPU until the window's last micro-step.
+        memory.grads = _fsdp_grads(grads, config) if _accumulates_unsharded(config) else 0.0
         memory.temporary = 2 * unit
     memory.total = (
         memory.params + memory.grads + memory.optimizer + memory.activations + memory.temporary + memory.overhead

@@ -18,15 +18,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from multigpu.config import Parser, add_config_arguments, config_from_args
-from multigpu.engine import Engine
+from multigpu.engine import PEAK_TFLOPS_HELP, UNSHARDED_GRAD_ACCUM_HELP, Engine
 from multigpu.errors import require
 from multigpu.monitor import peak_memory_bytes
 from multigpu.precision import PRECISIONS
 from multigpu.recipes import lm_data, lm_models
-from multigpu.recipes.train import Progress, per_rank, resolve_resume, warmup_cosine
+from multigpu.recipes.train import Progress, per_rank, resolve_resume, skipped_note, warmup_cosine
 from multigpu.strategies import STRATEGIES, DeepSpeedOptions
 
 
@@ -45,6 +44,7 @@ class FinetuneConfig(DeepSpeedOptions):
     seq_len: int = field(default=256, metadata={"help": "tokens per sequence (packed blocks, or truncation)"})
     batch_size: int = field(default=4, metadata={"help": "sequences per device per micro-batch"})
     grad_accum_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    unsharded_grad_accum: bool = field(default=False, metadata={"help": UNSHARDED_GRAD_ACCUM_HELP})
     lr: float = field(default=2e-4, metadata={"help": "peak learning rate (AdamW)"})
     epochs: int = field(default=1, metadata={"help": "passes over the data (unless --max-steps stops sooner)"})
     max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
@@ -63,6 +63,7 @@ class FinetuneConfig(DeepSpeedOptions):
     eval_batches: int = field(default=20, metadata={"help": "validation batches per rank per evaluation (0: all)"})
     log_every: int = field(default=10, metadata={"help": "report throughput and memory every N steps (0: never)"})
     seed: int = field(default=0, metadata={"help": "seed for initialisation and data order"})
+    peak_tflops: float | None = field(default=None, metadata={"help": PEAK_TFLOPS_HELP})
     timeout_s: float = field(default=1800.0, metadata={"help": "seconds a collective may wait before the run fails"})
 
     def __post_init__(self) -> None:
@@ -96,7 +97,12 @@ def build(config: FinetuneConfig, engine: Engine) -> tuple[nn.Module, torch.opti
     tokenizer = lm_models.load_tokenizer(config.model)
     data = lm_data.load(config.data, tokenizer, config.seq_len)
     model = lm_models.load_model(
-        config.model, config.method, config.lora_r, config.lora_alpha, config.gradient_checkpointing
+        config.model,
+        config.method,
+        config.lora_r,
+        config.lora_alpha,
+        config.gradient_checkpointing,
+        precision=engine.precision.name,  # the engine's: bench and verify may run another than the config's
     )
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
@@ -144,12 +150,7 @@ def save_result(config: FinetuneConfig, engine: Engine, model: nn.Module, tokeni
     own save would read sharded storage and fail, or write an empty adapter.
     """
     out = Path(config.save_dir) / ("model" if config.method == "full" else "adapter")
-    if engine.strategy == "deepspeed":  # its checkpoint state is already whole: DeepSpeed assembles each tensor
-        state = engine.model_state_dict(model)
-    else:
-        frozen = config.method != "full"
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=frozen)
-        state = get_model_state_dict(model, options=options)
+    state = engine.full_state_dict(model, trainable_only=config.method != "full")
     if engine.is_main_process:
         unwrap(model).save_pretrained(out, state_dict=state)
         tokenizer.save_pretrained(out)
@@ -169,9 +170,11 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
         strategy=config.multi_gpu,
         precision=config.precision,
         grad_accum_steps=config.grad_accum_steps,
+        unsharded_grad_accum=config.unsharded_grad_accum,
         seed=config.seed,
         timeout_s=config.timeout_s,
         log_every=config.log_every,
+        peak_tflops=config.peak_tflops,
         log_dir=config.save_dir,
         **asdict(DeepSpeedOptions.of(config)),
     )
@@ -207,8 +210,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
                 loss, count = token_loss(model, batch)
                 engine.backward(loss, count=count)
             tokens += float(count) * engine.world_size
-            if engine.step(optimizer):
-                scheduler.step()
+            if engine.step(optimizer, scheduler):
                 state["step"] += 1
                 rate = tokens / (time.perf_counter() - start)
                 status = f"loss {loss.item() / max(float(count), 1):.3f} lr {scheduler.get_last_lr()[0]:.2e} "
@@ -220,14 +222,20 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     progress.close()
     engine.save(checkpoints / f"step-{state['step']:08d}", state, keep_last=2)
     history.append({"step": state["step"], "val_loss": evaluate(engine, model, val_loader, config.eval_batches)})
-    engine.log(state["step"], {"val_loss": history[-1]["val_loss"]})
-    engine.print(f"step {state['step']}: validation loss {history[-1]['val_loss']:.4f}")
+    engine.log(state["step"], {"val_loss": history[-1]["val_loss"], "skipped_steps": engine.skipped_steps})
+    engine.print(f"step {state['step']}: validation loss {history[-1]['val_loss']:.4f}" + skipped_note(engine))
     if config.sample_prompt:
         engine.print(f"after: {config.sample_prompt}{sample(model, tokenizer, config.sample_prompt, engine)}")
     out = save_result(config, engine, model, tokenizer)
     memory = [round(b / 2**20) for b in per_rank(engine, peak_memory_bytes(engine.device))]
     engine.print(f"wrote {out}; peak memory per rank (MB): {memory}")
-    return {"history": history, "steps": state["step"], "output": str(out), "model": model}
+    return {
+        "history": history,
+        "steps": state["step"],
+        "skipped_steps": engine.skipped_steps,
+        "output": str(out),
+        "model": model,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

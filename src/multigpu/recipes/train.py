@@ -16,11 +16,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from multigpu import checkpoint, faults
 from multigpu.config import Parser, add_config_arguments, config_from_args
-from multigpu.engine import Engine
+from multigpu.engine import PEAK_TFLOPS_HELP, UNSHARDED_GRAD_ACCUM_HELP, Engine
 from multigpu.errors import UsageError, require
 from multigpu.monitor import peak_memory_bytes
 from multigpu.precision import PRECISIONS
@@ -48,6 +47,7 @@ class TrainConfig(DeepSpeedOptions):
     warmup_epochs: float = field(default=2.0, metadata={"help": "linear warm-up, then cosine decay to zero"})
     weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay"})
     grad_accum_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    unsharded_grad_accum: bool = field(default=False, metadata={"help": UNSHARDED_GRAD_ACCUM_HELP})
     max_grad_norm: float | None = field(default=None, metadata={"help": "clip the global gradient norm"})
     num_workers: int = field(default=0, metadata={"help": "data-loading processes per rank (the data is in memory)"})
     precision: str = field(default="32", metadata={"help": "number format", "choices": PRECISIONS})
@@ -57,6 +57,7 @@ class TrainConfig(DeepSpeedOptions):
     keep_last: int = field(default=3, metadata={"help": "checkpoints to keep"})
     async_save: bool = field(default=False, metadata={"help": "write checkpoints in the background"})
     seed: int = field(default=0, metadata={"help": "seed for initialisation and data order"})
+    peak_tflops: float | None = field(default=None, metadata={"help": PEAK_TFLOPS_HELP})
     timeout_s: float = field(default=1800.0, metadata={"help": "seconds a collective may wait before the run fails"})
     log_every: int = field(
         default=100, metadata={"help": "report memory, throughput and imbalance every N optimizer steps (0: never)"}
@@ -109,6 +110,13 @@ def scaled_lr(config: TrainConfig, world_size: int) -> float:
     return config.lr * {"none": 1.0, "linear": factor, "sqrt": math.sqrt(factor)}[config.lr_scaling]
 
 
+def skipped_note(engine: Engine) -> str:
+    """What fp16 loss scaling skipped so far, for a progress line; empty while nothing was skipped."""
+    if not engine.skipped_steps:
+        return ""
+    return f"  ({engine.skipped_steps} step(s) skipped for inf/nan gradients; the lr schedule waited)"
+
+
 def per_rank(engine: Engine, value: float) -> list[float]:
     slots = torch.zeros(engine.world_size, dtype=torch.float64)
     slots[engine.rank] = value
@@ -125,7 +133,7 @@ def evaluate(engine: Engine, model: nn.Module, loader) -> float:
 
 def export(engine: Engine, model: nn.Module, directory: Path, spec: list, data: activity_data.ActivityData) -> None:
     """model.safetensors + model_config.json in `directory`; gathers the full weights onto rank 0 (asked for)."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = engine.full_state_dict(model)
     if engine.is_main_process:
         save_file({name: tensor.contiguous() for name, tensor in full.items()}, str(directory / "model.safetensors"))
         config = {
@@ -168,10 +176,12 @@ def train(config: TrainConfig) -> dict:
         strategy=config.multi_gpu,
         precision=config.precision,
         grad_accum_steps=config.grad_accum_steps,
+        unsharded_grad_accum=config.unsharded_grad_accum,
         max_grad_norm=config.max_grad_norm,
         seed=config.seed,
         timeout_s=config.timeout_s,
         log_every=config.log_every,
+        peak_tflops=config.peak_tflops,
         log_dir=config.save_dir,
         **asdict(DeepSpeedOptions.of(config)),
     )
@@ -215,7 +225,9 @@ def train(config: TrainConfig) -> dict:
     history = []
     while train_loader.epoch < config.epochs:
         epoch, start = train_loader.epoch, time.perf_counter()
-        loss_sum, samples = torch.zeros((), dtype=torch.float64), 0
+        # On the engine's device: adding a GPU loss into a CPU tensor fails, and .item() would sync every step.
+        loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
+        samples = 0
         for x, y in train_loader:
             real = train_loader.yielded[-1].real
             with engine.accumulate(model):
@@ -223,14 +235,13 @@ def train(config: TrainConfig) -> dict:
                 engine.backward(loss)
             loss_sum += loss.detach().double() * real
             samples += real
-            if engine.step(optimizer):
-                scheduler.step()
+            if engine.step(optimizer, scheduler):
                 state["step"] += 1
                 progress.advance(state["step"], f"epoch {epoch + 1} loss {loss.item():.3f}")
                 faults.inject("step", state["step"], engine.rank)
                 if config.save_every and state["step"] % config.save_every == 0:
                     save()
-        totals = engine.reduce(torch.stack([loss_sum, torch.tensor(float(samples), dtype=torch.float64)]), "sum")
+        totals = engine.reduce(torch.stack([loss_sum, loss_sum.new_tensor(float(samples))]), "sum")
         seconds = time.perf_counter() - start
         record = {
             "epoch": epoch + 1,
@@ -238,6 +249,7 @@ def train(config: TrainConfig) -> dict:
             "val_accuracy": evaluate(engine, model, val_loader),
             "samples_per_s": totals[1].item() / seconds,
             "lr": scheduler.get_last_lr()[0],
+            "skipped_steps": engine.skipped_steps,
             "peak_memory_mb": [round(b / 2**20, 1) for b in per_rank(engine, peak_memory_bytes(engine.device))],
         }
         history.append(record)
@@ -245,7 +257,7 @@ def train(config: TrainConfig) -> dict:
         engine.print(
             f"epoch {record['epoch']}/{config.epochs}  loss {record['train_loss']:.4f}  "
             f"val acc {record['val_accuracy']:.3f}  {record['samples_per_s']:.0f} samples/s  lr {record['lr']:.2e}  "
-            f"peak MB per rank {record['peak_memory_mb']}"
+            f"peak MB per rank {record['peak_memory_mb']}" + skipped_note(engine)
         )
         save()
     engine.wait_for_checkpoint()

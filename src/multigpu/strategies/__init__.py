@@ -49,6 +49,7 @@ def resolve_strategy(
     say: Callable[[str], None] = print,
     deepspeed: DeepSpeedOptions | None = None,
     max_grad_norm: float | None = None,
+    unsharded_grad_accum: bool = False,
 ) -> Strategy:
     """Turns a strategy name (or a configured Strategy) into the Strategy that will run, or refuses."""
     deepspeed = deepspeed or DeepSpeedOptions()
@@ -81,6 +82,13 @@ def resolve_strategy(
         if not isinstance(strategy, FSDP) or not strategy.reshard_after_forward:
             raise UsageError(f"cpu_offload works with strategy zero3 only, not {strategy.name}; drop it or use zero3.")
         strategy.cpu_offload = True
+    if unsharded_grad_accum and not (spec == "auto" and env.is_distributed):
+        if not isinstance(strategy, FSDP):
+            raise UsageError(
+                f"unsharded_grad_accum changes how zero2 and zero3 accumulate gradients, and {strategy.name} "
+                "has nothing to change; drop it or use zero2/zero3."
+            )
+        strategy.unsharded_grad_accum = True
     if isinstance(strategy, FSDP) and strategy.cpu_offload and env.device.type != "cuda":
         raise UsageError(
             "cpu_offload moves sharded parameters from the GPU to CPU memory, but this run is on CPU "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,12 +24,20 @@ from multigpu.errors import UsageError
 from multigpu.precision import Precision
 
 
+@dataclass(frozen=True)
+class StepOutcome:
+    grad_norm: float | None  # the global gradient norm before clipping, when clipping is on
+    applied: bool  # False when fp16 loss scaling found inf/nan gradients and skipped the update
+
+
 class Strategy(ABC):
     name: str
     #: False only for strategies that run in one process and need no torch.distributed group.
     needs_process_group: bool = True
     #: Strategies that cast parameters themselves (FSDP's MixedPrecisionPolicy) turn the Engine's autocast off.
     uses_autocast: bool = True
+    #: Whether the micro-steps of an accumulation window run under `no_sync`, communicating only on the last.
+    accumulates_unsynced: bool = True
 
     @abstractmethod
     def setup(
@@ -59,9 +68,9 @@ class Strategy(ABC):
         scaler: torch.amp.GradScaler | None,
         count: float | None,
         max_grad_norm: float | None,
-    ) -> float | None:
+    ) -> StepOutcome:
         """Unscales, divides by the step's `count` (when the loss was a sum), clips, steps and zeroes the
-        gradients; returns the gradient norm before clipping when clipping is on."""
+        gradients; reports the gradient norm before clipping (when clipping is on) and whether the step applied."""
         if scaler is not None:
             scaler.unscale_(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -74,13 +83,17 @@ class Strategy(ABC):
         if max_grad_norm is not None:
             norm = self.total_grad_norm(params)
             torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm)
+        applied = True
         if scaler is not None:
+            scale = scaler.get_scale()
             scaler.step(optimizer)
             scaler.update()
+            # The scaler skips the update when it finds inf/nan gradients, and only then lowers the scale.
+            applied = scaler.get_scale() >= scale
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return None if norm is None else float(norm)
+        return StepOutcome(None if norm is None else float(norm), applied)
 
     def total_grad_norm(self, parameters: Iterable[nn.Parameter]) -> torch.Tensor:
         """The 2-norm of all gradients of the *whole* model, the same on every rank."""
@@ -98,6 +111,20 @@ class Strategy(ABC):
         state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
         return {key: value for key, value in state.items() if key not in frozen}
 
+    def model_state_to_load(self, model: nn.Module) -> dict[str, Any]:
+        """The tensors a checkpoint's model state is loaded into (`model_state_dict`'s, unless a strategy keeps
+        parts of that on some ranks only)."""
+        return self.model_state_dict(model)
+
+    def full_state_dict(self, model: nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
+        """Whole weights and buffers on rank 0's CPU (nothing on the other ranks), assembled one at a time, keyed as
+        the plain model, frozen weights left out with `trainable_only`; for writing a model or adapter out. Every
+        rank must call it."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+        state = get_model_state_dict(model, options=options)
+        frozen = frozen_names(model) if trainable_only else set()
+        return {key: value for key, value in state.items() if key not in frozen}
+
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
         keys = set_model_state_dict(model, state, options=StateDictOptions(strict=False))
         frozen = frozen_names(model)
@@ -111,6 +138,9 @@ class Strategy(ABC):
     def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return get_optimizer_state_dict(model, optimizer)
 
+    def optimizer_state_to_load(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return self.optimizer_state_dict(model, optimizer)
+
     def load_optimizer_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
@@ -121,6 +151,11 @@ def frozen_names(model: nn.Module) -> set[str]:
     """Every name of every parameter that does not train, tied names included, as state dicts key them."""
     named = model.named_parameters(remove_duplicate=False)
     return {name.removeprefix("module.") for name, p in named if not p.requires_grad}
+
+
+def is_quantized(param: torch.Tensor) -> bool:
+    """Packed low-bit weights (bitsandbytes' 4-bit Params4bit): bytes that hold codes, never to be cast."""
+    return getattr(param, "quant_state", None) is not None or getattr(param, "bnb_quantized", False)
 
 
 def move_to_device(model: nn.Module, env: DistEnv) -> nn.Module:

@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from multigpu.config import read_json
 from multigpu.env import DistEnv
 from multigpu.errors import UsageError, require
 from multigpu.precision import Precision
-from multigpu.strategies.base import Strategy, frozen_names
+from multigpu.strategies.base import StepOutcome, Strategy, frozen_names
 
 INSTALL = "pip install 'multigpu[deepspeed]'"
 # Config keys the Engine sets, and the Engine option to use instead. "auto" (as in HF configs) always fits.
@@ -185,7 +186,7 @@ class DeepSpeed(Strategy):
         scaler: torch.amp.GradScaler | None,
         count: float | None,
         max_grad_norm: float | None,
-    ) -> float | None:
+    ) -> StepOutcome:
         if count is not None:
             if self._fp16:
                 raise UsageError(
@@ -199,26 +200,39 @@ class DeepSpeed(Strategy):
         finally:
             if count is not None:
                 self._partitioned.loss_scale = 1.0
-        return float(model.get_global_grad_norm()) if max_grad_norm is not None else None
+        norm = float(model.get_global_grad_norm()) if max_grad_norm is not None else None
+        return StepOutcome(norm, model.was_step_applied())
 
     def total_grad_norm(self, parameters: Any) -> torch.Tensor:
         raise UsageError("DeepSpeed clips gradients itself; set max_grad_norm on the Engine instead.")
 
     # Checkpoints hold every trainable parameter and its optimizer states whole, keyed by name, as the other
     # strategies' do: DCP then loads them at any world size, into any strategy, and `multigpu export` reads them.
-    # Assembling a whole tensor is a collective, so every rank walks the parameters in the same order.
+    # Assembling a whole tensor is a collective, so every rank walks the parameters in the same order; one tensor
+    # at a time is assembled, moved to the CPU and kept by one rank only (its owner, round robin), so no rank ever
+    # holds more than its share of the whole states (4 bytes per parameter, and 8 more for Adam) plus one tensor.
     def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
         from deepspeed.utils import safe_get_full_fp32_param
 
         module, frozen = model.module, frozen_names(model.module)
         state = {}
-        for name, param in module.named_parameters(remove_duplicate=False):
-            if name not in frozen:
-                full = safe_get_full_fp32_param(param)
-                state[name] = (full if full is not None else param).detach().clone()
+        trainable = [(n, p) for n, p in module.named_parameters(remove_duplicate=False) if n not in frozen]
+        for index, (name, param) in enumerate(trainable):
+            full = safe_get_full_fp32_param(param)
+            if _owns(index):
+                state[name] = (full if full is not None else param).detach().to("cpu", copy=True)
         for name, buffer in _persistent_buffers(module):
             state[name] = buffer
         return state
+
+    def model_state_to_load(self, model: nn.Module) -> dict[str, Any]:
+        module, frozen = model.module, frozen_names(model.module)
+        state = {
+            name: torch.empty(_full_shape(param), dtype=torch.float32)
+            for name, param in module.named_parameters(remove_duplicate=False)
+            if name not in frozen
+        }
+        return {**state, **dict(_persistent_buffers(module))}
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
         import deepspeed
@@ -231,7 +245,7 @@ class DeepSpeed(Strategy):
                 dict(_persistent_buffers(module))[name].copy_(value)
                 continue
             param = params[name]
-            safe_set_full_fp32_param(param, value)  # the optimizer's fp32 master copy
+            safe_set_full_fp32_param(param, value.to(param.device))  # the optimizer's fp32 master copy
             # ...and the weights forward uses; under ZeRO-3 they are partitioned, so gather, write, re-partition.
             gathered = deepspeed.zero.GatheredParameters([param], modifier_rank=0) if self.stage == 3 else None
             with gathered or contextlib.nullcontext():
@@ -244,15 +258,28 @@ class DeepSpeed(Strategy):
         keys, step = _state_layout(base)
         params = dict(model.module.named_parameters())
         state = {}
-        for names in self._groups:
-            for name in names:
-                entry = {key: safe_get_full_optimizer_state(params[name], key).detach().clone() for key in keys}
+        for index, name in enumerate(name for names in self._groups for name in names):
+            entry = {key: safe_get_full_optimizer_state(params[name], key) for key in keys}
+            if _owns(index):
+                entry = {key: value.detach().to("cpu", copy=True) for key, value in entry.items()}
                 state[name] = {**entry, "step": step.clone()} if step is not None else entry
-        groups = [
+        return {"state": state, "param_groups": self._param_groups(base)}
+
+    def optimizer_state_to_load(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        base = _initialised(self._partitioned)
+        keys, step = _state_layout(base)
+        params = dict(model.module.named_parameters())
+        state = {}
+        for name in (name for names in self._groups for name in names):
+            entry = {key: torch.empty(_full_shape(params[name]), dtype=torch.float32) for key in keys}
+            state[name] = {**entry, "step": torch.zeros_like(step)} if step is not None else entry
+        return {"state": state, "param_groups": self._param_groups(base)}
+
+    def _param_groups(self, base: torch.optim.Optimizer) -> list[dict[str, Any]]:
+        return [
             {**{key: value for key, value in group.items() if key != "params"}, "params": names}
             for group, names in zip(base.param_groups, self._groups, strict=True)
         ]
-        return {"state": state, "param_groups": groups}
 
     def load_optimizer_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
@@ -264,13 +291,35 @@ class DeepSpeed(Strategy):
         params = dict(model.module.named_parameters())
         for name, entry in state["state"].items():
             for key in keys:
-                safe_set_full_optimizer_state(params[name], entry[key], key)
+                safe_set_full_optimizer_state(params[name], entry[key].to(params[name].device), key)
         steps = [entry["step"] for entry in state["state"].values() if "step" in entry]
         for flat_state in base.state.values():
             if steps and "step" in flat_state:
                 flat_state["step"] = steps[0].clone().to(flat_state["step"])
         for group, loaded in zip(base.param_groups, state["param_groups"], strict=True):
             group.update({key: value for key, value in loaded.items() if key != "params"})
+
+    def full_state_dict(self, model: nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
+        import deepspeed
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        module, frozen, main = model.module, frozen_names(model.module), dist.get_rank() == 0
+        state = {}
+        for name, param in module.named_parameters():
+            if trainable_only and name in frozen:
+                continue
+            full = safe_get_full_fp32_param(param) if name not in frozen else None
+            if full is not None:
+                if main:
+                    state[name] = full.detach().to("cpu", copy=True)
+                continue
+            # Frozen, or trained outside the optimizer: the weights forward uses, gathered under ZeRO-3.
+            with deepspeed.zero.GatheredParameters([param]) if self.stage == 3 else contextlib.nullcontext():
+                if main:
+                    state[name] = param.detach().to("cpu", copy=True)
+        if main:
+            state.update({name: buffer.detach().to("cpu", copy=True) for name, buffer in _persistent_buffers(module)})
+        return state
 
 
 def check_installed() -> None:
@@ -279,11 +328,17 @@ def check_installed() -> None:
 
 
 def import_deepspeed(env: DistEnv) -> Any:
-    """DeepSpeed, told which accelerator to use; one sentence on how to install it if it is missing."""
+    """DeepSpeed, told which accelerator to use; one sentence on how to install it if it is missing.
+
+    DeepSpeed reads who it is from torchrun's variables (its engine fails without LOCAL_RANK), which srun, mpirun
+    and a lone `python script.py` do not set: they are filled in from what DistEnv read from the launcher.
+    """
     wanted = "cuda" if env.device.type == "cuda" else "cpu"
     chosen = os.environ.setdefault("DS_ACCELERATOR", wanted)
     if chosen != wanted:
         raise UsageError(f"DS_ACCELERATOR={chosen} but this run is on {wanted}; unset DS_ACCELERATOR.")
+    for name, value in (("RANK", env.rank), ("LOCAL_RANK", env.local_rank), ("WORLD_SIZE", env.world_size)):
+        os.environ.setdefault(name, str(value))
     check_installed()
     # DeepSpeed still calls a torch collective that torch has renamed; the notice is for DeepSpeed, not our users.
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated", category=FutureWarning)
@@ -299,6 +354,15 @@ def read_config(source: str | None) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise UsageError(f"The DeepSpeed config {source} must hold a JSON object; fix it.")
     return config
+
+
+def _owns(index: int) -> bool:
+    """Whether this rank keeps the `index`-th whole tensor of a checkpoint (round robin over the ranks)."""
+    return index % dist.get_world_size() == dist.get_rank()
+
+
+def _full_shape(param: torch.Tensor) -> torch.Size:
+    return getattr(param, "ds_shape", param.shape)  # ZeRO-3 leaves an empty tensor and keeps the shape aside
 
 
 def _disabled(section: Any) -> bool:

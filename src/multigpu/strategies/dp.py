@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -12,6 +13,33 @@ from multigpu.precision import Precision
 from multigpu.strategies.base import Strategy, move_to_device
 
 
+class InAutocast:
+    """Calls a module under autocast with a given dtype, in whatever thread it runs.
+
+    DataParallel runs each replica in a thread of its own and re-enters autocast there with only the *enabled*
+    flag of the caller's, so the replicas compute in the device's default autocast dtype (fp16 on GPUs), not in
+    the one the run asked for (bf16).
+    """
+
+    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+        self.module, self.device_type, self.dtype = module, device_type, dtype
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.module(*args, **kwargs)
+
+
+class AutocastDataParallel(nn.DataParallel):
+    """nn.DataParallel whose replicas compute in the autocast dtype that is active where forward is called."""
+
+    def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
+        device_type = self.src_device_obj.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            replicas = [InAutocast(replica, device_type, dtype) for replica in replicas]
+        return super().parallel_apply(replicas, inputs, kwargs)
+
+
 class DataParallel(Strategy):
     name = "dp"
     needs_process_group = False
@@ -19,11 +47,14 @@ class DataParallel(Strategy):
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, precision: Precision
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-        return nn.DataParallel(move_to_device(model, env)), optimizer
+        return AutocastDataParallel(move_to_device(model, env)), optimizer
 
     # Checkpoints hold the inner module's names, so they load into any other strategy.
     def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
         return super().model_state_dict(model.module)
+
+    def full_state_dict(self, model: nn.Module, trainable_only: bool) -> dict[str, Any]:
+        return super().full_state_dict(model.module, trainable_only)
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
         super().load_model_state_dict(model.module, state)

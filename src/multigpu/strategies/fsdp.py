@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -16,20 +16,41 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from multigpu.env import DistEnv
 from multigpu.errors import UsageError
 from multigpu.precision import Precision
-from multigpu.strategies.base import Strategy
+from multigpu.strategies.base import Strategy, is_quantized
 
 UnitSelector = Callable[[nn.Module], list[nn.Module]]
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
-    """One unit per block: the items of every ModuleList (transformer layers), else each top-level child.
+    """One unit per block: the items of every ModuleList or ModuleDict that are not containers themselves
+    (transformer layers, however deeply nested), else each top-level child that has parameters.
 
     A unit is all-gathered as a whole, so its size sets the temporary memory and the overlap granularity.
     """
-    blocks = [block for module in model.modules() if isinstance(module, nn.ModuleList) for block in module]
+    blocks = [
+        block
+        for module in model.modules()
+        if isinstance(module, _CONTAINERS)
+        for block in (module.values() if isinstance(module, nn.ModuleDict) else module)
+        if not isinstance(block, _CONTAINERS)
+    ]
     if blocks:
         return blocks
     return [child for child in model.children() if any(True for _ in child.parameters())]
+
+
+def children_first(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """`units` ordered so that every unit comes after the units nested inside it: fully_shard must wrap a module's
+    children before the module itself. Units at the same depth keep their order."""
+    depth = {id(module): name.count(".") + 1 if name else 0 for name, module in model.named_modules()}
+    unique = list({id(unit): unit for unit in units}.values())
+    return sorted(unique, key=lambda unit: -depth[id(unit)])
+
+
+def quantized_owners(model: nn.Module) -> list[nn.Module]:
+    """The modules that hold packed low-bit weights (bitsandbytes' 4-bit layers) as their own parameters."""
+    return [module for module in model.modules() if any(is_quantized(p) for p in module.parameters(recurse=False))]
 
 
 @dataclass
@@ -37,6 +58,10 @@ class FSDP(Strategy):
     #: True frees the gathered parameters after forward (ZeRO-3); False keeps them until backward (ZeRO-2).
     reshard_after_forward: bool = True
     cpu_offload: bool = False
+    #: False (the default): every micro-step reduce-scatters its gradients, so each rank accumulates only its
+    #: shard. True: micro-steps keep whole unsharded gradients locally and only the last one reduce-scatters,
+    #: which saves communication at the price of a full gradient per rank during accumulation.
+    unsharded_grad_accum: bool = False
     units: UnitSelector = default_units
 
     uses_autocast = False
@@ -62,15 +87,18 @@ class FSDP(Strategy):
         if self.cpu_offload:
             common["offload_policy"] = CPUOffloadPolicy()
         compute = precision.compute_dtype
-        unit_policy = root_policy = MixedPrecisionPolicy()  # full width: no casts at all
+        unit_policy = root_policy = no_cast = MixedPrecisionPolicy()  # full width: no casts at all
         if compute is not None:
             unit_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
             # The root casts its output back to fp32 so that losses are computed at full width.
             root_policy = MixedPrecisionPolicy(
                 param_dtype=compute, reduce_dtype=torch.float32, output_dtype=torch.float32
             )
-        for unit in self.units(model):
-            fully_shard(unit, mp_policy=unit_policy, **common)
+        # Packed 4-bit weights are bytes, not numbers: a cast to the compute dtype would scramble them. Their
+        # layers are units of their own that gather the storage as it is; the layers dequantise it themselves.
+        quantized = quantized_owners(model)
+        for unit in children_first(model, [*self.units(model), *quantized]):
+            fully_shard(unit, mp_policy=no_cast if any(unit is q for q in quantized) else unit_policy, **common)
         fully_shard(model, mp_policy=root_policy, **common)
 
         if optimizer is not None:
@@ -80,15 +108,19 @@ class FSDP(Strategy):
                 group["params"] = [sharded[names[id(p)]] for p in group["params"]]
         return model, optimizer
 
+    @property
+    def accumulates_unsynced(self) -> bool:  # type: ignore[override]
+        return self.unsharded_grad_accum
+
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        return _fsdp_no_sync(model)
+        return _without_gradient_sync(model)
 
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
         return ShardedGradScaler(device=device.type)
 
 
 @contextlib.contextmanager
-def _fsdp_no_sync(model: nn.Module):
+def _without_gradient_sync(model: nn.Module) -> Iterator[None]:
     model.set_requires_gradient_sync(False)
     try:
         yield
