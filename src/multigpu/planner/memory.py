@@ -187,7 +187,7 @@ def strategy_memory(name: str, shape: ModelShape, config: PlanConfig, batch: int
         memory.cpu = (params + grads + optim) / n
         memory.params = memory.optimizer = 0.0
         # Deferred reduce-scatters keep the whole gradients on the GPU until the window's last micro-step.
-        memory.grads = _fsdp_grads(grads, config) if _accumulates_unsharded(config) else 0.0
+        memory.grads = grads if _accumulates_unsharded(config) else 0.0
         memory.temporary = 2 * unit
     memory.total = (
         memory.params + memory.grads + memory.optimizer + memory.activations + memory.temporary + memory.overhead

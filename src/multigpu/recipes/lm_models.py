@@ -48,10 +48,11 @@ def model_dir(name: str) -> Path:
     """A local HF directory for `name`: smollm2 is dequantised from its GGUF into the cache the first time."""
     if name in BUILT:
         target = cache_root() / BUILT[name]
-        if not (target / "config.json").is_file() and name == "smollm2":
-            convert_gguf(smollm2_gguf(), target)
-        elif not (target / "config.json").is_file():
-            write_tiny(target)
+        if not (target / "config.json").is_file():
+            if name == "smollm2":
+                convert_gguf(smollm2_gguf(), target)
+            else:
+                write_tiny(target)
         return target
     path = Path(name)
     if not (path / "config.json").is_file():
