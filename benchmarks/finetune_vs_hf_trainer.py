@@ -30,7 +30,7 @@ from torch.utils.data import Subset
 
 from multigpu.recipes import finetune as ft
 from multigpu.recipes import lm_data, lm_models
-from multigpu.recipes.train import warmup_cosine
+from multigpu.schedule import warmup_cosine
 
 
 def config(args: argparse.Namespace, save_dir: str) -> ft.FinetuneConfig:
@@ -75,7 +75,9 @@ def run_trainer(args: argparse.Namespace) -> tuple[float, int, float]:
     torch.manual_seed(args.seed)  # as the Engine does before building: the same LoRA initialisation
     model = lm_models.load_model(args.model, "lora", args.lora_r, args.lora_alpha)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(ft.FinetuneConfig.warmup_steps, args.steps))
+    # multigpu's schedule over samples, in steps: with one process and a fixed batch every step has as many samples.
+    warmup = ft.FinetuneConfig.warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, warmup, args.steps))
     counts: list[int] = []
     first: list[float] = []
     stamps: list[float] = []

@@ -1,11 +1,18 @@
-"""Bad input: one clear sentence and exit code 2, before any process starts."""
+"""Bad input: one clear sentence and exit code 2, before any process starts; a stop by signal: one line."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 
+from multigpu import checkpoint
 from multigpu.cli import main
-from tests.dist import multigpu
+from tests.dist import ROOT, multigpu
 
 
 @pytest.mark.parametrize(
@@ -63,3 +70,67 @@ def test_demo_trains_on_two_processes() -> None:
     assert "strategy zero2, precision 32, 2 process(es)" in result.stdout
     assert "(1024 samples)" in result.stdout  # validation gathered whole, without padding duplicates
     assert "epoch 3/3" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["run", "-n", "0", "script.py"],
+        ["run", "--nproc", "0", "script.py"],
+        ["demo", "--nproc", "0"],
+        ["train", "--nproc", "0"],
+        ["finetune", "--nproc", "0"],
+        ["bench", "--nproc", "0", "script.py"],
+        ["bench", "--nproc", "1,0", "script.py"],
+        ["verify", "--nproc", "0", "script.py"],
+        ["generate", "--nproc", "0", "--prompts", "PROMPTS", "--out", "out.jsonl"],
+        ["env", "--nproc", "0"],
+    ],
+)
+def test_zero_processes_are_refused_by_every_command(
+    args: list[str], tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n')
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(prompts) if arg == "PROMPTS" else arg for arg in args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--nproc" in err and "1 or more" in err, err
+
+
+def test_a_run_in_this_process_stopped_by_a_signal_names_its_last_checkpoint(tmp_path) -> None:
+    """`multigpu train` in one process (no launcher): SIGTERM and Ctrl-C end it with one line and 143 / 130."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        save_dir = tmp_path / signal.Signals(signum).name
+        command = [sys.executable, "-m", "multigpu", "train", "--nproc", "1", "--epochs", "100", "--save-dir"]
+        with subprocess.Popen(
+            [*command, str(save_dir), "--save-every", "1", "--keep-last", "100"],
+            cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ) as process:
+            try:
+                deadline = time.monotonic() + 120
+                while not checkpoint.list_checkpoints(save_dir / "checkpoints") and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                process.send_signal(signum)
+                _, err = process.communicate(timeout=60)
+            finally:
+                process.kill()
+        last = checkpoint.list_checkpoints(save_dir / "checkpoints")[-1]
+        assert process.returncode == 128 + signum, err
+        assert err.strip().splitlines()[-1] == (
+            f"multigpu: stopped by {signal.Signals(signum).name}; the last complete checkpoint is {last}."
+        )
+        assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("size", ["0", "-1", "nan", "inf"])
+def test_env_refuses_a_message_size_that_is_not_a_positive_number(size: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["env", "--size-mb", size])
+    assert exit_info.value.code == 2
+    assert "--size-mb a positive number" in capsys.readouterr().err

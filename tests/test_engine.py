@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
+import warnings
+from collections.abc import Callable
 
+import pytest
 import torch
+from torch import nn
 from torch.utils.data import TensorDataset
 
 import multigpu as mg
-from tests.dist import run_in_processes
+from multigpu.env import DistEnv
+from multigpu.schedule import SampleSchedule
+from multigpu.strategies import resolve_strategy
+from tests.dist import run_command, run_in_processes
 
 
 def collectives(samples: int) -> dict:
@@ -177,3 +185,141 @@ def test_fp16_overflow_skips_the_step_and_the_schedule_waits() -> None:
     for per_rank in results:
         for result in per_rank:
             assert_skipped_second_step(result)
+
+
+def test_fp16_overflow_makes_a_sample_schedule_wait_for_the_skipped_samples() -> None:
+    engine = mg.Engine(strategy="single", precision="fp16-mixed")
+    model = torch.nn.Linear(4, 2)
+    model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    loader = engine.dataloader(torch.ones(12, 4), batch_size=3)
+    schedule = SampleSchedule(optimizer, loader, warmup_samples=12, total_samples=24)
+    lrs = []
+    for number, batch in enumerate(loader):
+        loss = model(batch).float().pow(2).mean()
+        engine.backward(loss * float("inf") if number == 1 else loss)
+        engine.step(optimizer, schedule)
+        lrs.append(schedule.get_last_lr()[0])
+    assert engine.skipped_steps == 1 and schedule.skipped_samples == 3
+    # After each step, the lr of the next update: at 3 + 3 samples; held over the skipped one; then 6 + 3 and 9 + 3.
+    assert lrs == pytest.approx([0.01 * 6 / 12, 0.01 * 6 / 12, 0.01 * 9 / 12, 0.01])
+
+
+STEP_FIRST = "engine.step() was called before engine.backward(loss) in this step; call engine.backward(loss) first."
+SETUP_TWICE = "engine.setup() was already called on this model; call it once and use the model it returned."
+
+
+def refusal(call: Callable[[], object]) -> str:
+    try:
+        call()
+    except mg.UsageError as error:
+        return str(error)
+    return "no error"
+
+
+class TwoHeads(nn.Module):
+    """`idle` never takes part in the loss: the parameters DDP waits for in vain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(4, 1)
+        self.idle = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def two_heads_steps(engine: mg.Engine, steps: int) -> tuple[nn.Module, str]:
+    model = TwoHeads()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = engine.setup(model, optimizer)
+    x = torch.full((2, 4), float(engine.rank + 1))  # different data per rank, so averaging shows
+    for _ in range(steps):
+        try:
+            engine.backward(model(x).pow(2).mean())
+        except mg.UsageError as error:
+            return model, str(error)
+        engine.step(optimizer)
+    return model, "no error"
+
+
+def batchnorm_warnings(strategy: str, sync_batchnorm: bool = False) -> tuple[list[str], list[str]]:
+    """The BatchNorm warnings engine.setup gives (each one, not only the first), and the layer types it left."""
+    engine = mg.Engine(strategy=strategy, sync_batchnorm=sync_batchnorm)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2), nn.BatchNorm1d(2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, _ = engine.setup(model)
+    said = [str(w.message) for w in caught if "BatchNorm" in str(w.message)]
+    return said, [type(m).__name__ for m in model.modules() if "BatchNorm" in type(m).__name__]
+
+
+def ddp_misuse() -> dict:
+    """Every misuse in one launch of two ddp processes: what each call said, and what the fixed loop trained."""
+    engine = mg.Engine(strategy="ddp", grad_accum_steps=2)
+    plain = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    model, optimizer = engine.setup(plain, optimizer)
+    said = {
+        "step first": refusal(lambda: engine.step(optimizer)),
+        "setup again": refusal(lambda: engine.setup(plain)),
+        "setup wrapped": refusal(lambda: engine.setup(model)),
+    }
+    steps = []
+    for _ in range(2):  # one accumulation window, two micro-steps, each with its backward: no complaint
+        engine.backward(model(torch.ones(2, 4)).sum())
+        steps.append(engine.step(optimizer))
+    said["step twice"] = refusal(lambda: engine.step(optimizer))
+    _, said["unused"] = two_heads_steps(mg.Engine(strategy="ddp"), steps=2)
+    fixed, said["unused allowed"] = two_heads_steps(mg.Engine(strategy="ddp", find_unused_parameters=True), steps=3)
+    said["batchnorm"], _ = batchnorm_warnings("ddp")
+    trained = {name: p.detach().clone() for name, p in fixed.module.named_parameters()}
+    return {"said": said, "steps": steps, "trained": trained, "wrapped": type(model.module).__name__}
+
+
+def test_misuse_under_ddp_is_refused_at_the_call_with_what_to_do() -> None:
+    ranks = run_in_processes("tests.test_engine:ddp_misuse", 2, timeout=120)
+    torch.manual_seed(0)
+    untrained = dict(TwoHeads().named_parameters())  # the seed every Engine sets, as two_heads_steps builds it
+    for rank, result in enumerate(ranks):
+        said = result["said"]
+        assert said["step first"] == STEP_FIRST and said["step twice"] == STEP_FIRST
+        assert said["setup again"] == SETUP_TWICE and said["setup wrapped"] == SETUP_TWICE
+        assert result["steps"] == [False, True] and result["wrapped"] == "Linear"  # nothing wrapped twice
+        assert said["unused"].startswith("Parameters idle.weight, idle.bias got no gradient"), said["unused"]
+        assert "find_unused_parameters=True" in said["unused"] and "--find-unused-parameters" in said["unused"]
+        assert said["unused allowed"] == "no error"
+        trained = result["trained"]
+        assert not torch.equal(trained["used.weight"], untrained["used.weight"])
+        assert torch.equal(trained["idle.weight"], untrained["idle.weight"])
+        assert torch.equal(trained["used.weight"], ranks[0]["trained"]["used.weight"])  # averaged gradients
+        # Rank 0 warns once for the run; rank 1 stays quiet.
+        assert len(said["batchnorm"]) == (1 if rank == 0 else 0), said["batchnorm"]
+    warning = ranks[0]["said"]["batchnorm"][0]
+    assert "2 BatchNorm layer(s)" in warning and "2 processes' batches under ddp" in warning
+    assert "sync_batchnorm=True (--sync-batchnorm)" in warning
+
+
+def test_one_process_misuse_and_batchnorm_in_one_process() -> None:
+    engine = mg.Engine(strategy="single", grad_accum_steps=2)
+    model, optimizer = engine.setup(plain := nn.Linear(4, 1), torch.optim.SGD(plain.parameters(), lr=0.1))
+    with pytest.raises(mg.UsageError, match=r"^engine\.step\(\) was called before"):
+        engine.step(optimizer)
+    with pytest.raises(mg.UsageError, match="already called on this model"):
+        engine.setup(model)
+    # One process normalises over its whole batch already: no warning, and sync_batchnorm has nothing to do.
+    for sync in (False, True):
+        assert batchnorm_warnings("single", sync_batchnorm=sync) == ([], ["BatchNorm1d", "BatchNorm1d"])
+
+
+SYNC_ON_CPU = "sync_batchnorm synchronises BatchNorm between GPUs, and torch's SyncBatchNorm refuses to run on CPU"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
+def test_sync_batchnorm_is_refused_on_cpu_and_find_unused_reaches_ddp() -> None:
+    for strategy in ("ddp", "zero3"):
+        with pytest.raises(mg.UsageError, match=f"^{SYNC_ON_CPU}"):
+            mg.Engine(strategy=strategy, sync_batchnorm=True)
+    result = run_command([sys.executable, "-m", "multigpu.recipes.demo", "--strategy", "ddp", "--sync-batchnorm"])
+    assert result.returncode == 2 and f"multigpu: error: {SYNC_ON_CPU}" in result.stdout, result.stdout
+    for strategy in ("ddp", "zero1"):
+        assert resolve_strategy(strategy, DistEnv(), find_unused_parameters=True).find_unused_parameters

@@ -235,6 +235,9 @@ def test_load_calibration(tmp_path) -> None:
         {"bucket_mb": 0},
         {"backward_fraction": 1.0},
         {"compute_slots_per_node": 0},
+        {"compute_s": math.inf},
+        {"units_per_step": math.inf},
+        {"bucket_mb": math.inf},
     ],
 )
 def test_bad_configs_are_usage_errors(changes: dict[str, object]) -> None:
@@ -308,3 +311,108 @@ def test_cli_from_flops_from_a_bench_report_and_its_errors(tmp_path) -> None:
     ]:
         result = multigpu("simulate", *flags)
         assert result.returncode == 2 and words in result.stdout, result.stdout
+
+
+def calibration() -> dict:
+    return {"backend": "nccl", "world_size": 2, "results": timings(2, 20e-6, 2e9)}
+
+
+def bench_report() -> dict:
+    def cell(nproc: int, strategy: str) -> dict:
+        return {
+            "nproc": nproc,
+            "strategy": strategy,
+            "step_time_s": {"median": 0.02},
+            "samples_per_s": {"median": 1600.0},
+        }
+
+    return {"cells": [cell(2, "ddp"), {**cell(1, "single"), "tokens_per_s": None}]}
+
+
+def changed(data: dict, path: str, value: object) -> str:
+    """`data` as JSON text with the value at `path` ("results.2.time_s") replaced, or removed if `value` is ..."""
+    *parents, last = [int(k) if k.isdigit() else k for k in path.split(".")]
+    inner = data
+    for key in parents:
+        inner = inner[key]
+    if value is ...:
+        del inner[last]
+    else:
+        inner[last] = value
+    return json.dumps(data)  # writes NaN and Infinity as Python's json reads them
+
+
+BAD_CALIBRATIONS = [
+    ("results.2.time_s", math.nan, "results[2].time_s is NaN, but a finite number is expected"),
+    ("results.0.busbw_GBps", -math.inf, "results[0].busbw_GBps is -Infinity, but a finite number"),
+    ("results.1.bytes", "1024", 'results[1].bytes is "1024", but a number above 0 is expected'),
+    ("results.1.time_s", True, "results[1].time_s is true, but a number above 0 is expected"),
+    ("results.1.time_s", 0, "results[1].time_s is 0, but a number above 0 is expected"),
+    ("results.3.op", "broadcast", 'results[3].op is "broadcast", but one of "all_reduce", "all_gather"'),
+    ("results.3.op", ..., "results[3].op is missing, but one of"),
+    ("world_size", ..., "world_size is missing, but an integer of 2 or more is expected"),
+    ("world_size", 1, "world_size is 1, but an integer of 2 or more is expected"),
+    ("world_size", 2.0, "world_size is 2.0, but an integer"),
+    ("results", {"all_reduce": []}, "results is an object, but a non-empty list is expected"),
+    ("results", [], "results is an empty list, but a non-empty list is expected"),
+    ("results", [[1024, 1e-5]], "results[0] is a list, but an object is expected"),
+    ("backend", 3, "backend is 3, but a string is expected"),
+]
+BAD_BENCH_REPORTS = [
+    ("cells.1.step_time_s.median", math.inf, "cells[1].step_time_s.median is Infinity, but a finite number"),
+    ("cells.1.step_time_s.median", "fast", 'cells[1].step_time_s.median is "fast", but a number above 0'),
+    ("cells.1.step_time_s", [0.02], "cells[1].step_time_s is a list, but an object is expected"),
+    ("cells.1.samples_per_s", ..., "cells[1].samples_per_s is missing, but an object is expected"),
+    ("cells.1.tokens_per_s", [], "cells[1].tokens_per_s is an empty list, but an object or null is expected"),
+    ("cells.0.nproc", "2", 'cells[0].nproc is "2", but an integer of 1 or more is expected'),
+    ("cells.1.strategy", None, "cells[1].strategy is null, but a string is expected"),
+    ("cells", {"single": {}}, "cells is an object, but a non-empty list is expected"),
+    ("cells", [], "cells is an empty list, but a non-empty list is expected"),
+    ("cells", ..., "cells is missing, but a non-empty list is expected"),
+]
+
+
+@pytest.mark.parametrize(
+    ("flag", "path", "value", "message"),
+    [("--calibration", *case) for case in BAD_CALIBRATIONS]
+    + [("--inter-calibration", "world_size", "2", 'world_size is "2", but an integer')]
+    + [("--bench", *case) for case in BAD_BENCH_REPORTS],
+    ids=lambda value: value if isinstance(value, str) and value.startswith("-") else None,
+)
+def test_a_bad_json_input_is_one_sentence_naming_file_and_key(
+    tmp_path, capsys: pytest.CaptureFixture, flag: str, path: str, value: object, message: str
+) -> None:
+    from multigpu.cli import main
+
+    file = tmp_path / "input.json"
+    file.write_text(changed(bench_report() if flag == "--bench" else calibration(), path, value))
+    timing = [] if flag == "--bench" else ["--compute-s", "0.1", "--units-per-step", "8"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", "--params", "1e8", "--gpus", "1,2", *timing, flag, str(file)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"multigpu: error: {file}: {message}") and err.count("\n") == 1, err
+
+
+def test_the_valid_json_inputs_those_cases_start_from_are_accepted(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    from multigpu.cli import main
+
+    (tmp_path / "calibration.json").write_text(json.dumps(calibration()))
+    (tmp_path / "bench.json").write_text(json.dumps(bench_report()))
+    calibrated = [f"--{side}calibration={tmp_path / 'calibration.json'}" for side in ("", "inter-")]
+    main(
+        ["simulate", "--params", "1e8", "--gpus", "1,2", "--json", "--bench", str(tmp_path / "bench.json"), *calibrated]
+    )
+    one, _ = json.loads(capsys.readouterr().out)
+    assert one["compute_s"] == 0.02 and one["unit"] == "samples"
+
+
+@pytest.mark.parametrize("flag", ["--calibration", "--bench"])
+def test_a_directory_given_as_a_json_file_is_named_as_one(tmp_path, capsys: pytest.CaptureFixture, flag: str) -> None:
+    from multigpu.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        timing = [] if flag == "--bench" else ["--compute-s", "1", "--units-per-step", "1"]
+        main(["simulate", "--params", "1e8", *timing, flag, str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert f"{flag} {tmp_path} is a directory, but a" in capsys.readouterr().err

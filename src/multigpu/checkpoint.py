@@ -11,11 +11,13 @@ data (torch.load's weights_only), so a checkpoint from someone else cannot run c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import random
 import re
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,8 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from multigpu import faults
+from multigpu.env import LAST_CHECKPOINT, note_for_launcher
 from multigpu.errors import UsageError
 from multigpu.strategies import Strategy
 
@@ -148,17 +152,100 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def begin_save(path: Path, state: dict[str, Any], strategy: Strategy) -> tuple[Path, dict[str, Any]]:
-    """Prepares `.<name>.partial` with the small files; returns it and the tensors DCP must write there."""
+    """Prepares `.<name>.partial` with the small files; returns it and the tensors DCP must write there.
+
+    Raises UsageError on every rank when any rank could not write (a full disk, a read-only directory): a rank that
+    stopped alone would leave the others waiting in DCP's collectives until the timeout.
+    """
     tmp = partial_path(path)
     tensors, objects, _ = split_state(state, strategy)
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # the leftovers of a save that crashed
-        tmp.mkdir(parents=True)
-    _barrier()
-    if _rank() == 0:
-        _save_synced(objects, tmp / OBJECTS)
-    _save_synced(rng_state(), tmp / f"rng-rank{_rank()}.pt")
+    failure = None
+    try:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # the leftovers of a save that crashed
+            tmp.mkdir(parents=True)
+    except OSError as error:
+        failure = error
+    _agree(path, failure)
+    try:
+        faults.inject("write", step=state.get("step", -1), rank=_rank())
+        if _rank() == 0:
+            _save_synced(objects, tmp / OBJECTS)
+        _save_synced(rng_state(), tmp / f"rng-rank{_rank()}.pt")
+    except OSError as error:
+        failure = error
+    _agree(path, failure)
     return tmp, tensors
+
+
+def _agree(path: Path, failure: OSError | None) -> None:
+    """Raises the same write failure on every rank if any rank had one (a collective: every rank calls it)."""
+    failures = [failure]
+    if _grouped():
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+    for rank, error in enumerate(failures):
+        if error is not None:
+            if _rank() == 0:
+                shutil.rmtree(partial_path(path), ignore_errors=True)  # gives back what space it took
+            raise write_failed(path, error, rank if _grouped() else None) from error
+
+
+def disk_error(error: BaseException) -> OSError | None:
+    """The OSError behind `error` (a full disk, a read-only or forbidden directory), looking inside DCP's
+    CheckpointException, which carries each failed rank's exception."""
+    pending, seen = [error], set()
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        pending += [current.__cause__, current.__context__]
+        if isinstance(current, CheckpointException):
+            pending += [failure for failure, _trace in current.failures.values()]
+    return None
+
+
+def write_failed(path: Path, error: OSError, rank: int | None = None) -> UsageError:
+    """One sentence for a checkpoint the disk refused: what happened, that the last complete one is intact."""
+    where = f" on rank {rank}" if rank is not None else ""
+    done = list_checkpoints(path.parent)
+    kept = [p for p in done if p != path] or done
+    last = f"the last complete checkpoint, {kept[-1]}, is intact" if kept else "no complete checkpoint exists yet"
+    refusal = UsageError(
+        f"Could not write the checkpoint {path.name} in {path.parent}{where}: {error.strerror or error}; {last}. "
+        "Free space or make the directory writable (or choose another save directory), then run the same command "
+        "again to resume."
+    )
+    refusal.on_every_rank = _grouped()  # every rank raises it: DCP and _agree share each failure with all
+    return refusal
+
+
+def check_writable(directory: Path, flag: str) -> None:
+    """Refuses, before any training, a directory where nothing can be written (read-only, forbidden, a file)."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"{flag} {directory} cannot be created: {existing} is a file; choose another {flag}.")
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".multigpu-write-test-"):
+            pass
+    except OSError as error:
+        raise UsageError(
+            f"{flag} {directory} is not writable ({error.strerror} in {existing}); choose a directory you can write "
+            "to, or fix its permissions."
+        ) from None
+
+
+_last_committed: Path | None = None  # by this process, for the line a stopped run ends with
+
+
+def last_committed() -> Path | None:
+    """The checkpoint this process committed last (rank 0, or a single process), or None."""
+    return _last_committed
 
 
 def commit(path: Path) -> None:
@@ -175,12 +262,18 @@ def commit(path: Path) -> None:
     os.replace(tmp, path)
     _fsync(path.parent)  # the rename itself must survive a power loss
     shutil.rmtree(replaced, ignore_errors=True)
+    global _last_committed
+    _last_committed = path.resolve()
+    note_for_launcher(LAST_CHECKPOINT, str(_last_committed))  # named when the run is stopped or fails
 
 
 def save(path: str | Path, state: dict[str, Any], strategy: Strategy) -> Path:
     path = Path(path)
     tmp, tensors = begin_save(path, state, strategy)
-    dcp.save(tensors, checkpoint_id=tmp)
+    try:
+        dcp.save(tensors, checkpoint_id=tmp)
+    except (Exception, CheckpointException) as error:
+        raise translate_write_error(path, error) from error
     _barrier()
     if _rank() == 0:
         faults.inject("save", step=state.get("step", -1), rank=0)
@@ -189,12 +282,101 @@ def save(path: str | Path, state: dict[str, Any], strategy: Strategy) -> Path:
     return path
 
 
+def translate_write_error(path: Path, error: BaseException) -> BaseException:
+    """What to raise for a failed write of the checkpoint at `path`: a disk's refusal becomes one sentence (and the
+    partial directory is removed, to give back the space); anything else stays as it was."""
+    if isinstance(error, CheckpointException):
+        # DCP wraps whatever interrupted a rank, Ctrl-C and SIGTERM included: those must stop the run as themselves.
+        interrupts = [failure for failure, _ in error.failures.values() if not isinstance(failure, Exception)]
+        if interrupts:
+            return interrupts[0]
+    cause = disk_error(error)
+    if cause is None:
+        return error
+    if _rank() == 0:
+        shutil.rmtree(partial_path(path), ignore_errors=True)
+    return write_failed(path, cause)
+
+
 def check_checkpoint(path: Path) -> None:
+    """Refuses, with one sentence, a path that is not a whole checkpoint."""
+    if path.is_file():
+        raise UsageError(
+            f"{path} is a file, but a checkpoint is a directory; pass the directory engine.save wrote, e.g. "
+            "<save-dir>/checkpoints/step-00000100."
+        )
+    if not path.exists():
+        raise UsageError(
+            f"{path} does not exist; pass a checkpoint directory, e.g. <save-dir>/checkpoints/step-00000100."
+        )
     if not (path / METADATA).is_file() or not (path / OBJECTS).is_file():
         raise UsageError(
             f"{path} is not a multigpu checkpoint (it lacks {METADATA} or {OBJECTS}); pass a directory written "
             "by engine.save, e.g. <save-dir>/checkpoints/step-00000100."
         )
+    reason = damage(path)
+    if reason is not None:
+        raise UsageError(f"The checkpoint {path} is damaged: {reason}; pass another checkpoint.")
+
+
+def damage(path: Path) -> str | None:
+    """What makes the checkpoint at `path` unloadable, in a few words, or None when every part of it is there and
+    whole: its metadata and small files read back, and every shard file holds the bytes the metadata points to (a
+    truncated or missing shard is caught here, not deep inside the load). Cheap: only the small files are read."""
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as error:  # unpickling a damaged file raises anything from EOFError to UnpicklingError
+        return f"its {METADATA} cannot be read ({type(error).__name__})"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            return f"its shard {name} is missing"
+        if shard.stat().st_size < size:
+            return f"its shard {name} is truncated ({shard.stat().st_size} of {size} bytes)"
+    for small in [path / OBJECTS, *sorted(path.glob("rng-rank*.pt"))]:
+        try:
+            with torch.serialization.safe_globals(NUMPY_RNG_GLOBALS):
+                _load_data(small)
+        except UsageError:
+            raise  # loadable, but refused: its own sentence says what to do
+        except Exception as error:
+            return f"its {small.name} cannot be read ({type(error).__name__})"
+    return None
+
+
+def damaged_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.damaged")
+
+
+def newest_usable(directory: Path, say: Callable[[str], None]) -> Path | None:
+    """The newest complete checkpoint under `directory` that loads, or None if there is none at all.
+
+    Damaged ones newer than it (a disk that filled, a copy cut short) are passed over, named through `say`, and
+    moved aside as `.<name>.damaged` (by rank 0), so that later runs neither pick them nor prune good ones in
+    their favour. When checkpoints exist but none is usable, refuses with one sentence and moves nothing.
+    """
+    skipped: list[tuple[Path, str]] = []
+    for path in reversed(list_checkpoints(directory)):
+        reason = damage(path) if path.is_dir() else "it vanished"  # another rank moved it aside meanwhile
+        if reason is None:
+            if skipped:
+                names = ", ".join(f"{p.name} ({why})" for p, why in skipped)
+                say(f"resume: passed over damaged checkpoint(s) {names}, kept as .<name>.damaged; using {path.name}")
+            for damaged, _ in skipped if _rank() == 0 else []:
+                with contextlib.suppress(OSError):
+                    os.replace(damaged, damaged_path(damaged))
+            return path
+        skipped.append((path, reason))
+    if skipped:
+        newest, why = skipped[0]
+        raise UsageError(
+            f"None of the {len(skipped)} checkpoint(s) in {directory} can be loaded ({newest.name}: {why}); move "
+            "them aside to start over, restore a good copy, or choose another --save-dir."
+        )
+    return None
 
 
 def _check_shapes(path: Path, tensors: dict[str, Any]) -> None:
@@ -222,8 +404,10 @@ def _flatten(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
     return [(prefix[:-1], tree)]
 
 
-def load(path: str | Path, state: dict[str, Any], strategy: Strategy) -> None:
-    """Restores `state` in place: modules and optimizers from DCP, stateful objects, plain values and RNG."""
+def load(path: str | Path, state: dict[str, Any], strategy: Strategy, optional: tuple[str, ...] = ()) -> None:
+    """Restores `state` in place: modules and optimizers from DCP, stateful objects, plain values and RNG.
+
+    Keys in `optional` (non-tensor entries only) may be absent from the checkpoint: they keep what they hold."""
     path = Path(path)
     check_checkpoint(path)
     tensors, _, restore = split_state(state, strategy, loading=True)
@@ -234,6 +418,8 @@ def load(path: str | Path, state: dict[str, Any], strategy: Strategy) -> None:
     objects = _load_data(path / OBJECTS)
     for key, value in state.items():
         if isinstance(value, (nn.Module, torch.optim.Optimizer)):
+            continue
+        if key not in objects and key in optional:
             continue
         if key not in objects:
             raise UsageError(f"The checkpoint {path} has no {key!r}; it was saved with another state.")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Callable
@@ -36,7 +38,8 @@ def exit_on_usage_error(main: Callable[[], int | None]) -> int:
     try:
         return main() or 0
     except UsageError as error:
-        print(f"multigpu: error: {error}", file=sys.stderr)
+        if not error.on_every_rank or os.environ.get("RANK", "0") == "0":
+            print(f"multigpu: error: {error}", file=sys.stderr)
         sys.exit(2)
 
 
@@ -51,6 +54,8 @@ def check_engine_config(config: EngineConfig, nproc: int) -> None:
         lambda _: None,
         options,
         unsharded_grad_accum=config.unsharded_grad_accum,
+        find_unused_parameters=config.find_unused_parameters,
+        sync_batchnorm=config.sync_batchnorm,
     )
     if isinstance(strategy, DeepSpeed):
         strategy.config(Precision(config.precision), env.device)
@@ -102,6 +107,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     def check() -> None:
         activity_data.check(config.data)
         resolve_resume(config)
+        checkpoint.check_writable(Path(config.save_dir), "--save-dir")
 
     return run_recipe(config, "multigpu.recipes.train", train, check)
 
@@ -116,6 +122,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         lm_models.check(config.model)
         lm_data.check(config.data)
         resolve_resume(config)
+        checkpoint.check_writable(Path(config.save_dir), "--save-dir")
 
     return run_recipe(config, "multigpu.recipes.finetune", finetune, check)
 
@@ -212,8 +219,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_env(args: argparse.Namespace) -> int:
     from multigpu import preflight
 
-    if args.nproc < 1 or args.size_mb <= 0 or args.iterations < 1:
-        raise UsageError("--nproc and --iterations must be 1 or more and --size-mb positive.")
+    if args.nproc < 1 or not 0 < args.size_mb < math.inf or args.iterations < 1:
+        raise UsageError("--nproc and --iterations must be 1 or more and --size-mb a positive number.")
     return preflight.run(args.nproc, args.size_mb, args.iterations, args.json)
 
 
@@ -367,9 +374,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Stopped(BaseException):
+    """SIGTERM, raised where the main thread is, like Ctrl-C's KeyboardInterrupt, so the run stops the same way."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, _frame: object) -> None:
+    raise Stopped(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The CLI. A run in this process stopped by Ctrl-C or SIGTERM ends with one line naming the last complete
+    checkpoint and exit code 130 or 143 (launched workers are stopped by `multigpu.launch` the same way)."""
     args = build_parser().parse_args(argv)
-    return exit_on_usage_error(lambda: args.handler(args))
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        return exit_on_usage_error(lambda: args.handler(args))
+    except (KeyboardInterrupt, Stopped) as stop:
+        signum = stop.signum if isinstance(stop, Stopped) else signal.SIGINT
+        last = checkpoint.last_committed()
+        saved = f"the last complete checkpoint is {last}" if last else "no checkpoint was completed in this run"
+        print(f"multigpu: stopped by {signal.Signals(signum).name}; {saved}.", file=sys.stderr)
+        return 128 + signum
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -118,6 +118,28 @@ class DistributedLoader:
     def __len__(self) -> int:
         return len(self._plan(0))
 
+    def next_step_samples(self) -> int:
+        """The real samples (all ranks) of the optimizer step that starts at the current position: a whole window of
+        global batches, or what is left of the epoch (the next epoch's first window at its very end)."""
+        total, global_batch = len(self.dataset), self.batch_size * self.world_size
+        start = self.position
+        stop = total - (total - start) % global_batch if self.drop_last else total
+        if start >= stop:  # the epoch is used up
+            start, stop = 0, total - total % global_batch if self.drop_last else total
+        return min(stop - start, global_batch * self.grad_accum_steps)
+
+    def samples_in_steps(self, steps: int) -> int:
+        """The real samples (all ranks) that the first `steps` optimizer steps of a run at this world size train on,
+        over as many epochs as they take: a step budget turned into a position in the data."""
+        per_step = [0]
+        for batch in self._plan(0):  # every epoch splits the same way; only the order of samples differs
+            per_step[-1] += batch.global_size
+            if batch.ends_window:
+                per_step.append(0)
+        per_step.pop()
+        epochs, rest = divmod(steps, len(per_step))
+        return epochs * sum(per_step) + sum(per_step[:rest])
+
     def _order(self) -> list[int]:
         n = len(self.dataset)
         if not self.shuffle:

@@ -7,6 +7,7 @@ import functools
 import os
 import random
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
@@ -19,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset
 from torch.utils.flop_counter import FlopCounterMode
@@ -31,7 +34,8 @@ from multigpu.monitor import MetricsLog, StepMonitor, peak_memory_bytes
 from multigpu.planner import choose_strategy
 from multigpu.precision import PRECISIONS, Precision
 from multigpu.progress import Progress
-from multigpu.strategies import STRATEGIES, Strategy, resolve_strategy
+from multigpu.schedule import SampleSchedule
+from multigpu.strategies import STRATEGIES, DataParallel, Strategy, resolve_strategy
 from multigpu.strategies.deepspeed import DeepSpeedOptions
 
 UNSHARDED_GRAD_ACCUM_HELP = (
@@ -39,6 +43,16 @@ UNSHARDED_GRAD_ACCUM_HELP = (
     "communication, a full gradient per rank) instead of on every micro-step"
 )
 PEAK_TFLOPS_HELP = "the device's dense peak TFLOPS for MFU (default: looked up by the GPU's exact name)"
+FIND_UNUSED_HELP = (
+    "ddp/zero1: let some parameters get no gradient in a step (costs a pass over the autograd graph every step)"
+)
+SYNC_BATCHNORM_HELP = (
+    "convert BatchNorm to SyncBatchNorm, so every process normalises with the global batch's statistics "
+    "(process-group strategies on GPUs; one process has nothing to synchronise)"
+)
+STEP_BEFORE_BACKWARD = (
+    "engine.step() was called before engine.backward(loss) in this step; call engine.backward(loss) first."
+)
 REDUCE_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
@@ -53,6 +67,8 @@ class EngineConfig(DeepSpeedOptions):
     seed: int = field(default=0, metadata={"help": "seed for model init and data order (the same on every rank)"})
     cpu_offload: bool = field(default=False, metadata={"help": "keep zero3's sharded parameters in CPU memory"})
     unsharded_grad_accum: bool = field(default=False, metadata={"help": UNSHARDED_GRAD_ACCUM_HELP})
+    find_unused_parameters: bool = field(default=False, metadata={"help": FIND_UNUSED_HELP})
+    sync_batchnorm: bool = field(default=False, metadata={"help": SYNC_BATCHNORM_HELP})
     backend: str | None = field(
         default=None,
         metadata={"help": "process-group backend (default: nccl on GPUs, gloo on CPU)", "choices": BACKENDS},
@@ -110,6 +126,8 @@ class Engine:
         offload_optimizer: bool = False,
         offload_param: bool = False,
         deepspeed_config: str | None = None,
+        find_unused_parameters: bool = False,
+        sync_batchnorm: bool = False,
     ) -> None:
         self._harness = harness.active()
         if self._harness is not None:  # bench / verify decide these, whatever the script asks for
@@ -132,6 +150,8 @@ class Engine:
             log_every=log_every,
             log_dir=log_dir,
             peak_tflops=peak_tflops,
+            find_unused_parameters=find_unused_parameters,
+            sync_batchnorm=sync_batchnorm,
         )
         self.env = DistEnv.from_environ()
         self._strategy = resolve_strategy(
@@ -142,6 +162,8 @@ class Engine:
             deepspeed=deepspeed,
             max_grad_norm=max_grad_norm,
             unsharded_grad_accum=unsharded_grad_accum,
+            find_unused_parameters=find_unused_parameters,
+            sync_batchnorm=sync_batchnorm,
         )
         self._auto_pending = strategy == "auto" and self.env.is_distributed
         self.precision = Precision(precision)
@@ -157,6 +179,7 @@ class Engine:
         random.seed(seed)
         self._scaler: torch.amp.GradScaler | None = None
         self._micro_steps = 0  # micro-steps since the last optimizer step
+        self._backward_ran = False  # since the last engine.step
         self._batch: Batch | None = None  # the engine-loader batch being trained on, if any
         self._loader: DistributedLoader | None = None
         self._train_loader: DistributedLoader | None = None  # the loader whose batches backward last saw
@@ -165,9 +188,10 @@ class Engine:
         self.last_step_applied = True  # False after a step that fp16 loss scaling skipped
         self.skipped_steps = 0  # optimizer steps skipped so far for inf/nan gradients (fp16-mixed)
         self._progress = Progress(self.rank, self.world_size, timeout_s)
-        self._pending_save: Future | None = None
+        self._pending_save: tuple[Future, Path] | None = None  # a background save and where it goes
         self._checkpoint_group: dist.ProcessGroup | None = None
         self._model: nn.Module | None = None
+        self._set_up: list[nn.Module] = []  # what setup was given and returned, so a second setup is caught
         self._window = _Window(other_work=True)  # the first step also pays for lazy initialisation
         self._mark = self._step_end = time.perf_counter()
         self._steps = 0
@@ -212,9 +236,15 @@ class Engine:
 
         Build schedulers on the optimizer returned here (zero1 replaces it with a sharded one).
         """
+        if any(model is known for known in self._set_up):
+            raise UsageError(
+                "engine.setup() was already called on this model; call it once and use the model it returned."
+            )
+        given = model
         if self._auto_pending:
             self._strategy = self._choose_strategy(model, optimizer)
             self._auto_pending = False
+        model = self._batchnorm(model)
         if self.precision.name == "bf16-true":
             model.to(torch.bfloat16)
         model, optimizer = self._strategy.setup(model, optimizer, self.env, self.precision)
@@ -224,6 +254,7 @@ class Engine:
         if self.precision.needs_grad_scaler:
             self._scaler = self._strategy.grad_scaler(self.device)
         self._model = model
+        self._set_up += [given, model]
         if self._harness is not None and not self._harness.grad_sync:
             # Entered for good: every backward keeps its gradients local (bench's communication share).
             self._strategy.no_sync(model).__enter__()
@@ -264,7 +295,36 @@ class Engine:
             self.env,
             name == "zero3+offload",
             unsharded_grad_accum=fsdp and self.config.unsharded_grad_accum,
+            find_unused_parameters=self.config.find_unused_parameters,
+            sync_batchnorm=self.config.sync_batchnorm,
         )
+
+    def _batchnorm(self, model: nn.Module) -> nn.Module:
+        """BatchNorm turned into SyncBatchNorm when asked, else a warning where processes or replicas normalise
+        alone. A warning, not engine.print: a run that wants per-process statistics can filter it out."""
+        layers = sum(isinstance(m, _BatchNorm) and not isinstance(m, nn.SyncBatchNorm) for m in model.modules())
+        if not layers:
+            return model
+        if self.config.sync_batchnorm and self._strategy.needs_process_group:
+            # Keeps the Parameter objects, so an optimizer built before setup stays valid.
+            return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if isinstance(self._strategy, DataParallel):
+            parts = f"each of the {torch.cuda.device_count()} GPUs' slices of a batch under dp with that slice's"
+            remedy = "use strategy ddp with sync_batchnorm=True (--sync-batchnorm) to synchronise them"
+        elif self._strategy.needs_process_group and self.world_size > 1:
+            parts = f"each of the {self.world_size} processes' batches under {self._strategy.name} with that process's"
+            remedy = "pass sync_batchnorm=True (--sync-batchnorm) to synchronise them"
+            if self.device.type != "cuda":
+                remedy = "sync_batchnorm=True (--sync-batchnorm) synchronises them when training on GPUs"
+        else:
+            return model
+        if self.is_main_process:  # one warning per run, not one per rank
+            warnings.warn(
+                f"The model's {layers} BatchNorm layer(s) normalise {parts} own statistics rather than the global "
+                f"batch's (running statistics included); {remedy}.",
+                stacklevel=3,
+            )
+        return model
 
     def dataloader(
         self,
@@ -360,6 +420,7 @@ class Engine:
             self._monitor.flops_per_step = counted * self.config.grad_accum_steps * self.world_size
             self._flop_counter, self._count_flops = None, False
         self._mark = time.perf_counter()
+        self._backward_ran = True
 
     def step(self, optimizer: torch.optim.Optimizer, scheduler: LRScheduler | None = None) -> bool:
         """On the last micro-step of a window: unscale, clip, step, zero the gradients, advance `scheduler` and
@@ -369,6 +430,9 @@ class Engine:
         step still ends its window and returns True, but leaves `scheduler` where it was, so the learning-rate
         schedule follows the updates that happened. `skipped_steps` counts such steps.
         """
+        if not self._backward_ran:
+            raise UsageError(STEP_BEFORE_BACKWARD)
+        self._backward_ran = False
         syncs = self._syncs_now()
         self._batch = None
         if not syncs:
@@ -380,11 +444,14 @@ class Engine:
             outcome = self._strategy.optimizer_step(
                 self._model, optimizer, self._scaler, count, self.config.max_grad_norm
             )
+        self._progress.finish_step()
         if outcome.grad_norm is not None:
             self.last_grad_norm = outcome.grad_norm
         self.last_step_applied = outcome.applied
         if not outcome.applied:
             self.skipped_steps += 1
+            if isinstance(scheduler, SampleSchedule):
+                scheduler.skip(self._window.samples)
         elif scheduler is not None:
             scheduler.step()
         self._end_window(count, loss)
@@ -447,6 +514,7 @@ class Engine:
         self.wait_for_checkpoint()
         self._window.other_work = True
         path = Path(path)
+        state = {**state, COUNTERS: _Counters(self)}
         if not async_save:
             with self._progress.diagnose("save"):
                 checkpoint.save(path, state, self._strategy)
@@ -462,7 +530,7 @@ class Engine:
         if self.is_main_process:
             # Rank 0's future completes after the metadata, i.e. after every rank's shards are written.
             future.add_done_callback(lambda done: _commit(done, path, keep_last))
-        self._pending_save = future
+        self._pending_save = (future, path)
         return path
 
     def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
@@ -481,16 +549,21 @@ class Engine:
     def wait_for_checkpoint(self) -> None:
         """Blocks until a background save has finished (and re-raises its error, if it failed)."""
         if self._pending_save is not None:
-            pending, self._pending_save = self._pending_save, None
-            pending.result()
+            (pending, path), self._pending_save = self._pending_save, None
+            try:
+                pending.result()
+            except (Exception, CheckpointException) as error:
+                raise checkpoint.translate_write_error(path, error) from error
             self.barrier()
 
     def load(self, path: str | Path, state: dict[str, Any]) -> None:
         """Restores `state` in place from a checkpoint written at any world size and with any strategy."""
         self.wait_for_checkpoint()
         self._window.other_work = True
+        restored = {**state, COUNTERS: _Counters(self)}
         with self._progress.diagnose("load"):
-            checkpoint.load(path, state, self._strategy)
+            checkpoint.load(path, restored, self._strategy, optional=(COUNTERS,))
+        state.update({key: restored[key] for key in state})  # plain values are replaced, not loaded in place
 
     # -- collectives ------------------------------------------------------------------------------------------
     @property
@@ -501,8 +574,8 @@ class Engine:
         """`value` combined over all ranks ("mean", "sum" or "max"), returned on every rank as the same type."""
         if op not in REDUCE_OPS:
             raise UsageError(f"Unknown reduce op {op!r}; choose one of {', '.join(REDUCE_OPS)}.")
-        if not self._grouped:
-            return value
+        if not self._grouped:  # a copy, as with several processes: the caller may change its own in place
+            return value.detach().clone() if isinstance(value, torch.Tensor) else value
         is_tensor = isinstance(value, torch.Tensor)
         tensor = value.detach() if is_tensor else torch.tensor(float(value), dtype=torch.float64)
         work = tensor.to(collective_device(self.device), copy=True)
@@ -574,6 +647,24 @@ class Engine:
         """print() on the main process only."""
         if self.is_main_process:
             print(*args, **kwargs, flush=True)
+
+
+COUNTERS = "multigpu.engine"  # the engine's own entry in every checkpoint it writes
+
+
+class _Counters:
+    """The engine's counts, saved with each checkpoint so that a resumed run carries them on: the optimizer steps
+    its reports, logs and stuck-rank messages number, and the steps fp16 loss scaling skipped."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def state_dict(self) -> dict[str, int]:
+        return {"steps": self.engine._steps, "skipped_steps": self.engine.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.engine._steps, self.engine.skipped_steps = int(state["steps"]), int(state["skipped_steps"])
+        self.engine._progress.resume_at(self.engine._steps)
 
 
 def _commit(done: Future, path: Path, keep_last: int | None) -> None:

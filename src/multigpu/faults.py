@@ -3,11 +3,13 @@
     MULTIGPU_FAULT="crash,step=5,rank=1"   rank 1 raises after optimizer step 5 (first attempt only)
     MULTIGPU_FAULT="hang,step=3,rank=1"    rank 1 stops reaching collectives after step 3
     MULTIGPU_FAULT="kill-in-save,step=4"   rank 0 is SIGKILLed while the checkpoint of step 4 is being written
+    MULTIGPU_FAULT="disk-full,step=4,rank=1"   rank 1's disk is full when it writes the checkpoint of step 4
 Faults fire only on a job's first attempt, so that a restarted job can show that it recovers.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -34,5 +36,7 @@ def inject(point: str, step: int, rank: int) -> None:
     if point == "step" and kind == "hang":
         while True:
             time.sleep(60)
+    if point == "write" and kind == "disk-full":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     if point == "save" and kind == "kill-in-save":
         os.kill(os.getpid(), signal.SIGKILL)

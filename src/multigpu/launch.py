@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import errno
+import importlib.machinery
+import importlib.util
 import os
 import signal
+import socket
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser
 from torch.distributed.run import run as torch_run
 
-from multigpu.env import free_port
+from multigpu.env import LAUNCHER_DIR, free_port
 from multigpu.errors import UsageError
 from multigpu.progress import explain_nccl_timeout, nccl_watchdog_environment, read_nccl_traces
-from multigpu.worker import EXIT_DIR
+from multigpu.stop import LAUNCHER_PID, checkpoint_note, raising_on_stop, report_stop
 
 
 @dataclass
@@ -49,6 +54,8 @@ class LaunchConfig:
             raise UsageError(f"--max-restarts must be 0 or more (got {self.max_restarts}).")
         if self.nnodes > 1 and self.master_port is None:
             raise UsageError("Several nodes need the same --master-port on every node; pass e.g. --master-port 29500.")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise UsageError(f"--master-port must be in 1..65535 (got {self.master_port}).")
 
 
 def parse_gpu_ids(gpu_ids: str, present: int, where: str = "this machine has") -> list[int]:
@@ -99,6 +106,74 @@ def select_gpus(config: LaunchConfig, present: int, cuda_visible_devices: str | 
     return nproc, selected
 
 
+def check_target(target: list[str], module: bool) -> None:
+    """Refuses, before any process starts, a script or module that no worker could run."""
+    name = target[0]
+    if module:
+        if not module_found(name):
+            raise UsageError(
+                f"No module named {name} can be found from {os.getcwd()} or the Python path; check its name, "
+                "or drop -m to run a script file."
+            )
+    elif os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, "__main__.py")):  # `python DIR` runs DIR/__main__.py
+            raise UsageError(f"{name} is a directory; pass the path of the Python script in it to run.")
+    elif not os.path.isfile(name):
+        how = "is not a file" if os.path.exists(name) else "does not exist"
+        raise UsageError(f"{name} {how}; pass the path of a Python script, or -m MODULE.")
+
+
+def module_found(name: str) -> bool:
+    """Whether `python -m name` run here would find the module, without importing any package it lies in.
+
+    The workers run from this directory, which a `multigpu` console script does not put on sys.path.
+    """
+    parts = name.split(".")
+    try:
+        spec = importlib.machinery.PathFinder.find_spec(parts[0], [os.getcwd()]) or importlib.util.find_spec(parts[0])
+    except (ImportError, ValueError):
+        return False
+    for depth in range(2, len(parts) + 1):
+        if spec is None or spec.submodule_search_locations is None:
+            return False
+        spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:depth]), spec.submodule_search_locations)
+    if spec is not None and spec.submodule_search_locations is not None:  # a package runs its __main__
+        spec = importlib.machinery.PathFinder.find_spec(f"{name}.__main__", spec.submodule_search_locations)
+    return spec is not None
+
+
+def check_port_free(config: LaunchConfig) -> None:
+    """Refuses a --master-port that another process holds on node 0.
+
+    The rendezvous store would fail to bind it, join whatever listens there as a client instead, and wait for
+    minutes without a word. The check binds as the store does (on every address, IPv6 and IPv4, with
+    SO_REUSEADDR, so a port that only old connections in TIME_WAIT still name counts as free).
+    """
+    port = config.master_port
+    if port is None or config.node_rank != 0:
+        return
+    instead = ", or leave it out to get a free one" if config.nnodes == 1 else " (the same on every node)"
+    for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no IPv6 on this machine: the store listens on IPv4 alone
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((address, port))
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    raise UsageError(
+                        f"--master-port {port} is already in use on this machine; pass another --master-port{instead}."
+                    ) from None
+                if family == socket.AF_INET:  # IPv6 addresses may just be unavailable here
+                    raise UsageError(
+                        f"--master-port {port} cannot be opened on this machine ({error.strerror}); pass another "
+                        f"--master-port{instead}."
+                    ) from None
+
+
 def torchrun_argv(
     config: LaunchConfig, nproc: int, target: list[str], module: bool, harness_dir: Path | None = None
 ) -> list[str]:
@@ -121,28 +196,38 @@ def launch(config: LaunchConfig, target: list[str], module: bool = False, harnes
 
     `harness_dir`: a directory holding a multigpu.harness.Harness, for bench and verify.
 
-    Returns the exit code of the first worker that failed, 0 if all succeeded.
+    Returns the exit code of the first worker that failed, 0 if all succeeded. SIGINT or SIGTERM stops every
+    worker and ends this process with the shell's code for the signal (SystemExit 130 or 143), so that bench and
+    verify, which launch several runs, stop too.
     """
+    check_target(target, module)
+    check_port_free(config)
     present = torch.cuda.device_count()
     nproc, visible_devices = select_gpus(config, present, os.environ.get("CUDA_VISIBLE_DEVICES"))
     if visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     if present == 0 and nproc * config.nnodes > 1:
         use_cpu_for_accelerate(nproc * config.nnodes)
-    if config.max_restarts > 0:
-        # Measured: with the rendezvous store shared with workers, restarted workers hang or fail in most runs.
-        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # The workers' rank 0 serves their store, not this process. Measured: with the rendezvous store shared,
+    # restarted workers hang or fail in most runs; and a script's own processes (torch.multiprocessing.spawn)
+    # inherit TORCHELASTIC_USE_AGENT_STORE=True, so none of them serves the store at the MASTER_PORT they set, and
+    # they wait for it until the timeout. (Several nodes rendezvous statically, which always shares it.)
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     args = get_args_parser().parse_args(torchrun_argv(config, nproc, target, module, harness_dir))
     with tempfile.TemporaryDirectory(prefix="multigpu-exits-") as exits:
-        os.environ[EXIT_DIR] = exits
+        os.environ[LAUNCHER_DIR] = exits
+        os.environ[LAUNCHER_PID] = str(os.getpid())
         if present:
             for name, value in nccl_watchdog_environment(Path(exits)).items():
                 os.environ.setdefault(name, value)
         try:
-            torch_run(args)
+            with raising_on_stop():
+                torch_run(args)
         except ChildFailedError as error:
             return report_failure(error, Path(exits))
+        except SignalException as stopped:
+            raise SystemExit(report_stop(stopped.sigval, Path(exits))) from None
     return 0
 
 
@@ -199,8 +284,11 @@ def report_failure(error: ChildFailedError, exits: Path) -> int:
         )
     others = len(error.failures) - 1
     also = f" ({others} more worker{'s' if others > 1 else ''} failed after it)" if others else ""
+    checkpoint = checkpoint_note(exits)
     print(
-        f"multigpu run: worker rank {rank} (pid {failure.pid}) {how}{also}; errors are printed above.", file=sys.stderr
+        f"multigpu run: worker rank {rank} (pid {failure.pid}) {how}{also}; errors are printed above"
+        f"{f'; {checkpoint}' if checkpoint else ''}.",
+        file=sys.stderr,
     )
     stuck = explain_nccl_timeout(read_nccl_traces(exits))
     if stuck is not None:

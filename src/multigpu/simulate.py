@@ -14,6 +14,7 @@ every hop (pessimistic: in NCCL's rings only the hops that leave a node pay it).
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from multigpu.config import read_json
+from multigpu.config import json_value, read_json
 from multigpu.errors import UsageError
 
 if TYPE_CHECKING:
@@ -143,8 +144,8 @@ class SimulateConfig:
         object.__setattr__(self, "gpus", tuple(self.gpus))  # a list from the CLI would leave the config unhashable
         positive = {"--params": self.params, "--compute-s": self.compute_s, "--units-per-step": self.units_per_step}
         for flag, value in positive.items():
-            if not value > 0:
-                raise UsageError(f"{flag} must be positive (got {value:g}).")
+            if not 0 < value < math.inf:
+                raise UsageError(f"{flag} must be positive and finite (got {value:g}).")
         at_least_one = {
             "--layers": self.layers,
             "--gpus-per-node": self.gpus_per_node,
@@ -163,8 +164,8 @@ class SimulateConfig:
                 raise UsageError(f"{flag} must be one of {', '.join(INTERCONNECTS)} (got {name!r}).")
         if self.strategy not in STRATEGIES:
             raise UsageError(f"--strategy must be one of {', '.join(STRATEGIES)} (got {self.strategy!r}).")
-        if not self.bucket_mb > 0:
-            raise UsageError(f"--bucket-mb must be positive (got {self.bucket_mb:g}).")
+        if not 0 < self.bucket_mb < math.inf:
+            raise UsageError(f"--bucket-mb must be positive and finite (got {self.bucket_mb:g}).")
         if not 0 < self.backward_fraction < 1:
             raise UsageError(f"--backward-fraction must lie between 0 and 1 (got {self.backward_fraction:g}).")
 
@@ -266,7 +267,7 @@ def flops_per_token(shape: ModelShape, seq_len: int) -> float:
 
 def compute_time(flops_per_unit: float, units_per_step: float, tflops: float, mfu: float) -> float:
     """Seconds per step when not measured: FLOPs of the step over peak TFLOPS at the given utilisation."""
-    if not tflops > 0 or not 0 < mfu <= 1:
+    if not 0 < tflops < math.inf or not 0 < mfu <= 1:
         raise UsageError(f"--tflops must be positive and --mfu in (0, 1] (got {tflops:g} and {mfu:g}).")
     return flops_per_unit * units_per_step / (tflops * 1e12 * mfu)
 
@@ -301,23 +302,29 @@ def fit_link(results: list[dict[str, Any]], world_size: int) -> Link:
     return Link(alpha_s=float(alpha), bandwidth_Bps=float(1 / inverse_bw))
 
 
-def load_calibration(path: str | Path) -> Links:
+def load_calibration(path: str | Path, flag: str = "--calibration") -> Links:
     """One Link per collective, each fitted to that op's timings in a `multigpu bench --collectives` JSON file.
 
     gloo's reduce-scatter, the one FSDP calls, runs a whole all-reduce (the bench times a true reduce-scatter
     instead and notes it), so on gloo it is costed as the all-reduce it is: twice the hops and the bytes.
     """
-    data = read_json(path, "write it with `multigpu bench --collectives` first")
-    if not isinstance(data, dict) or not isinstance(data.get("results"), list) or "world_size" not in data:
-        raise UsageError(f"{path} lacks world_size or a results list; use the file `multigpu bench` writes.")
-    results, world = data["results"], data["world_size"]
-    measured = {row.get("op") for row in results if isinstance(row, dict)}
-    links = {op: fit_link([r for r in results if r.get("op") == op], world) for op in OPS if op in measured}
-    if not links:
-        raise UsageError(f"{path} holds no all_reduce, all_gather or reduce_scatter timings; rerun the benchmark.")
+    how, what = "write it with `multigpu bench --collectives` first", "a JSON file from `multigpu bench --collectives`"
+    data = read_json(path, how, flag, what)
+    get = functools.partial(json_value, file=path, advice="use the file `multigpu bench --collectives` writes")
+    get(data, None, dict)
+    world = get(data, "world_size", int, minimum=2, advice="calibrate with `multigpu bench --collectives --nproc 2`")
+    results = get(data, "results", list, items=dict)
+    for index, row in enumerate(results):
+        get(row, "op", str, f"results[{index}]", choices=OPS)
+        for key in ("bytes", "time_s"):
+            get(row, key, float, f"results[{index}]", positive=True)
+        get(row, "correct", bool, f"results[{index}]", optional=True)
+    backend = get(data, "backend", str, optional=True)
+    measured = {row["op"] for row in results}
+    links = {op: fit_link([r for r in results if r["op"] == op], world) for op in OPS if op in measured}
     fallback = fit_link(results, world)
     links = {op: links.get(op, fallback) for op in OPS}
-    if data.get("backend") == "gloo":
+    if backend == "gloo":
         ring = links["all_reduce"]
         links["reduce_scatter"] = Link(2 * ring.alpha_s, ring.bandwidth_Bps / 2)
     return links
@@ -426,20 +433,23 @@ def resolve(request: SimulateRequest) -> tuple[SimulateConfig, Link | None, Link
         compute_slots_per_node=request.compute_slots_per_node,
     )
     intra = load_calibration(request.calibration) if request.calibration else None
-    inter = load_calibration(request.inter_calibration) if request.inter_calibration else None
+    inter = load_calibration(request.inter_calibration, "--inter-calibration") if request.inter_calibration else None
     return config, intra, inter
 
 
 def from_bench(path: Path, strategy: str) -> tuple[float, float, str]:
     """(seconds per step, units per device per step, unit) from a bench.json's 1-process cell: the strategy's own
     (bench --baseline same) where there is one, as it carries the strategy's overhead; else the single one."""
-    cells = [
-        c for c in read_json(path, "write it with `multigpu bench --nproc 1,...` first")["cells"] if c["nproc"] == 1
-    ]
-    if not cells:
+    data = read_json(path, "write it with `multigpu bench --nproc 1,...` first", "--bench", "a bench.json")
+    get = functools.partial(json_value, file=path, advice="use the bench.json that `multigpu bench` writes")
+    get(data, None, dict)
+    cells = get(data, "cells", list, items=dict)
+    ones = [i for i, cell in enumerate(cells) if get(cell, "nproc", int, f"cells[{i}]", minimum=1) == 1]
+    if not ones:
         raise UsageError(f"{path} has no 1-process cell; rerun bench with 1 in --nproc.")
-    cell = next((c for c in cells if c["strategy"] == strategy), cells[0])
-    step = cell["step_time_s"]["median"]
-    if cell["tokens_per_s"]:
-        return step, cell["tokens_per_s"]["median"] * step, "tokens"
-    return step, cell["samples_per_s"]["median"] * step, "samples"
+    index = next((i for i in ones if get(cells[i], "strategy", str, f"cells[{i}]") == strategy), ones[0])
+    cell, at = cells[index], f"cells[{index}]"
+    step = get(cell, "step_time_s.median", float, at, positive=True)
+    if get(cell, "tokens_per_s", (dict, type(None)), at, optional=True):
+        return step, get(cell, "tokens_per_s.median", float, at, positive=True) * step, "tokens"
+    return step, get(cell, "samples_per_s.median", float, at, positive=True) * step, "samples"

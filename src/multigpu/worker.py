@@ -14,23 +14,30 @@ threads of other libraries (DeepSpeed's among them) can still be running when th
 every exit handler has run, the worker flushes every open file and ends the process with the script's exit code,
 without finalising the interpreter: the work and its output are complete, and no library thread can race the
 teardown of the objects it uses.
+
+Before the script runs, the worker also arranges to die with its launcher and to end at once when the launcher
+stops it (multigpu.stop), and makes accelerate's PartialState use the CPU where Accelerator does (below).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
+import importlib.abc
+import importlib.machinery
 import io
 import os
 import runpy
 import sys
 import time
+from types import ModuleType
+from typing import Any
 
-from multigpu import harness
-from multigpu.env import destroy_process_groups
+from multigpu import harness, stop
+from multigpu.env import LAUNCHER_DIR, destroy_process_groups
 
-EXIT_DIR = "MULTIGPU_EXIT_DIR"  # set by `multigpu run` for its own workers; not a user setting
 _exit_code = 1  # what the process ends with unless the script finishes: an unhandled exception's code
 
 
@@ -38,7 +45,7 @@ def record_exit(code: int) -> None:
     """Notes when and how the script ended, so the launcher can tell the first failure from its echoes."""
     global _exit_code
     _exit_code = code
-    folder = os.environ.get(EXIT_DIR)
+    folder = os.environ.get(LAUNCHER_DIR)
     if folder and "RANK" in os.environ:
         with open(os.path.join(folder, f"rank{os.environ['RANK']}"), "w") as file:
             file.write(f"{time.time_ns()} {code}")
@@ -56,7 +63,48 @@ def end_process() -> None:
     os._exit(_exit_code)
 
 
+class AccelerateOnCpu(importlib.abc.MetaPathFinder):
+    """When the script imports accelerate, makes PartialState() honour ACCELERATE_USE_CPU as Accelerator() does.
+
+    `multigpu run` sets ACCELERATE_USE_CPU=true on machines without CUDA GPUs (launch.use_cpu_for_accelerate).
+    Accelerator() reads it and passes cpu=True to PartialState; accelerate 1.15's PartialState() reads no such
+    variable, finds no accelerator and reports num_processes 1 in every worker, so each trains alone.
+    """
+
+    def find_spec(
+        self, name: str, path: Any, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if name != "accelerate.state":
+            return None
+        finders = (finder for finder in sys.meta_path if finder is not self and hasattr(finder, "find_spec"))
+        spec = next((found for finder in finders if (found := finder.find_spec(name, path, target))), None)
+        if spec is None or spec.loader is None:
+            return None
+        run = spec.loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            run(module)
+            if module.__name__ == name:  # a loader may serve other modules too (a zip importer does)
+                use_cpu_in_partial_state(module)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def use_cpu_in_partial_state(state: ModuleType) -> None:
+    init = state.PartialState.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, cpu: bool = False, **kwargs: Any) -> None:
+        init(self, cpu or state.parse_flag_from_env("ACCELERATE_USE_CPU"), **kwargs)
+
+    state.PartialState.__init__ = __init__
+
+
 def main() -> None:
+    stop.die_with_launcher()
+    stop.end_at_once_on_stop()
+    sys.meta_path.insert(0, AccelerateOnCpu())
     atexit.register(end_process)  # registered first, so it runs after every other exit handler
     atexit.register(destroy_process_groups)
     args = sys.argv[1:]

@@ -162,3 +162,31 @@ def test_two_gpus_train_like_one(tmp_path: Path) -> None:
     results = run_in_processes("tests.strategies.test_equivalence:train_cases", 2, timeout=300, cases=cases)
     for index, case in enumerate(cases):
         assert_matches(case, results[0][index], train_reference(case, world_size=2))
+
+
+def sync_batchnorm_step(nproc: int) -> dict:
+    """One ddp step with sync_batchnorm, every rank on data of its own: BatchNorm must see the global batch."""
+    engine = mg.Engine(strategy="ddp", sync_batchnorm=True)
+    model = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = engine.setup(model, optimizer)
+    before = model.module[1].weight.detach().clone()
+    batches = [torch.randn(8, 4, generator=torch.Generator().manual_seed(rank)) + rank for rank in range(nproc)]
+    x = batches[engine.rank].to(engine.device)
+    engine.backward(nn.functional.cross_entropy(model(x), torch.zeros(8, dtype=torch.long, device=engine.device)))
+    engine.step(optimizer)
+    return {
+        "layers": [type(m).__name__ for m in model.modules() if "BatchNorm" in type(m).__name__],
+        "trained": not torch.equal(model.module[1].weight.detach(), before),
+        # Momentum 0.1 from zeros: a tenth of the mean over every rank's batch, not over this rank's alone.
+        "running_mean": model.module[0].running_mean.cpu(),
+        "expected": 0.1 * torch.cat(batches).mean(dim=0),
+    }
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=two_gpus)])
+def test_sync_batchnorm_converts_and_normalises_over_every_rank(nproc: int) -> None:
+    results = run_in_processes("tests.gpu.test_gpu_paths:sync_batchnorm_step", nproc, timeout=300, nproc=nproc)
+    for result in results:
+        assert result["layers"] == ["SyncBatchNorm"] and result["trained"], result
+        assert torch.allclose(result["running_mean"], result["expected"], atol=1e-5), result

@@ -8,6 +8,7 @@ import pytest
 
 import multigpu as mg
 from multigpu.cli import main
+from multigpu.errors import UsageError
 from multigpu.planner import plan
 from multigpu.planner.memory import parse_bytes
 from multigpu.planner.shapes import BUILTIN, from_transformer
@@ -57,10 +58,42 @@ def test_checkpointing_lowers_activations_and_raises_the_batch_that_fits() -> No
 
 
 @pytest.mark.parametrize(
-    ("text", "value"), [("80GB", 80 * GIB), ("24GiB", 24 * GIB), ("512m", 512 * 2**20), ("1e9", 1e9)]
+    ("text", "value"),
+    [
+        ("80GB", 80 * GIB),
+        ("24GiB", 24 * GIB),
+        ("512m", 512 * 2**20),
+        (" 80 gb ", 80 * GIB),
+        ("2T", 2 * 2**40),
+        ("1.5e10", 1.5e10),  # a bare number is bytes where it can be a GPU's memory
+        ("100B", 100),  # a unit says what is meant, however small
+        (16 * GIB, 16 * GIB),
+    ],
 )
 def test_parse_bytes(text: str, value: float) -> None:
     assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("80", "--gpu-memory 80 has no unit, so it would mean 80 bytes; write 80GB or 80GiB."),
+        ("1e9", "--gpu-memory 1e9 has no unit"),
+        (80, "--gpu-memory 80 has no unit"),
+        ("0GB", "--gpu-memory must be positive and finite (got 0GB)"),
+        ("0", "--gpu-memory must be positive and finite"),
+        ("-8GB", "--gpu-memory must be positive and finite"),
+        ("inf", "--gpu-memory must be positive and finite (got inf)"),
+        ("nanGB", "--gpu-memory must be positive and finite"),
+        (float("nan"), "--gpu-memory must be positive and finite"),
+        (True, "--gpu-memory must be a size"),
+        ("80ib", "Cannot read the size '80ib'"),
+    ],
+)
+def test_parse_bytes_refuses_what_cannot_be_a_gpus_memory(text: str | float, message: str) -> None:
+    with pytest.raises(UsageError) as refused:
+        parse_bytes(text)
+    assert message in str(refused.value)
 
 
 def test_json_output(capsys: pytest.CaptureFixture) -> None:
@@ -76,12 +109,15 @@ def test_json_output(capsys: pytest.CaptureFixture) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--model", "/no/such/model"], "--model /no/such/model is neither a built-in"),
+        (["--model", "/no/such/model"], "--model /no/such/model does not exist; pass a built-in (llama-2-7b"),
         (["--params=-7e9"], "--params must be positive"),
+        (["--params", "nan"], "--params must be positive and finite (got nan)"),
         (["--params", "7e9", "--layers", "32"], "--layers, --hidden, --heads and --vocab go together"),
         (["--model", "smollm2-135m", "--batch-size", "-1"], "--batch-size must be 1 or more (got -1)"),
         (["--model", "smollm2-135m", "--gpu-memory", "lots"], "Cannot read the size 'lots'"),
         (["--model", "smollm2-135m", "--gpu-memory=-8GB"], "--gpu-memory must be positive"),
+        (["--model", "smollm2-135m", "--gpu-memory", "80"], "--gpu-memory 80 has no unit, so it would mean 80 bytes"),
+        (["--model", "smollm2-135m", "--gpu-memory", "inf"], "--gpu-memory must be positive and finite (got inf)"),
     ],
 )
 def test_bad_input(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
@@ -97,6 +133,44 @@ def test_config_without_the_needed_fields(tmp_path, capsys: pytest.CaptureFixtur
         main(["plan", "--model", str(tmp_path)])
     assert exit_info.value.code == 2
     assert "lacks num_hidden_layers, num_attention_heads, intermediate_size, vocab_size" in capsys.readouterr().err
+
+
+def llama(extra: str) -> str:
+    """A config.json's text: the fields the planner needs but num_hidden_layers, and `extra`."""
+    return '{"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 512, ' + extra + "}"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (llama('"num_hidden_layers": true'), "config.json: num_hidden_layers is true, but an integer"),
+        (llama('"num_hidden_layers": 2.5'), "config.json: num_hidden_layers is 2.5, but an integer"),
+        (llama('"num_hidden_layers": NaN'), "config.json: num_hidden_layers is NaN, but a finite"),
+        (llama('"num_hidden_layers": 2, "tie_word_embeddings": "no"'), "tie_word_embeddings is"),
+        ("[64, 2]", "config.json: the top level is a list, but an object is expected"),
+        ("not json", "config.json is not valid JSON"),
+    ],
+)
+def test_config_of_the_wrong_shape(tmp_path, text: str, message: str, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_model_paths_of_the_wrong_kind(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    """A directory whose config.json is a directory, and one with no config.json at all."""
+    (tmp_path / "odd" / "config.json").mkdir(parents=True)
+    (tmp_path / "empty").mkdir()
+    for model, message in [
+        ("odd", "/odd/config.json is a directory, but a config.json is expected; pass the file's path."),
+        ("empty", "/empty/config.json does not exist; pass a built-in"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["plan", "--model", str(tmp_path / model)])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
 
 
 def test_plan_accepts_a_module() -> None:

@@ -291,3 +291,26 @@ def test_helpers() -> None:
         for index in range(100)
     }
     assert len(streams) == 400
+
+
+@pytest.mark.parametrize(
+    ("flag", "kind", "message"),
+    [
+        ("--prompts", "directory", "is a directory, but a JSONL file of prompts is expected; pass the file's path."),
+        ("--adapter", "file", "is a file, but a peft adapter directory is expected; pass the directory's path."),
+        ("--model", "file", "is a file, but smollm2, tiny or a Hugging Face model directory is expected"),
+    ],
+)
+def test_a_path_of_the_wrong_kind_is_named_as_what_it_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture, flag: str, kind: str, message: str
+) -> None:
+    from multigpu.cli import main as cli
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    wrong = tmp_path if kind == "directory" else prompts
+    args = {"--prompts": str(prompts), "--out": str(tmp_path / "out.jsonl"), flag: str(wrong)}
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["generate", *(part for pair in args.items() for part in pair)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith(f"multigpu: error: {flag} {wrong} {message}")

@@ -209,3 +209,14 @@ def test_concurrent_processes_tokenise_once(tmp_path: Path) -> None:
     assert sorted(r["from_cache"] for r in results) == [False, True]
     assert results[0]["digest"] == results[1]["digest"] and results[0]["blocks"] > 100
     assert [p.suffix for p in sorted(cache.iterdir())] == [".lock", ".pt"]  # no partial file left behind
+
+
+def test_a_directory_is_not_taken_for_a_data_file(tmp_path: Path) -> None:
+    (tmp_path / "corpus.jsonl").mkdir()
+    for directory in (tmp_path, tmp_path / "corpus.jsonl"):
+        with pytest.raises(UsageError) as refused:
+            lm_data.check(str(directory))
+        assert str(refused.value) == (
+            f"--data {directory} is a directory, but shakespeare, a .txt file or a .jsonl file is expected; pass the "
+            "file's path."
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, field
 
@@ -19,14 +20,26 @@ DEEPSPEED = ("deepspeed1", "deepspeed2", "deepspeed3")  # reported, never recomm
 FRAMEWORK_OVERHEAD = 1 << 30  # CUDA context, kernels, allocator slack: about 1 GiB that no tensor accounts for
 
 
-def parse_bytes(text: str | float) -> float:
-    """'80GB', '80GiB', '24g', '1.5e10' -> bytes (GB here means GiB, as GPU spec sheets use it)."""
-    if isinstance(text, (int, float)):
-        return float(text)
-    match = re.fullmatch(r"\s*(-?[0-9.]+(?:e[0-9]+)?)\s*([kmgt]?)(i?b)?\s*", text.lower())
-    if not match:
-        raise UsageError(f"Cannot read the size {text!r}; write it like 80GB or 24GiB.")
-    return float(match.group(1)) * 1024 ** "_kmgt".index(match.group(2) or "_")
+def parse_bytes(text: str | float, flag: str = "--gpu-memory") -> float:
+    """'80GB', '80GiB', '24g', '1.5e10' -> bytes (GB here means GiB, as GPU spec sheets use it).
+
+    A bare number is bytes; below 1 GiB it is refused, since no GPU is that small and `80` meant 80GB.
+    """
+    if isinstance(text, bool) or not isinstance(text, (str, int, float)):
+        raise UsageError(f"{flag} must be a size such as 80GB or 24GiB (got {text!r}).")
+    match = re.fullmatch(r"\s*(.*?)\s*([kmgt](?:i?b)?|b)?\s*", str(text).lower(), flags=re.DOTALL)
+    number, unit = match.group(1), match.group(2)
+    try:
+        value = float(number)
+    except ValueError:
+        raise UsageError(f"Cannot read the size {text!r}; write it like 80GB or 24GiB.") from None
+    if not math.isfinite(value) or value <= 0:
+        raise UsageError(f"{flag} must be positive and finite (got {text}); write it like 80GB or 24GiB.")
+    if unit is None and value < 2**30:
+        raise UsageError(
+            f"{flag} {text} has no unit, so it would mean {number} bytes; write {number}GB or {number}GiB."
+        )
+    return value * 1024 ** "bkmgt".index((unit or "b")[0])
 
 
 @dataclass
@@ -54,8 +67,7 @@ class PlanConfig:
         for name in ("gpus", "nodes", "batch_size", "seq_len", "grad_accum_steps"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be 1 or more (got {getattr(self, name)}).")
-        if self.gpu_bytes <= 0:
-            raise UsageError(f"--gpu-memory must be positive (got {self.gpu_memory}).")
+        parse_bytes(self.gpu_memory)  # refuses what cannot be a GPU's memory, before anything is planned
         if self.precision not in PRECISIONS:
             raise UsageError(f"Unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}.")
         if self.optimizer not in OPTIMIZERS:

@@ -6,11 +6,12 @@ nn.Module. Nothing is loaded or downloaded.
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from multigpu.config import json_value, read_json
 from multigpu.errors import UsageError
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -94,23 +95,25 @@ def from_transformer(t: Transformer, name: str) -> ModelShape:
 
 def from_config(config: dict[str, Any], name: str) -> ModelShape:
     needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    json_value(config, None, dict, file=name)
     missing = [key for key in needed if key not in config]
     if missing:
         raise UsageError(
             f"{name} lacks {', '.join(missing)}; the planner reads Llama-style configs (or pass --params with "
             "--layers --hidden --heads --vocab)."
         )
-    values = [config[key] for key in needed]
-    if any(not isinstance(v, int) or v <= 0 for v in values):
-        raise UsageError(f"{name}: {', '.join(needed)} must be positive integers.")
+    for key in needed:
+        json_value(config, key, int, file=name, minimum=1)
+    kv_heads = json_value(config, "num_key_value_heads", (int, type(None)), file=name, optional=True, minimum=1)
+    tied = json_value(config, "tie_word_embeddings", (bool, type(None)), file=name, optional=True)
     t = Transformer(
         layers=config["num_hidden_layers"],
         hidden=config["hidden_size"],
         heads=config["num_attention_heads"],
-        kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+        kv_heads=kv_heads or config["num_attention_heads"],
         intermediate=config["intermediate_size"],
         vocab=config["vocab_size"],
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        tied_embeddings=bool(tied),
     )
     return from_transformer(t, name)
 
@@ -119,8 +122,8 @@ def from_counts(
     params: float, layers: int | None, hidden: int | None, heads: int | None, vocab: int | None
 ) -> ModelShape:
     """`--params` alone (model states only), or with the dimensions that give activations too."""
-    if params <= 0:
-        raise UsageError(f"--params must be positive (got {params:g}).")
+    if not 0 < params < math.inf:
+        raise UsageError(f"--params must be positive and finite (got {params:g}).")
     dims = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab}
     given = {key: value for key, value in dims.items() if value is not None}
     if not given:
@@ -143,18 +146,11 @@ def load_shape(model: str) -> ModelShape:
     """`model` is a built-in name, a config.json, or a directory holding one."""
     if model in BUILTIN:
         return from_transformer(BUILTIN[model], model)
+    advice = f"pass a built-in ({', '.join(BUILTIN)}), a config.json or a directory with one"
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
-        raise UsageError(
-            f"--model {model} is neither a built-in ({', '.join(BUILTIN)}) nor a config.json or a directory "
-            "with one; check the path."
-        )
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise UsageError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}).") from None
+    config = read_json(path, advice, "--model", "a config.json")
     return from_config(config, str(path))
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from multigpu.config import check_path
 from multigpu.errors import UsageError
 
 WATCH_WINDOW, WATCH_STRIDE = 128, 32  # 2.56 s windows at 50 Hz, a new one every 0.64 s
@@ -82,8 +83,9 @@ def check(data: str) -> None:
 
 def har_files(root: Path) -> dict[str, list[Path]]:
     """Per split, its 9 signal files then y and subject; refuses a directory that is not in the UCI HAR layout."""
-    if not root.is_dir():
-        raise UsageError(f"--data {root} does not exist; pass 'watch' or the path of a UCI HAR directory.")
+    check_path(
+        root, "directory", "--data", "'watch' or a UCI HAR directory", "pass 'watch' or the path of a UCI HAR directory"
+    )
     files = {}
     for split in ("train", "test"):
         signals = [root / split / "Inertial Signals" / f"{name}_{split}.txt" for name in HAR_CHANNELS]

@@ -19,13 +19,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from multigpu import checkpoint
 from multigpu.config import Parser, add_config_arguments, config_from_args
 from multigpu.engine import PEAK_TFLOPS_HELP, UNSHARDED_GRAD_ACCUM_HELP, Engine
 from multigpu.errors import require
 from multigpu.monitor import peak_memory_bytes
 from multigpu.precision import PRECISIONS
 from multigpu.recipes import lm_data, lm_models
-from multigpu.recipes.train import Progress, per_rank, resolve_resume, skipped_note, warmup_cosine
+from multigpu.recipes.train import Progress, per_rank, resolve_resume, skipped_note
+from multigpu.schedule import SampleSchedule
 from multigpu.strategies import STRATEGIES, DeepSpeedOptions
 
 
@@ -47,8 +49,13 @@ class FinetuneConfig(DeepSpeedOptions):
     unsharded_grad_accum: bool = field(default=False, metadata={"help": UNSHARDED_GRAD_ACCUM_HELP})
     lr: float = field(default=2e-4, metadata={"help": "peak learning rate (AdamW)"})
     epochs: int = field(default=1, metadata={"help": "passes over the data (unless --max-steps stops sooner)"})
-    max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
-    warmup_steps: int = field(default=10, metadata={"help": "linear warm-up steps, then cosine decay"})
+    max_steps: int | None = field(
+        default=None,
+        metadata={"help": "stop after the samples of this many optimizer steps at the starting world size"},
+    )
+    warmup_steps: int = field(
+        default=10, metadata={"help": "linear warm-up over this many steps' samples, then cosine decay"}
+    )
     lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling numerator (scale = alpha / r)"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
@@ -69,6 +76,7 @@ class FinetuneConfig(DeepSpeedOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         checks = [
+            (self.nproc is None or self.nproc >= 1, f"--nproc must be 1 or more (got {self.nproc})."),
             (self.seq_len >= 8, f"--seq-len must be 8 or more (got {self.seq_len})."),
             (self.batch_size >= 1, f"--batch-size must be 1 or more (got {self.batch_size}); it is per device."),
             (self.lr > 0, f"--lr must be positive (got {self.lr})."),
@@ -182,15 +190,21 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     collate = functools.partial(lm_data.collate, pad_id=tokenizer.pad_token_id)
     train_loader = engine.dataloader(data.train, batch_size=config.batch_size, collate_fn=collate)
     val_loader = engine.dataloader(data.validation, batch_size=config.batch_size, shuffle=False, collate_fn=collate)
-    steps_per_epoch = math.ceil(len(train_loader) / config.grad_accum_steps)
-    total = min(config.max_steps or steps_per_epoch * config.epochs, steps_per_epoch * config.epochs)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(config.warmup_steps, total))
-    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": train_loader, "step": 0}
+    # The schedule and --max-steps are planned in samples at the start (steps x this world's global batch) and kept
+    # in the checkpoint: a resume at another world size trains on the same samples with the same lr at each.
+    data_samples = len(data.train) * config.epochs
+    steps_samples = train_loader.samples_in_steps
+    total_samples = min(steps_samples(config.max_steps), data_samples) if config.max_steps else data_samples
+    scheduler = SampleSchedule(optimizer, train_loader, steps_samples(config.warmup_steps), total_samples)
+    state = {"model": model, "optimizer": optimizer, "loader": train_loader, "scheduler": scheduler, "step": 0}
     checkpoints = Path(config.save_dir) / "checkpoints"
-    resume_from = resolve_resume(config)
+    resume_from = resolve_resume(config, engine.print)
+    checkpoint.check_writable(Path(config.save_dir), "--save-dir")
     if resume_from is not None:
         engine.load(resume_from, state)
-        engine.print(f"resumed from {resume_from} at step {state['step']}")
+        engine.print(f"resumed from {resume_from} at step {state['step']} ({scheduler.seen} samples done)")
+    global_batch = config.batch_size * engine.world_size * config.grad_accum_steps
+    total = state["step"] + math.ceil((scheduler.total_samples - scheduler.seen) / global_batch)  # for the bar
     # ZeRO-3 under DeepSpeed leaves each parameter empty outside forward; ds_numel is its real size.
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in unwrap(model).parameters() if p.requires_grad)
     engine.print(
@@ -204,7 +218,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     engine.print(f"step {state['step']}: validation loss {history[-1]['val_loss']:.4f}")
     progress = Progress(engine, total)
     start, tokens = time.perf_counter(), 0.0
-    while state["step"] < total:
+    while not scheduler.done:
         for batch in train_loader:
             with engine.accumulate(model):
                 loss, count = token_loss(model, batch)
@@ -217,7 +231,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
                 progress.advance(state["step"], status + f"{rate:,.0f} tokens/s")
                 if config.save_every and state["step"] % config.save_every == 0:
                     engine.save(checkpoints / f"step-{state['step']:08d}", state, keep_last=2)
-                if state["step"] >= total:
+                if scheduler.done:
                     break
     progress.close()
     engine.save(checkpoints / f"step-{state['step']:08d}", state, keep_last=2)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from multigpu.config import Parser, add_config_arguments, config_from_args, config_to_argv
+from multigpu.config import Parser, add_config_arguments, check_path, config_from_args, config_to_argv
 from multigpu.env import DistEnv, init_process_group
 from multigpu.errors import UsageError
 from multigpu.recipes import lm_data, lm_models
@@ -105,9 +105,7 @@ class GenerateConfig:
 # -- prompts ---------------------------------------------------------------------------------------------------
 def read_prompts(path: str | Path) -> list[dict[str, Any]]:
     """The prompt records of a JSONL file, checked; a bad line is a UsageError naming it."""
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"--prompts {path} does not exist; check the path.")
+    path = check_path(path, "file", "--prompts", "a JSONL file of prompts")
     prompts = []
     for number, record in lm_data.records(path):
         where = f"{path} line {number}"
@@ -148,8 +146,10 @@ def check_inputs(config: GenerateConfig) -> list[dict[str, Any]]:
     prompts = read_prompts(config.prompts)
     if Path(config.out).is_dir():
         raise UsageError(f"--out {config.out} is a directory; pass a file name such as {config.out}/out.jsonl.")
-    if config.adapter is not None and not (Path(config.adapter) / "adapter_config.json").is_file():
-        raise UsageError(f"--adapter {config.adapter} has no adapter_config.json; pass a directory saved by peft.")
+    if config.adapter is not None:
+        check_path(config.adapter, "directory", "--adapter", "a peft adapter directory")
+        if not (Path(config.adapter) / "adapter_config.json").is_file():
+            raise UsageError(f"--adapter {config.adapter} has no adapter_config.json; pass a directory saved by peft.")
     return prompts
 
 

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import Dataset
 
+from multigpu.config import check_path
 from multigpu.errors import UsageError
 from multigpu.recipes.lm_models import cache_root
 
@@ -161,11 +162,11 @@ def _read(path: Path) -> dict[str, Any] | None:
 
 def _source_file(spec: str) -> Path:
     path = Path(spec)
-    if path.suffix not in (".txt", ".jsonl"):
+    if path.suffix not in (".txt", ".jsonl") and not path.is_dir():
         raise UsageError(f"--data {spec} is not shakespeare, a .txt file or a .jsonl file; pass one of those.")
-    if not path.is_file():
-        raise UsageError(f"--data {spec} does not exist; check the path (or pass shakespeare).")
-    return path
+    return check_path(
+        path, "file", "--data", "shakespeare, a .txt file or a .jsonl file", "check the path (or pass shakespeare)"
+    )
 
 
 def check(spec: str) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from multigpu.config import check_path
 from multigpu.errors import UsageError
 from multigpu.precision import Precision
 
@@ -54,9 +55,10 @@ def model_dir(name: str) -> Path:
             else:
                 write_tiny(target)
         return target
-    path = Path(name)
+    wanted = "smollm2, tiny or a Hugging Face model directory"
+    path = check_path(name, "directory", "--model", wanted, f"pass {wanted}")
     if not (path / "config.json").is_file():
-        raise UsageError(f"--model {name} is neither smollm2, tiny nor a directory with a config.json; check the path.")
+        raise UsageError(f"--model {name} has no config.json; pass {wanted} (one that save_pretrained wrote).")
     return path
 
 

@@ -10,6 +10,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from multigpu.monitor import peak_memory_bytes
 from multigpu.precision import PRECISIONS
 from multigpu.recipes import activity_data, activity_models
 from multigpu.recipes.activity_models import MODES
+from multigpu.schedule import SampleSchedule
 from multigpu.strategies import STRATEGIES, DeepSpeedOptions
 
 LR_SCALING = ("none", "linear", "sqrt")
@@ -66,6 +68,7 @@ class TrainConfig(DeepSpeedOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         checks = [
+            (self.nproc is None or self.nproc >= 1, f"--nproc must be 1 or more (got {self.nproc})."),
             (self.epochs >= 1, f"--epochs must be 1 or more (got {self.epochs})."),
             (self.batch_size >= 1, f"--batch-size must be 1 or more (got {self.batch_size}); it is per device."),
             (self.lr > 0, f"--lr must be positive (got {self.lr})."),
@@ -77,12 +80,13 @@ class TrainConfig(DeepSpeedOptions):
         require(*checks)
 
 
-def resolve_resume(config: TrainConfig) -> Path | None:
-    """The checkpoint to start from, or None; refuses to write over another run's checkpoints."""
+def resolve_resume(config: TrainConfig, say: Callable[[str], None] = print) -> Path | None:
+    """The checkpoint to start from, or None; refuses to write over another run's checkpoints. With 'auto', the
+    newest one that is whole (a damaged one is passed over and named through `say`)."""
     directory = Path(config.save_dir) / "checkpoints"
-    existing = checkpoint.list_checkpoints(directory)
     if config.resume == "auto":
-        return existing[-1] if existing else None
+        return checkpoint.newest_usable(directory, say)
+    existing = checkpoint.list_checkpoints(directory)
     if config.resume == "none":
         if existing:
             raise UsageError(
@@ -93,16 +97,6 @@ def resolve_resume(config: TrainConfig) -> Path | None:
     path = Path(config.resume)
     checkpoint.check_checkpoint(path)
     return path
-
-
-def warmup_cosine(warmup_steps: int, total_steps: int):
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
 
 
 def scaled_lr(config: TrainConfig, world_size: int) -> float:
@@ -185,7 +179,8 @@ def train(config: TrainConfig) -> dict:
         log_dir=config.save_dir,
         **asdict(DeepSpeedOptions.of(config)),
     )
-    resume_from = resolve_resume(config)
+    resume_from = resolve_resume(config, engine.print)
+    checkpoint.check_writable(Path(config.save_dir), "--save-dir")
     data = activity_data.load(config.data)
     spec = activity_models.layer_spec(config.mode, data.channels, data.window, len(data.labels))
     model = activity_models.build(spec)
@@ -201,13 +196,29 @@ def train(config: TrainConfig) -> dict:
     val_loader = engine.dataloader(data.validation, batch_size=256, shuffle=False)
     steps_per_epoch = math.ceil(len(train_loader) / config.grad_accum_steps)
     total_steps = steps_per_epoch * config.epochs
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_cosine(round(config.warmup_epochs * steps_per_epoch), total_steps)
+    epoch_samples = len(data.train)
+    scheduler = SampleSchedule(
+        optimizer, train_loader, round(config.warmup_epochs * epoch_samples), config.epochs * epoch_samples
     )
-    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": train_loader, "step": 0}
+    # The loader before the scheduler: the schedule's lr on resume follows from the loader's restored position.
+    # "epoch_loss": the running epoch's loss sum and sample count over all ranks, so a resume mid-epoch still
+    # reports the loss of the whole epoch.
+    state = {
+        "model": model,
+        "optimizer": optimizer,
+        "loader": train_loader,
+        "scheduler": scheduler,
+        "step": 0,
+        "epoch_loss": [0.0, 0.0],
+    }
     if resume_from is not None:
         engine.load(resume_from, state)
-        engine.print(f"resumed from {resume_from} at step {state['step']} (epoch {train_loader.epoch + 1})")
+        engine.print(
+            f"resumed from {resume_from} at step {state['step']} (epoch {train_loader.epoch + 1}, "
+            f"{train_loader.position} of {epoch_samples} samples done)"
+        )
+        if scheduler.base_lrs[0] != lr:
+            engine.print(f"the lr schedule keeps the run's planned lr {scheduler.base_lrs[0]:g} (not {lr:g})")
     engine.print(
         f"{data.source}: {len(data.train)} training / {len(data.validation)} validation windows of "
         f"{data.channels}x{data.window}, {len(data.labels)} classes; {config.mode} model, "
@@ -220,35 +231,41 @@ def train(config: TrainConfig) -> dict:
     progress = Progress(engine, total_steps)
 
     def save() -> None:
+        state["epoch_loss"] = engine.reduce(epoch_loss, "sum").tolist()
         engine.save(checkpoints / f"step-{state['step']:08d}", state, config.async_save, config.keep_last)
 
     history = []
     while train_loader.epoch < config.epochs:
-        epoch, start = train_loader.epoch, time.perf_counter()
-        # On the engine's device: adding a GPU loss into a CPU tensor fails, and .item() would sync every step.
-        loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
-        samples = 0
+        epoch, start, samples = train_loader.epoch, time.perf_counter(), 0
+        # This rank's loss sum and real samples in the epoch, carried over from the checkpoint on rank 0 only (it
+        # holds the sums of all ranks). On the engine's device: adding a GPU loss into a CPU tensor fails, and
+        # .item() would sync every step.
+        carried = state["epoch_loss"] if engine.is_main_process else [0.0, 0.0]
+        epoch_loss = torch.tensor(carried, dtype=torch.float64, device=engine.device)
+        state["epoch_loss"] = [0.0, 0.0]
         for x, y in train_loader:
             real = train_loader.yielded[-1].real
             with engine.accumulate(model):
                 loss = nn.functional.cross_entropy(model(x), y)
                 engine.backward(loss)
-            loss_sum += loss.detach().double() * real
-            samples += real
+            epoch_loss += torch.stack([loss.detach().double() * real, epoch_loss.new_tensor(float(real))])
+            samples += train_loader.yielded[-1].global_size
+            update_lr = optimizer.param_groups[0]["lr"]  # of this update: the schedule gives the next one on its step
             if engine.step(optimizer, scheduler):
                 state["step"] += 1
                 progress.advance(state["step"], f"epoch {epoch + 1} loss {loss.item():.3f}")
                 faults.inject("step", state["step"], engine.rank)
                 if config.save_every and state["step"] % config.save_every == 0:
                     save()
-        totals = engine.reduce(torch.stack([loss_sum, loss_sum.new_tensor(float(samples))]), "sum")
+        totals = engine.reduce(epoch_loss, "sum")
+        epoch_loss = torch.zeros_like(epoch_loss)  # the epoch is over: its checkpoint carries nothing on
         seconds = time.perf_counter() - start
         record = {
             "epoch": epoch + 1,
             "train_loss": (totals[0] / totals[1]).item(),
             "val_accuracy": evaluate(engine, model, val_loader),
-            "samples_per_s": totals[1].item() / seconds,
-            "lr": scheduler.get_last_lr()[0],
+            "samples_per_s": samples / seconds,
+            "lr": update_lr,  # the epoch's last update's: at the epoch's end in the data, at any world size
             "skipped_steps": engine.skipped_steps,
             "peak_memory_mb": [round(b / 2**20, 1) for b in per_rank(engine, peak_memory_bytes(engine.device))],
         }

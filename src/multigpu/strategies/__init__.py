@@ -50,6 +50,8 @@ def resolve_strategy(
     deepspeed: DeepSpeedOptions | None = None,
     max_grad_norm: float | None = None,
     unsharded_grad_accum: bool = False,
+    find_unused_parameters: bool = False,
+    sync_batchnorm: bool = False,
 ) -> Strategy:
     """Turns a strategy name (or a configured Strategy) into the Strategy that will run, or refuses."""
     deepspeed = deepspeed or DeepSpeedOptions()
@@ -94,9 +96,29 @@ def resolve_strategy(
             "cpu_offload moves sharded parameters from the GPU to CPU memory, but this run is on CPU "
             "already; drop cpu_offload or run on GPUs."
         )
+    if find_unused_parameters and isinstance(strategy, DDP):
+        # Other strategies take parameters without gradients as they come, so the option asks nothing of them.
+        strategy.find_unused_parameters = True
+    check_sync_batchnorm(sync_batchnorm, strategy, env)
     if not strategy.needs_process_group and env.is_distributed:
         raise UsageError(
             f"Strategy {strategy.name} runs in one process, but {env.world_size} were launched and would each "
             "train alone; launch one process, or use ddp/zero1/zero2/zero3."
         )
     return strategy
+
+
+def check_sync_batchnorm(sync_batchnorm: bool, strategy: Strategy, env: DistEnv) -> None:
+    """Refuses sync_batchnorm where torch cannot synchronise BatchNorm; in one process it has nothing to do."""
+    if not sync_batchnorm:
+        return
+    if isinstance(strategy, DataParallel):
+        raise UsageError(
+            "sync_batchnorm needs one process per GPU and strategy dp drives every GPU from one process; "
+            "use strategy ddp (multigpu run -n N) or drop sync_batchnorm."
+        )
+    if strategy.needs_process_group and env.device.type != "cuda":
+        raise UsageError(
+            "sync_batchnorm synchronises BatchNorm between GPUs, and torch's SyncBatchNorm refuses to run on CPU; "
+            "drop sync_batchnorm (--sync-batchnorm) or run on GPUs."
+        )

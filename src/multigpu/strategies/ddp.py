@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from multigpu.env import DistEnv
+from multigpu.errors import UsageError
 from multigpu.precision import Precision
 from multigpu.strategies.base import Strategy, move_to_device
+
+# DDP's reducer notices a bucket left waiting only when the next forward starts, and says so in these words.
+UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
+_UNUSED_INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
 
 
 @dataclass
@@ -34,7 +43,48 @@ class DDP(Strategy):
             find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph,
         )
+        if not (self.find_unused_parameters or self.static_graph):  # both change what that error means
+            wrapped.forward = self._explaining_unused(wrapped)
         return wrapped, optimizer
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         return model.no_sync()
+
+    def _explaining_unused(self, model: DistributedDataParallel) -> Callable[..., Any]:
+        """DDP's forward, its long error about parameters that got no gradient turned into the option to set."""
+        forward = model.forward
+
+        @functools.wraps(forward)
+        def explained(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return forward(*args, **kwargs)
+            except RuntimeError as error:
+                if UNFINISHED_REDUCTION not in str(error):
+                    raise
+                unused = unused_parameter_names(model, str(error))
+                raise UsageError(
+                    f"Parameters {unused} got no gradient in the last backward, so {self.name} could not average "
+                    "the gradients; pass find_unused_parameters=True to the Engine (--find-unused-parameters), or "
+                    "make every parameter take part in the loss."
+                ) from None
+
+        return explained
+
+
+def unused_parameter_names(model: DistributedDataParallel, message: str, shown: int = 5) -> str:
+    """The names of the parameters DDP's error counts as unused, from the indices it gives.
+
+    By the time DDP raises (the next forward) the optimizer step has set every gradient to None, so the error's
+    indices are the only record left; they index the trainable, not ignored parameters in named_parameters order.
+    """
+    match = _UNUSED_INDICES.search(message)
+    if match is None:
+        return "of the model"
+    trainable = [
+        name
+        for name, p in model.module.named_parameters()
+        if p.requires_grad and name not in model.parameters_to_ignore
+    ]
+    names = [trainable[int(i)] for i in match.group(1).split() if int(i) < len(trainable)]
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more if names else "of the model"

@@ -8,6 +8,7 @@ DeepSpeed partitions, reduces and clips the gradients and takes the optimizer st
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import warnings
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from multigpu.config import read_json
+from multigpu.config import json_value, read_json
 from multigpu.env import DistEnv
 from multigpu.errors import UsageError, require
 from multigpu.precision import Precision
@@ -348,11 +349,25 @@ def import_deepspeed(env: DistEnv) -> Any:
 
 
 def read_config(source: str | None) -> dict[str, Any]:
+    """The user's DeepSpeed config, with the keys multigpu reads or merges and the types DeepSpeed would otherwise
+    trip over deep inside its engine checked; the rest of its schema is DeepSpeed's to check."""
     if source is None:
         return {}
-    config = read_json(source, "pass the path of a DeepSpeed JSON config")
-    if not isinstance(config, dict):
-        raise UsageError(f"The DeepSpeed config {source} must hold a JSON object; fix it.")
+    config = read_json(source, "pass the path of a DeepSpeed JSON config", "--deepspeed-config", "a DeepSpeed config")
+    get = functools.partial(json_value, file=source, optional=True, advice="fix the DeepSpeed config")
+    get(config, None, dict)
+    auto = ("auto",)  # as in Hugging Face's configs: the integration fills it in
+    for key in (*BATCH_KEYS, "gradient_accumulation_steps"):
+        get(config, key, (int, str), minimum=1, choices=auto)
+    get(config, "gradient_clipping", (float, str), minimum=0, choices=auto)
+    for key in ("fp16", "bf16"):
+        if isinstance(get(config, key, (dict, str), choices=auto), dict):
+            get(config, f"{key}.enabled", (bool, str), choices=auto)
+    if get(config, "zero_optimization", dict) is not None:
+        get(config, "zero_optimization.stage", int, minimum=0, maximum=3)
+        for key in ("offload_optimizer", "offload_param"):
+            get(config, f"zero_optimization.{key}", dict)
+    get(config, "optimizer", dict)
     return config
 
 
