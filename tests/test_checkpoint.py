@@ -256,3 +256,20 @@ def test_a_file_given_as_a_checkpoint_is_named_as_a_file(tmp_path: Path) -> None
         checkpoint.check_checkpoint(tmp_path / "model.safetensors")
     with pytest.raises(mg.UsageError, match="absent does not exist; pass a checkpoint directory"):
         checkpoint.check_checkpoint(tmp_path / "absent")
+
+
+def test_an_interrupt_is_found_behind_the_errors_that_wrap_it() -> None:
+    """Ctrl-C inside a DCP write: the file being written fails on its way out, and DCP wraps that failure."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        try:
+            raise KeyboardInterrupt
+        finally:
+            raise RuntimeError("unexpected pos 704 vs 598")  # what torch.save's zip writer raised on its way out
+    except RuntimeError as failure:
+        wrapped = CheckpointException("write", {0: (failure, None)})
+    found = list(checkpoint.causes(wrapped))
+    assert any(isinstance(e, KeyboardInterrupt) for e in found) and checkpoint.disk_error(wrapped) is None
+    disk = CheckpointException("write", {1: (OSError(28, "No space left on device"), None)})
+    assert checkpoint.disk_error(disk).strerror == "No space left on device"

@@ -18,7 +18,7 @@ import random
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -191,21 +191,24 @@ def _agree(path: Path, failure: OSError | None) -> None:
             raise write_failed(path, error, rank if _grouped() else None) from error
 
 
-def disk_error(error: BaseException) -> OSError | None:
-    """The OSError behind `error` (a full disk, a read-only or forbidden directory), looking inside DCP's
-    CheckpointException, which carries each failed rank's exception."""
+def causes(error: BaseException) -> Iterator[BaseException]:
+    """`error` and everything behind it: its cause and context, and inside DCP's CheckpointException, each failed
+    rank's exception (and theirs)."""
     pending, seen = [error], set()
     while pending:
         current = pending.pop()
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, OSError) and current.errno is not None:
-            return current
+        yield current
         pending += [current.__cause__, current.__context__]
         if isinstance(current, CheckpointException):
             pending += [failure for failure, _trace in current.failures.values()]
-    return None
+
+
+def disk_error(error: BaseException) -> OSError | None:
+    """The OSError behind `error` (a full disk, a read-only or forbidden directory), if any."""
+    return next((e for e in causes(error) if isinstance(e, OSError) and e.errno is not None), None)
 
 
 def write_failed(path: Path, error: OSError, rank: int | None = None) -> UsageError:
@@ -285,11 +288,6 @@ def save(path: str | Path, state: dict[str, Any], strategy: Strategy) -> Path:
 def translate_write_error(path: Path, error: BaseException) -> BaseException:
     """What to raise for a failed write of the checkpoint at `path`: a disk's refusal becomes one sentence (and the
     partial directory is removed, to give back the space); anything else stays as it was."""
-    if isinstance(error, CheckpointException):
-        # DCP wraps whatever interrupted a rank, Ctrl-C and SIGTERM included: those must stop the run as themselves.
-        interrupts = [failure for failure, _ in error.failures.values() if not isinstance(failure, Exception)]
-        if interrupts:
-            return interrupts[0]
     cause = disk_error(error)
     if cause is None:
         return error

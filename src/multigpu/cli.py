@@ -393,7 +393,12 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_stopped)
     try:
         return exit_on_usage_error(lambda: args.handler(args))
-    except (KeyboardInterrupt, Stopped) as stop:
+    except BaseException as error:
+        # The signal may surface wrapped: DCP collects each rank's exception into its own, and a file being
+        # written when it came may fail on its way out and raise an error of its own in its place.
+        stop = next((e for e in checkpoint.causes(error) if isinstance(e, (KeyboardInterrupt, Stopped))), None)
+        if stop is None:
+            raise
         signum = stop.signum if isinstance(stop, Stopped) else signal.SIGINT
         last = checkpoint.last_committed()
         saved = f"the last complete checkpoint is {last}" if last else "no checkpoint was completed in this run"
