@@ -134,3 +134,31 @@ def test_env_refuses_a_message_size_that_is_not_a_positive_number(size: str, cap
         main(["env", "--size-mb", size])
     assert exit_info.value.code == 2
     assert "--size-mb a positive number" in capsys.readouterr().err
+
+
+SWALLOWS_ITS_STOP = """
+import time
+from multigpu import stop
+stop.STOP_GRACE_S = 1.0
+with stop.raising_stopped():
+    print("ready", flush=True)
+    while True:
+        try:
+            time.sleep(0.05)
+        except BaseException:  # as a finalizer does, or code that catches everything
+            pass
+"""
+
+
+def test_a_stop_that_something_swallowed_still_ends_the_process() -> None:
+    with subprocess.Popen(
+        [sys.executable, "-c", SWALLOWS_ITS_STOP], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as process:
+        try:
+            assert process.stdout.readline() == "ready\n"
+            process.send_signal(signal.SIGTERM)
+            _, err = process.communicate(timeout=30)
+        finally:
+            process.kill()
+    assert process.returncode == 143
+    assert err.strip() == "multigpu: stopped by SIGTERM; no checkpoint was completed in this run."

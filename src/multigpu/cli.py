@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import signal
 import sys
 import tempfile
 from collections.abc import Callable
@@ -15,7 +14,7 @@ from typing import Any
 
 from safetensors.torch import save_file
 
-from multigpu import __version__, checkpoint
+from multigpu import __version__, checkpoint, stop
 from multigpu.bench import RECIPES, BenchConfig, bench, print_report
 from multigpu.config import Parser, add_config_arguments, config_from_args, config_to_argv
 from multigpu.engine import EngineConfig
@@ -374,38 +373,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class Stopped(BaseException):
-    """SIGTERM, raised where the main thread is, like Ctrl-C's KeyboardInterrupt, so the run stops the same way."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _raise_stopped(signum: int, _frame: object) -> None:
-    raise Stopped(signum)
-
-
 def main(argv: list[str] | None = None) -> int:
     """The CLI. A run in this process stopped by Ctrl-C or SIGTERM ends with one line naming the last complete
     checkpoint and exit code 130 or 143 (launched workers are stopped by `multigpu.launch` the same way)."""
     args = build_parser().parse_args(argv)
-    previous = signal.signal(signal.SIGTERM, _raise_stopped)
-    try:
-        return exit_on_usage_error(lambda: args.handler(args))
-    except BaseException as error:
-        # The signal may surface wrapped: DCP collects each rank's exception into its own, and a file being
-        # written when it came may fail on its way out and raise an error of its own in its place.
-        stop = next((e for e in checkpoint.causes(error) if isinstance(e, (KeyboardInterrupt, Stopped))), None)
-        if stop is None:
-            raise
-        signum = stop.signum if isinstance(stop, Stopped) else signal.SIGINT
-        last = checkpoint.last_committed()
-        saved = f"the last complete checkpoint is {last}" if last else "no checkpoint was completed in this run"
-        print(f"multigpu: stopped by {signal.Signals(signum).name}; {saved}.", file=sys.stderr)
-        return 128 + signum
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with stop.raising_stopped():
+        try:
+            return exit_on_usage_error(lambda: args.handler(args))
+        except BaseException as error:
+            signum = stop.stop_signal(error)
+            if signum is None:
+                raise
+            print(stop.stopped_line(signum), file=sys.stderr)
+            return 128 + signum
 
 
 if __name__ == "__main__":

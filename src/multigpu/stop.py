@@ -1,4 +1,10 @@
-"""Stopping a `multigpu run`: a signal to the launcher stops every worker and ends in one line; workers die with it.
+"""Stopping a run: a signal stops every worker and ends in one line naming the last complete checkpoint; workers
+die with their launcher.
+
+A run in the CLI's own process (`raising_stopped`): SIGINT and SIGTERM raise `Stopped` in the main thread, and the
+CLI turns it into the one line and exit code 130 / 143. Python drops an exception raised while a finalizer runs
+("Exception ignored in ...") and some code catches everything, so a stop that has not ended the run a few seconds
+later ends the process anyway: checkpoints are written whole or not at all, so nothing complete is lost.
 
 The launcher side: torch elastic turns SIGINT / SIGTERM into a SignalException in the agent (the launcher's own
 process) once workers run, sends the same signal to each worker's process group, then SIGKILLs what is left after
@@ -21,18 +27,75 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from multigpu import checkpoint
 from multigpu.env import LAST_CHECKPOINT, launcher_note
 
 #: Set by `multigpu run` for its own workers (not a user setting): the launcher's pid.
 LAUNCHER_PID = "MULTIGPU_LAUNCHER_PID"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+STOP_GRACE_S = 10.0  # how long a stop in this process may take before it ends the process itself
+
+
+class Stopped(BaseException):
+    """SIGINT or SIGTERM in a run in this process (a BaseException, as KeyboardInterrupt: no `except Exception`
+    swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def stopped_line(signum: int) -> str:
+    last = checkpoint.last_committed()
+    saved = f"the last complete checkpoint is {last}" if last else "no checkpoint was completed in this run"
+    return f"multigpu: stopped by {signal.Signals(signum).name}; {saved}."
+
+
+def _stop_here(signum: int, frame: FrameType | None) -> None:
+    def end_anyway() -> None:
+        print(stopped_line(signum), file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    timer = threading.Timer(STOP_GRACE_S, end_anyway)
+    timer.daemon = True  # a run that stops in time exits without waiting for it
+    timer.start()
+    raise Stopped(signum)
+
+
+def raising_stopped() -> contextlib.AbstractContextManager[None]:
+    """Within it, SIGINT and SIGTERM raise Stopped (see the module's doc); the previous handlers come back after."""
+    return _handling_stops(_stop_here)
+
+
+@contextlib.contextmanager
+def _handling_stops(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def stop_signal(error: BaseException) -> int | None:
+    """The signal that stopped this process, if `error` is (or wraps) a stop. It may surface wrapped: DCP collects
+    each rank's exception into its own, and a file being written may fail on its way out in its place."""
+    for cause in checkpoint.causes(error):
+        if isinstance(cause, Stopped):
+            return cause.signum
+        if isinstance(cause, KeyboardInterrupt):
+            return signal.SIGINT
+    return None
 
 
 def _raise_stop(signum: int, frame: FrameType | None) -> None:
@@ -40,21 +103,12 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
 
 
-@contextlib.contextmanager
-def raising_on_stop() -> Iterator[None]:
+def raising_on_stop() -> contextlib.AbstractContextManager[None]:
     """Within it, SIGINT and SIGTERM raise SignalException, as torch elastic's own handler does once workers run.
 
     The handlers in place before are restored on the way out (torch elastic leaves its own installed).
     """
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield
-        return
-    previous = {sig: signal.signal(sig, _raise_stop) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return _handling_stops(_raise_stop)
 
 
 def checkpoint_note(exits: Path) -> str | None:
@@ -65,8 +119,8 @@ def checkpoint_note(exits: Path) -> str | None:
 
 def report_stop(sig: signal.Signals, exits: Path) -> int:
     """Prints the one line that says the run was stopped; returns the shell's code for that signal (130 for SIGINT)."""
-    checkpoint = checkpoint_note(exits) or "no checkpoint was completed in this run"
-    print(f"multigpu run: stopped by {sig.name}; every worker was stopped; {checkpoint}.", file=sys.stderr)
+    saved = checkpoint_note(exits) or "no checkpoint was completed in this run"
+    print(f"multigpu run: stopped by {sig.name}; every worker was stopped; {saved}.", file=sys.stderr)
     return 128 + sig
 
 
