@@ -190,8 +190,8 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     collate = functools.partial(lm_data.collate, pad_id=tokenizer.pad_token_id)
     train_loader = engine.dataloader(data.train, batch_size=config.batch_size, collate_fn=collate)
     val_loader = engine.dataloader(data.validation, batch_size=config.batch_size, shuffle=False, collate_fn=collate)
-    # The schedule and --max-steps are planned in samples at the start (steps x this world's global batch) and kept
-    # in the checkpoint: a resume at another world size trains on the same samples with the same lr at each.
+    # The schedule and --max-steps are planned in samples at the start (those of that many steps at this world
+    # size) and kept in the checkpoint: a resume at another world size trains on the same samples, same lr at each.
     data_samples = len(data.train) * config.epochs
     steps_samples = train_loader.samples_in_steps
     total_samples = min(steps_samples(config.max_steps), data_samples) if config.max_steps else data_samples
