@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import multigpu as mg
-from multigpu.launch import LaunchConfig, launch
+from multigpu.launch.launcher import LaunchConfig, launch
 
 HIDDEN, BLOCKS, BATCH, SAMPLES = 1024, 4, 32, 8192
 

@@ -28,9 +28,9 @@ import torch
 from torch import nn
 from torch.utils.data import Subset
 
+from multigpu.core.schedule import warmup_cosine
 from multigpu.recipes import finetune as ft
 from multigpu.recipes import lm_data, lm_models
-from multigpu.schedule import warmup_cosine
 
 
 def config(args: argparse.Namespace, save_dir: str) -> ft.FinetuneConfig:

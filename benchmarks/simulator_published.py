@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Callable
 
 from multigpu.planner.shapes import load_shape
-from multigpu.simulate import INTERCONNECTS, Link, SimulateConfig, flops_per_token, simulate
+from multigpu.tools.simulate import INTERCONNECTS, Link, SimulateConfig, flops_per_token, simulate
 
 H100_BF16_PEAK = 989e12  # dense, SXM; torchtitan's 500 W HBM2e parts peak lower, so the MFU below is a floor
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from multigpu.simulate import SimulateRequest, resolve, simulate
+from multigpu.tools.simulate import SimulateRequest, resolve, simulate
 
 SCRIPT = Path(__file__).with_name("wide_mlp.py")
 

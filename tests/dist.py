@@ -21,14 +21,14 @@ WORKER = Path(__file__).with_name("dist_worker.py")
 
 
 def run_command(
-    argv: list[str], timeout: float = 120, env: dict[str, str] | None = None
+    argv: list[str], timeout: float = 120, env: dict[str, str] | None = None, cwd: Path = ROOT
 ) -> subprocess.CompletedProcess:
-    """Runs argv with stdout+stderr captured; kills its whole process group if it outlives `timeout`."""
+    """Runs argv in `cwd` with stdout+stderr captured; kills its whole process tree if it outlives `timeout`."""
     # faulthandler prints every thread's Python stack if a worker dies of a signal (SIGABRT, SIGSEGV).
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
     with subprocess.Popen(
         argv,
-        cwd=ROOT,
+        cwd=cwd,
         env=full_env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from multigpu import checkpoint
 from multigpu.cli import main
-from tests.dist import ROOT, multigpu
+from multigpu.engine import checkpoint
+from tests.dist import ROOT, multigpu, run_command
 
 
 @pytest.mark.parametrize(
@@ -41,6 +41,22 @@ def test_usage_error_exits_2_from_the_installed_command() -> None:
     result = multigpu("demo", "--grad-accum-steps", "0")
     assert result.returncode == 2
     assert result.stdout.strip() == "multigpu: error: grad_accum_steps must be 1 or more (got 0)."
+
+
+@pytest.mark.parametrize(
+    ("module", "args", "message"),
+    [
+        ("multigpu.recipes.train", ["--epochs", "0"], "--epochs must be 1 or more"),
+        ("multigpu.recipes.demo", ["--grad-accum-steps", "0"], "grad_accum_steps must be 1 or more (got 0)."),
+        ("multigpu.tools.collectives", ["--iterations", "0"], "--iterations"),
+    ],
+)
+def test_the_python_m_entry_points_exit_2_with_one_sentence(module: str, args: list[str], message: str) -> None:
+    """What `torchrun -m multigpu.recipes.train ...` runs turns a UsageError into exit 2 as the CLI does."""
+    result = run_command([sys.executable, "-m", module, *args], timeout=60)
+    assert result.returncode == 2, result.stdout
+    assert result.stdout.startswith("multigpu: error: ") and message in result.stdout
+    assert len(result.stdout.strip().splitlines()) == 1
 
 
 def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
@@ -138,7 +154,7 @@ def test_env_refuses_a_message_size_that_is_not_a_positive_number(size: str, cap
 
 SWALLOWS_ITS_STOP = """
 import time
-from multigpu import stop
+from multigpu.launch import stop
 stop.STOP_GRACE_S = 1.0
 with stop.raising_stopped():
     print("ready", flush=True)

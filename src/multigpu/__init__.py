@@ -1,11 +1,25 @@
 """multigpu: one training loop, any number of GPUs and machines, the same numbers."""
 
-from multigpu.engine import Engine, EngineConfig
-from multigpu.env import DistEnv
-from multigpu.errors import UsageError
+from multigpu.core.env import DistEnv
+from multigpu.core.errors import UsageError
+from multigpu.core.precision import PRECISIONS
+from multigpu.core.schedule import SampleSchedule, warmup_cosine
+from multigpu.engine import Engine, EngineConfig, StepObserver, StepStats
 from multigpu.planner import plan
-from multigpu.precision import PRECISIONS
 from multigpu.strategies import STRATEGIES
 
 __version__ = "0.1.0"
-__all__ = ["PRECISIONS", "STRATEGIES", "DistEnv", "Engine", "EngineConfig", "UsageError", "__version__", "plan"]
+__all__ = [
+    "PRECISIONS",
+    "STRATEGIES",
+    "DistEnv",
+    "Engine",
+    "EngineConfig",
+    "SampleSchedule",
+    "StepObserver",
+    "StepStats",
+    "UsageError",
+    "__version__",
+    "plan",
+    "warmup_cosine",
+]

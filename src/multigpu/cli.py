@@ -1,65 +1,37 @@
-"""`multigpu <verb>`: a thin front end; each verb maps its flags one-to-one onto a config dataclass."""
+"""`multigpu <verb>`: a thin front end; each verb maps its flags one-to-one onto a config dataclass and hands it
+to a recipe or tool. Nothing imports this module: what a verb does lives below it, and a UsageError from there
+becomes one line and exit code 2 in `multigpu.core.errors.exit_on_usage_error`."""
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
-import tempfile
-from collections.abc import Callable
-from dataclasses import asdict, fields
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
 
-from safetensors.torch import save_file
-
-from multigpu import __version__, checkpoint, stop
-from multigpu.bench import RECIPES, BenchConfig, bench, print_report
-from multigpu.config import Parser, add_config_arguments, config_from_args, config_to_argv
-from multigpu.engine import EngineConfig
-from multigpu.env import DistEnv, check_backend
-from multigpu.errors import UsageError
-from multigpu.launch import LaunchConfig, launch
+from multigpu import __version__
+from multigpu.core.config import Parser, add_config_arguments, config_from_args
+from multigpu.core.errors import UsageError, exit_on_usage_error
+from multigpu.engine.config import EngineConfig
+from multigpu.launch import stop
+from multigpu.launch.launcher import LaunchConfig, launch
 from multigpu.planner.memory import PlanConfig, plan_shape
 from multigpu.planner.report import print_table, to_json
 from multigpu.planner.shapes import BUILTIN, from_counts, load_shape
-from multigpu.precision import Precision
-from multigpu.recipes import activity_data
+from multigpu.recipes import common, demo, finetune, generate, train
 from multigpu.recipes.demo import DemoConfig
-from multigpu.recipes.train import TrainConfig, resolve_resume, train
-from multigpu.strategies import DeepSpeed, DeepSpeedOptions, resolve_strategy
-from multigpu.verify import VerifyConfig, print_verdict, verify
+from multigpu.recipes.finetune import FinetuneConfig
+from multigpu.recipes.generate import GenerateConfig
+from multigpu.recipes.train import TrainConfig
+from multigpu.tools import bench, collectives, preflight, simulate
+from multigpu.tools.bench import BenchConfig
+from multigpu.tools.collectives import CollectivesConfig
+from multigpu.tools.simulate import SimulateRequest
+from multigpu.tools.verify import VerifyConfig, print_verdict, verify
 
-
-def exit_on_usage_error(main: Callable[[], int | None]) -> int:
-    """Runs `main`; a UsageError becomes one line on stderr and exit code 2."""
-    try:
-        return main() or 0
-    except UsageError as error:
-        if not error.on_every_rank or os.environ.get("RANK", "0") == "0":
-            print(f"multigpu: error: {error}", file=sys.stderr)
-        sys.exit(2)
-
-
-def check_engine_config(config: EngineConfig, nproc: int) -> None:
-    """Refuses, before any process starts, what the Engine would refuse in every worker."""
-    env = DistEnv(world_size=nproc, local_world_size=nproc)
-    options = DeepSpeedOptions.of(config)
-    strategy = resolve_strategy(
-        config.strategy,
-        env,
-        config.cpu_offload,
-        lambda _: None,
-        options,
-        unsharded_grad_accum=config.unsharded_grad_accum,
-        find_unused_parameters=config.find_unused_parameters,
-        sync_batchnorm=config.sync_batchnorm,
-    )
-    if isinstance(strategy, DeepSpeed):
-        strategy.config(Precision(config.precision), env.device)
-    if config.backend is not None:
-        check_backend(config.backend, env.device)
+# The collectives benchmark's flags that `multigpu bench --collectives` takes; --nproc and --out are bench's own.
+COLLECTIVE_FLAGS = ("ops", "min_bytes", "max_bytes", "factor", "iterations")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -68,76 +40,23 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    engine_config = config_from_args(EngineConfig, args)
-    check_engine_config(engine_config, args.nproc)
-    launch_config = LaunchConfig(nproc=args.nproc)
-    argv = config_to_argv(config_from_args(DemoConfig, args)) + config_to_argv(engine_config)
-    return launch(launch_config, ["multigpu.recipes.demo", *argv], module=True)
-
-
-def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Callable[[], None]) -> int:
-    """Runs a recipe in this process (under a launcher already, or 1 process), or launches --nproc of it."""
-    if "RANK" in os.environ:  # already under torchrun / multigpu run / accelerate launch
-        run(config)
-        return 0
-    named_gpus = [part for part in (config.gpu_ids or "").split(",") if part.strip()]
-    nproc = config.nproc or len(named_gpus) or 1
-    options = asdict(DeepSpeedOptions.of(config))
-    engine_config = EngineConfig(
-        strategy=config.multi_gpu,
-        precision=config.precision,
-        unsharded_grad_accum=config.unsharded_grad_accum,
-        **options,
-    )
-    check_engine_config(engine_config, nproc)
-    check()
-    restarts = getattr(config, "max_restarts", 0)
-    if nproc == 1 and config.gpu_ids is None and restarts == 0:
-        run(config)
-        return 0
-    launch_config = LaunchConfig(nproc=nproc, gpu_ids=config.gpu_ids, max_restarts=restarts)
-    argv = config_to_argv(config, skip=("nproc", "gpu_ids", "max_restarts"))
-    return launch(launch_config, [module, *argv], module=True)
+    return demo.run(config_from_args(DemoConfig, args), config_from_args(EngineConfig, args), args.nproc)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    config = config_from_args(TrainConfig, args)
-
-    def check() -> None:
-        activity_data.check(config.data)
-        resolve_resume(config)
-        checkpoint.check_writable(Path(config.save_dir), "--save-dir")
-
-    return run_recipe(config, "multigpu.recipes.train", train, check)
+    return train.run(config_from_args(TrainConfig, args))
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
-    from multigpu.recipes import lm_data, lm_models
-    from multigpu.recipes.finetune import FinetuneConfig, finetune
-
-    config = config_from_args(FinetuneConfig, args)
-
-    def check() -> None:
-        lm_models.check(config.model)
-        lm_data.check(config.data)
-        resolve_resume(config)
-        checkpoint.check_writable(Path(config.save_dir), "--save-dir")
-
-    return run_recipe(config, "multigpu.recipes.finetune", finetune, check)
+    return finetune.run(config_from_args(FinetuneConfig, args))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from multigpu.recipes.generate import GenerateConfig, run
-
-    return run(config_from_args(GenerateConfig, args))
+    return generate.run(config_from_args(GenerateConfig, args))
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    tensors = checkpoint.full_model_state(Path(args.checkpoint), key=args.key)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(out))
-    print(f"wrote {len(tensors)} tensors ({sum(t.numel() for t in tensors.values()):,} values) to {out}")
+    common.export_checkpoint(Path(args.checkpoint), Path(args.out), key=args.key)
     return 0
 
 
@@ -160,52 +79,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     config = config_from_args(BenchConfig, args)
     if args.collectives:
-        from multigpu import collectives
-
         if args.script is not None or config.recipe is not None:
             raise UsageError("--collectives measures the interconnect alone; drop SCRIPT and --recipe.")
-        Path(config.out).mkdir(parents=True, exist_ok=True)
-        measure = collectives.CollectivesConfig(
-            nproc=max(config.counts),
-            json_out=str(Path(config.out) / "collectives.json"),
-            **{name: getattr(args, name) for name in COLLECTIVE_FLAGS},
-        )
-        try:
-            collectives.print_collectives(collectives.run_collectives(measure))
-        except collectives.BenchmarkFailed as failure:
-            print(f"multigpu bench: {failure}", file=sys.stderr)
-            return failure.code
-        print(f"wrote {measure.json_out} (calibrates multigpu simulate --calibration)")
-        return 0
-    if (args.script is None) == (config.recipe is None):
-        raise UsageError(
-            "Give bench a SCRIPT or --recipe train|finetune (not both), or --collectives for the interconnect."
-        )
-    with tempfile.TemporaryDirectory(prefix="multigpu-bench-recipe-") as scratch:
-        if config.recipe is not None:
-            target, module = [*RECIPES[config.recipe], "--save-dir", scratch, *args.script_args], True
-        else:
-            target, module = [args.script, *args.script_args], args.module
-        report = bench(config, target, module)
-    print_report(report)
-    print(f"wrote {Path(config.out) / 'bench.json'}, speedup.png and memory.png")
+        flags = {name: getattr(args, name) for name in COLLECTIVE_FLAGS}
+        return collectives.calibrate(CollectivesConfig(nproc=max(config.counts), **flags), Path(config.out))
+    bench.run(config, args.script, args.script_args, args.module)
     return 0
-
-
-COLLECTIVE_FLAGS = ("ops", "min_bytes", "max_bytes", "factor", "iterations")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from multigpu import simulate
-
-    config, intra, inter = simulate.resolve(config_from_args(simulate.SimulateRequest, args))
-    predictions = simulate.simulate(config, intra, inter)
-    if args.json:
-        print(simulate.to_json(predictions))
-    else:
-        title = f"{config.strategy}, {config.intra} in a node, {config.interconnect} between nodes"
-        print(simulate.format_table(predictions, title=title), end="")
-    return 0
+    return simulate.run(config_from_args(SimulateRequest, args), args.json)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -216,8 +99,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_env(args: argparse.Namespace) -> int:
-    from multigpu import preflight
-
     if args.nproc < 1 or not 0 < args.size_mb < math.inf or args.iterations < 1:
         raise UsageError("--nproc and --iterations must be 1 or more and --size-mb a positive number.")
     return preflight.run(args.nproc, args.size_mb, args.iterations, args.json)
@@ -264,8 +145,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(train_verb, TrainConfig)
     train_verb.set_defaults(handler=cmd_train)
 
-    from multigpu.recipes.finetune import FinetuneConfig
-
     finetune_verb = verbs.add_parser(
         "finetune",
         help="full, LoRA or QLoRA fine-tuning of a causal language model (default: SmolLM2 on Shakespeare)",
@@ -275,8 +154,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_arguments(finetune_verb, FinetuneConfig)
     finetune_verb.set_defaults(handler=cmd_finetune)
-
-    from multigpu.recipes.generate import GenerateConfig
 
     generate_verb = verbs.add_parser(
         "generate",
@@ -326,8 +203,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench_verb.add_argument(
         "--collectives", action="store_true", help="measure the collectives' bandwidth instead of a script"
     )
-    from multigpu.collectives import CollectivesConfig
-
     add_config_arguments(
         bench_verb,
         CollectivesConfig,
@@ -335,8 +210,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_script_arguments(bench_verb, optional=True)
     bench_verb.set_defaults(handler=cmd_bench)
-
-    from multigpu.simulate import SimulateRequest
 
     simulate_verb = verbs.add_parser(
         "simulate",
@@ -375,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """The CLI. A run in this process stopped by Ctrl-C or SIGTERM ends with one line naming the last complete
-    checkpoint and exit code 130 or 143 (launched workers are stopped by `multigpu.launch` the same way)."""
+    checkpoint and exit code 130 or 143 (launched workers are stopped by `multigpu.launch.launcher` the same way)."""
     args = build_parser().parse_args(argv)
     with stop.raising_stopped():
         try:

@@ -8,7 +8,7 @@ import pytest
 
 import multigpu as mg
 from multigpu.cli import main
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 from multigpu.planner import plan
 from multigpu.planner.memory import parse_bytes
 from multigpu.planner.shapes import BUILTIN, from_transformer

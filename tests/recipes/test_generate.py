@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 from multigpu.recipes import lm_models
 from multigpu.recipes.generate import (
     GenerateConfig,

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 from multigpu.recipes import lm_data
 from multigpu.recipes.lm_models import load_tokenizer
 from tests.dist import run_in_processes

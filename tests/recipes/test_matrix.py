@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from multigpu.precision import PRECISIONS
+from multigpu.core.precision import PRECISIONS
 from tests.dist import multigpu, run_in_processes
 from tests.recipes.test_train import write_uci_har
 

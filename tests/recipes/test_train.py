@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from multigpu import checkpoint
 from multigpu.cli import main
+from multigpu.engine import checkpoint
 from multigpu.recipes.activity_data import HAR_CHANNELS
 from tests.dist import multigpu
 

@@ -13,15 +13,15 @@ import torch
 from torch import nn
 
 import multigpu as mg
-from multigpu import checkpoint
-from multigpu.errors import UsageError
-from multigpu.precision import Precision
+from multigpu.core.errors import UsageError
+from multigpu.core.precision import Precision
+from multigpu.engine import checkpoint
 from multigpu.strategies import DeepSpeed, DeepSpeedOptions
 from multigpu.strategies.deepspeed import read_config
 from tests.dist import multigpu, run_command, run_in_processes
+from tests.engine.test_checkpoint import GLOBAL_BATCH, SAMPLES, STOP, assert_resumed_exactly
 from tests.reference import Case, Outcome, TinyNet, dataset, train_reference
 from tests.strategies.test_equivalence import assert_matches
-from tests.test_checkpoint import GLOBAL_BATCH, SAMPLES, STOP, assert_resumed_exactly
 
 MATRIX = [Case("deepspeed", "32", accum, zero_stage=stage) for stage, accum in itertools.product((1, 2, 3), (1, 4))] + [
     Case("deepspeed", "bf16-mixed", 2, zero_stage=stage) for stage in (1, 3)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 from multigpu.planner.memory import OPTIMIZERS, ORDER, Plan, PlanConfig, StrategyMemory, plan_shape
 from multigpu.planner.shapes import BUILTIN, ModelShape, from_module, load_shape
 

@@ -6,10 +6,10 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
+from multigpu.core.precision import PRECISIONS
 from multigpu.planner.activations import transformer_activations
 from multigpu.planner.shapes import ModelShape
-from multigpu.precision import PRECISIONS
 
 OPTIMIZERS = ("adamw", "sgd", "adamw8bit")
 #: From fastest to most frugal: the planner recommends the first that fits (the guides' decision tree).

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from multigpu.config import json_value, read_json
-from multigpu.errors import UsageError
+from multigpu.core.config import json_value, read_json
+from multigpu.core.errors import UsageError
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -177,7 +177,7 @@ def from_module(module: Any, sample_input: Any = None) -> ModelShape:
     sample, batch dimension 1) a traced forward measures the activations per sample."""
     from torch import nn
 
-    from multigpu.strategies.fsdp import default_units
+    from multigpu.core.modules import default_units
 
     units = default_units(module) or [module]
     linears = [m for m in module.modules() if isinstance(m, nn.Linear)]

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from multigpu.config import check_path
-from multigpu.errors import UsageError
+from multigpu.core.config import check_path
+from multigpu.core.errors import UsageError
 
 WATCH_WINDOW, WATCH_STRIDE = 128, 32  # 2.56 s windows at 50 Hz, a new one every 0.64 s
 WATCH_VALIDATION_SUBJECTS = (9, 10)  # the last two of ten subjects

@@ -6,6 +6,7 @@ Run it with `multigpu demo --nproc 2`; it reads like the loop a user would write
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -13,8 +14,12 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from multigpu.config import Parser, add_config_arguments, config_from_args
-from multigpu.engine import Engine, EngineConfig
+from multigpu.core.config import Parser, add_config_arguments, config_from_args, config_to_argv
+from multigpu.core.errors import exit_on_usage_error
+from multigpu.engine import start
+from multigpu.engine.config import EngineConfig
+from multigpu.engine.engine import Engine
+from multigpu.launch.launcher import LaunchConfig, launch
 
 
 @dataclass
@@ -66,6 +71,13 @@ def train(engine: Engine, config: DemoConfig) -> float:
     return accuracy
 
 
+def run(config: DemoConfig, engine_config: EngineConfig, nproc: int) -> int:
+    """What `multigpu demo` does: refuse what the Engine would refuse, then launch `nproc` processes of this."""
+    start.check(engine_config, nproc)
+    argv = config_to_argv(config) + config_to_argv(engine_config)
+    return launch(LaunchConfig(nproc=nproc), ["multigpu.recipes.demo", *argv], module=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = Parser(prog="python -m multigpu.recipes.demo", description=__doc__)
     add_config_arguments(parser, DemoConfig)
@@ -76,6 +88,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from multigpu.cli import exit_on_usage_error
-
-    exit_on_usage_error(main)
+    sys.exit(exit_on_usage_error(main))

@@ -11,23 +11,31 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from multigpu import checkpoint
-from multigpu.config import Parser, add_config_arguments, config_from_args
-from multigpu.engine import PEAK_TFLOPS_HELP, UNSHARDED_GRAD_ACCUM_HELP, Engine
-from multigpu.errors import require
-from multigpu.monitor import peak_memory_bytes
-from multigpu.precision import PRECISIONS
+from multigpu.core.config import Parser, add_config_arguments, config_from_args
+from multigpu.core.errors import exit_on_usage_error, require
+from multigpu.core.precision import PRECISIONS
+from multigpu.core.schedule import SampleSchedule
+from multigpu.engine.config import PEAK_TFLOPS_HELP, UNSHARDED_GRAD_ACCUM_HELP
+from multigpu.engine.engine import Engine
 from multigpu.recipes import lm_data, lm_models
-from multigpu.recipes.train import Progress, per_rank, resolve_resume, skipped_note
-from multigpu.schedule import SampleSchedule
+from multigpu.recipes.common import (
+    ProgressBar,
+    peak_memory_mb,
+    recipe_engine,
+    resolve_resume,
+    run_recipe,
+    skipped_note,
+    step_checkpoint,
+)
 from multigpu.strategies import STRATEGIES, DeepSpeedOptions
 
 
@@ -174,18 +182,7 @@ def save_result(config: FinetuneConfig, engine: Engine, model: nn.Module, tokeni
 
 
 def finetune(config: FinetuneConfig) -> dict[str, Any]:
-    engine = Engine(
-        strategy=config.multi_gpu,
-        precision=config.precision,
-        grad_accum_steps=config.grad_accum_steps,
-        unsharded_grad_accum=config.unsharded_grad_accum,
-        seed=config.seed,
-        timeout_s=config.timeout_s,
-        log_every=config.log_every,
-        peak_tflops=config.peak_tflops,
-        log_dir=config.save_dir,
-        **asdict(DeepSpeedOptions.of(config)),
-    )
+    engine = recipe_engine(config)
     model, optimizer, tokenizer, data = build(config, engine)
     collate = functools.partial(lm_data.collate, pad_id=tokenizer.pad_token_id)
     train_loader = engine.dataloader(data.train, batch_size=config.batch_size, collate_fn=collate)
@@ -197,9 +194,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     total_samples = min(steps_samples(config.max_steps), data_samples) if config.max_steps else data_samples
     scheduler = SampleSchedule(optimizer, train_loader, steps_samples(config.warmup_steps), total_samples)
     state = {"model": model, "optimizer": optimizer, "loader": train_loader, "scheduler": scheduler, "step": 0}
-    checkpoints = Path(config.save_dir) / "checkpoints"
     resume_from = resolve_resume(config, engine.print)
-    checkpoint.check_writable(Path(config.save_dir), "--save-dir")
     if resume_from is not None:
         engine.load(resume_from, state)
         engine.print(f"resumed from {resume_from} at step {state['step']} ({scheduler.seen} samples done)")
@@ -216,7 +211,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
         engine.print(f"before: {config.sample_prompt}{sample(model, tokenizer, config.sample_prompt, engine)}")
     history = [{"step": state["step"], "val_loss": evaluate(engine, model, val_loader, config.eval_batches)}]
     engine.print(f"step {state['step']}: validation loss {history[-1]['val_loss']:.4f}")
-    progress = Progress(engine, total)
+    progress = ProgressBar(engine, total)
     start, tokens = time.perf_counter(), 0.0
     while not scheduler.done:
         for batch in train_loader:
@@ -230,19 +225,18 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
                 status = f"loss {loss.item() / max(float(count), 1):.3f} lr {scheduler.get_last_lr()[0]:.2e} "
                 progress.advance(state["step"], status + f"{rate:,.0f} tokens/s")
                 if config.save_every and state["step"] % config.save_every == 0:
-                    engine.save(checkpoints / f"step-{state['step']:08d}", state, keep_last=2)
+                    engine.save(step_checkpoint(config.save_dir, state["step"]), state, keep_last=2)
                 if scheduler.done:
                     break
     progress.close()
-    engine.save(checkpoints / f"step-{state['step']:08d}", state, keep_last=2)
+    engine.save(step_checkpoint(config.save_dir, state["step"]), state, keep_last=2)
     history.append({"step": state["step"], "val_loss": evaluate(engine, model, val_loader, config.eval_batches)})
     engine.log(state["step"], {"val_loss": history[-1]["val_loss"], "skipped_steps": engine.skipped_steps})
     engine.print(f"step {state['step']}: validation loss {history[-1]['val_loss']:.4f}" + skipped_note(engine))
     if config.sample_prompt:
         engine.print(f"after: {config.sample_prompt}{sample(model, tokenizer, config.sample_prompt, engine)}")
     out = save_result(config, engine, model, tokenizer)
-    memory = [round(b / 2**20) for b in per_rank(engine, peak_memory_bytes(engine.device))]
-    engine.print(f"wrote {out}; peak memory per rank (MB): {memory}")
+    engine.print(f"wrote {out}; peak memory per rank (MB): {peak_memory_mb(engine)}")
     return {
         "history": history,
         "steps": state["step"],
@@ -252,6 +246,19 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     }
 
 
+def check(config: FinetuneConfig) -> None:
+    """What `multigpu finetune` refuses before any process starts: a model or data it cannot find, a --resume or
+    --save-dir that cannot work."""
+    lm_models.check(config.model)
+    lm_data.check(config.data)
+    resolve_resume(config)
+
+
+def run(config: FinetuneConfig) -> int:
+    """What `multigpu finetune` does: train here (1 process, or already under a launcher) or launch --nproc."""
+    return run_recipe(config, "multigpu.recipes.finetune", finetune, check)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = Parser(prog="python -m multigpu.recipes.finetune", description=__doc__)
     add_config_arguments(parser, FinetuneConfig)
@@ -259,6 +266,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from multigpu.cli import exit_on_usage_error
-
-    exit_on_usage_error(main)
+    sys.exit(exit_on_usage_error(main))

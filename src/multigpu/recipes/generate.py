@@ -32,9 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from multigpu.config import Parser, add_config_arguments, check_path, config_from_args, config_to_argv
-from multigpu.env import DistEnv, init_process_group
-from multigpu.errors import UsageError
+from multigpu.core.config import Parser, add_config_arguments, check_path, config_from_args, config_to_argv
+from multigpu.core.env import DistEnv, init_process_group
+from multigpu.core.errors import UsageError, exit_on_usage_error
 from multigpu.recipes import lm_data, lm_models
 
 DEVICE_MAPS = ("auto", "balanced", "sequential")
@@ -332,7 +332,7 @@ def run(config: GenerateConfig) -> int:
     if "RANK" in os.environ or (config.nproc or 1) == 1:
         generate(config)
         return 0
-    from multigpu.launch import LaunchConfig, launch
+    from multigpu.launch.launcher import LaunchConfig, launch
 
     prepare(config)
     argv = config_to_argv(config, skip=("nproc",))
@@ -346,6 +346,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from multigpu.cli import exit_on_usage_error
-
     sys.exit(exit_on_usage_error(main))

@@ -28,8 +28,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import Dataset
 
-from multigpu.config import check_path
-from multigpu.errors import UsageError
+from multigpu.core.config import check_path
+from multigpu.core.errors import UsageError
 from multigpu.recipes.lm_models import cache_root
 
 FORMAT_VERSION = 1  # bump when the cached layout or the tokenisation changes, so old files are not read

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from multigpu.config import check_path
-from multigpu.errors import UsageError
-from multigpu.precision import Precision
+from multigpu.core.config import check_path
+from multigpu.core.errors import UsageError
+from multigpu.core.precision import Precision
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing file must fail here, never turn into a download
 

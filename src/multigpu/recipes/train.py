@@ -10,23 +10,31 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
-from multigpu import checkpoint, faults
-from multigpu.config import Parser, add_config_arguments, config_from_args
-from multigpu.engine import PEAK_TFLOPS_HELP, UNSHARDED_GRAD_ACCUM_HELP, Engine
-from multigpu.errors import UsageError, require
-from multigpu.monitor import peak_memory_bytes
-from multigpu.precision import PRECISIONS
+from multigpu.core import faults
+from multigpu.core.config import Parser, add_config_arguments, config_from_args
+from multigpu.core.errors import exit_on_usage_error, require
+from multigpu.core.precision import PRECISIONS
+from multigpu.core.schedule import SampleSchedule
+from multigpu.engine.config import PEAK_TFLOPS_HELP, UNSHARDED_GRAD_ACCUM_HELP
+from multigpu.engine.engine import Engine
 from multigpu.recipes import activity_data, activity_models
 from multigpu.recipes.activity_models import MODES
-from multigpu.schedule import SampleSchedule
+from multigpu.recipes.common import (
+    ProgressBar,
+    peak_memory_mb,
+    recipe_engine,
+    resolve_resume,
+    run_recipe,
+    skipped_note,
+    step_checkpoint,
+    write_safetensors,
+)
 from multigpu.strategies import STRATEGIES, DeepSpeedOptions
 
 LR_SCALING = ("none", "linear", "sqrt")
@@ -80,41 +88,9 @@ class TrainConfig(DeepSpeedOptions):
         require(*checks)
 
 
-def resolve_resume(config: TrainConfig, say: Callable[[str], None] = print) -> Path | None:
-    """The checkpoint to start from, or None; refuses to write over another run's checkpoints. With 'auto', the
-    newest one that is whole (a damaged one is passed over and named through `say`)."""
-    directory = Path(config.save_dir) / "checkpoints"
-    if config.resume == "auto":
-        return checkpoint.newest_usable(directory, say)
-    existing = checkpoint.list_checkpoints(directory)
-    if config.resume == "none":
-        if existing:
-            raise UsageError(
-                f"{directory} already holds checkpoints of another run; pass --resume auto to continue it, "
-                "or choose another --save-dir."
-            )
-        return None
-    path = Path(config.resume)
-    checkpoint.check_checkpoint(path)
-    return path
-
-
 def scaled_lr(config: TrainConfig, world_size: int) -> float:
     factor = world_size * config.grad_accum_steps
     return config.lr * {"none": 1.0, "linear": factor, "sqrt": math.sqrt(factor)}[config.lr_scaling]
-
-
-def skipped_note(engine: Engine) -> str:
-    """What fp16 loss scaling skipped so far, for a progress line; empty while nothing was skipped."""
-    if not engine.skipped_steps:
-        return ""
-    return f"  ({engine.skipped_steps} step(s) skipped for inf/nan gradients; the lr schedule waited)"
-
-
-def per_rank(engine: Engine, value: float) -> list[float]:
-    slots = torch.zeros(engine.world_size, dtype=torch.float64)
-    slots[engine.rank] = value
-    return engine.reduce(slots, op="sum").tolist()
 
 
 def evaluate(engine: Engine, model: nn.Module, loader) -> float:
@@ -129,7 +105,7 @@ def export(engine: Engine, model: nn.Module, directory: Path, spec: list, data: 
     """model.safetensors + model_config.json in `directory`; gathers the full weights onto rank 0 (asked for)."""
     full = engine.full_state_dict(model)
     if engine.is_main_process:
-        save_file({name: tensor.contiguous() for name, tensor in full.items()}, str(directory / "model.safetensors"))
+        write_safetensors(full, directory / "model.safetensors")
         config = {
             "layers": spec,
             "labels": data.labels,
@@ -138,49 +114,9 @@ def export(engine: Engine, model: nn.Module, directory: Path, spec: list, data: 
         (directory / "model_config.json").write_text(json.dumps(config, indent=2))
 
 
-class Progress:
-    """A progress bar on a terminal, plain lines otherwise; rank 0 only."""
-
-    def __init__(self, engine: Engine, total: int) -> None:
-        self.bar = None
-        if engine.is_main_process and sys.stdout.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeRemainingColumn(),
-                TextColumn("{task.fields[status]}"),
-            )
-            self.bar.start()
-            self.task = self.bar.add_task("training", total=total, status="")
-
-    def advance(self, step: int, status: str) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, completed=step, status=status)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-
 def train(config: TrainConfig) -> dict:
-    engine = Engine(
-        strategy=config.multi_gpu,
-        precision=config.precision,
-        grad_accum_steps=config.grad_accum_steps,
-        unsharded_grad_accum=config.unsharded_grad_accum,
-        max_grad_norm=config.max_grad_norm,
-        seed=config.seed,
-        timeout_s=config.timeout_s,
-        log_every=config.log_every,
-        peak_tflops=config.peak_tflops,
-        log_dir=config.save_dir,
-        **asdict(DeepSpeedOptions.of(config)),
-    )
+    engine = recipe_engine(config, max_grad_norm=config.max_grad_norm)
     resume_from = resolve_resume(config, engine.print)
-    checkpoint.check_writable(Path(config.save_dir), "--save-dir")
     data = activity_data.load(config.data)
     spec = activity_models.layer_spec(config.mode, data.channels, data.window, len(data.labels))
     model = activity_models.build(spec)
@@ -227,12 +163,11 @@ def train(config: TrainConfig) -> dict:
     )
 
     save_dir = Path(config.save_dir)
-    checkpoints = save_dir / "checkpoints"
-    progress = Progress(engine, total_steps)
+    progress = ProgressBar(engine, total_steps)
 
     def save() -> None:
         state["epoch_loss"] = engine.reduce(epoch_loss, "sum").tolist()
-        engine.save(checkpoints / f"step-{state['step']:08d}", state, config.async_save, config.keep_last)
+        engine.save(step_checkpoint(save_dir, state["step"]), state, config.async_save, config.keep_last)
 
     history = []
     while train_loader.epoch < config.epochs:
@@ -267,7 +202,7 @@ def train(config: TrainConfig) -> dict:
             "samples_per_s": samples / seconds,
             "lr": update_lr,  # the epoch's last update's: at the epoch's end in the data, at any world size
             "skipped_steps": engine.skipped_steps,
-            "peak_memory_mb": [round(b / 2**20, 1) for b in per_rank(engine, peak_memory_bytes(engine.device))],
+            "peak_memory_mb": peak_memory_mb(engine, ndigits=1),
         }
         history.append(record)
         engine.log(state["step"], {k: v for k, v in record.items() if k != "peak_memory_mb"})
@@ -309,6 +244,18 @@ def print_summary(history: list[dict], save_dir: Path) -> None:
     )
 
 
+def check(config: TrainConfig) -> None:
+    """What `multigpu train` refuses before any process starts: data it cannot read, a --resume or --save-dir
+    that cannot work."""
+    activity_data.check(config.data)
+    resolve_resume(config)
+
+
+def run(config: TrainConfig) -> int:
+    """What `multigpu train` does: train here (1 process, or already under a launcher) or launch --nproc."""
+    return run_recipe(config, "multigpu.recipes.train", train, check)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = Parser(prog="python -m multigpu.recipes.train", description=__doc__)
     add_config_arguments(parser, TrainConfig)
@@ -317,6 +264,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from multigpu.cli import exit_on_usage_error
-
-    exit_on_usage_error(main)
+    sys.exit(exit_on_usage_error(main))

@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import torch
 
-from multigpu.env import DistEnv
-from multigpu.errors import UsageError
+from multigpu.core.env import DistEnv
+from multigpu.core.errors import UsageError
 from multigpu.strategies.base import Strategy
 from multigpu.strategies.ddp import DDP
 from multigpu.strategies.deepspeed import DeepSpeed, DeepSpeedOptions, check_installed

@@ -1,4 +1,5 @@
-"""The small interface every strategy implements: wrap, skip gradient sync, scale, measure the gradient norm."""
+"""The small interface every strategy implements: lay out the processes, wrap, skip gradient sync, scale, measure
+the gradient norm."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from multigpu.env import DistEnv
-from multigpu.errors import UsageError
-from multigpu.precision import Precision
+from multigpu.core.env import DistEnv
+from multigpu.core.errors import UsageError
+from multigpu.core.precision import Precision
+from multigpu.strategies.mesh import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,28 @@ class Strategy(ABC):
     uses_autocast: bool = True
     #: Whether the micro-steps of an accumulation window run under `no_sync`, communicating only on the last.
     accumulates_unsynced: bool = True
+    #: The mesh dimensions the strategy spreads its processes over (see mesh.py); its mesh has them even at
+    #: degree 1. Empty: no mesh, for one-process strategies and for DeepSpeed, which makes its own groups.
+    mesh_dims: tuple[str, ...] = ()
+    #: Built by `build_mesh` in setup; None until then and for strategies without mesh_dims.
+    mesh: DeviceMesh | None = None
+
+    def parallel_dims(self, world_size: int) -> ParallelDims | None:
+        """How `world_size` processes are laid out, or None where the strategy builds no mesh. With one dimension
+        it takes every process; a strategy over several (hsdp: replicate x shard) says how they split."""
+        if not self.mesh_dims:
+            return None
+        if len(self.mesh_dims) > 1:
+            raise NotImplementedError(f"{type(self).__name__} uses {self.mesh_dims}: override parallel_dims.")
+        return ParallelDims(**{self.mesh_dims[0]: world_size})
+
+    def build_mesh(self, env: DistEnv) -> DeviceMesh | None:
+        """The strategy's mesh, built on the first call (setup's) and the same object after that."""
+        if self.mesh is None:
+            dims = self.parallel_dims(env.world_size)
+            if dims is not None:
+                self.mesh = dims.build(env.device.type, keep=self.mesh_dims)
+        return self.mesh
 
     @abstractmethod
     def setup(

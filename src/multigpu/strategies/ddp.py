@@ -13,9 +13,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from multigpu.env import DistEnv
-from multigpu.errors import UsageError
-from multigpu.precision import Precision
+from multigpu.core.env import DistEnv
+from multigpu.core.errors import UsageError
+from multigpu.core.precision import Precision
 from multigpu.strategies.base import Strategy, move_to_device
 
 # DDP's reducer notices a bucket left waiting only when the next forward starts, and says so in these words.
@@ -30,15 +30,19 @@ class DDP(Strategy):
     static_graph: bool = False
 
     name = "ddp"
+    mesh_dims = ("replicate",)
 
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, precision: Precision
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        mesh = self.build_mesh(env)
         model = move_to_device(model, env)
         device_ids = [env.device.index] if env.device.type == "cuda" else None
         wrapped = DistributedDataParallel(
             model,
             device_ids=device_ids,
+            # DDP takes a 1-D mesh only; a slice of a larger one (replicate x tp) also makes it adapt tp's DTensors.
+            device_mesh=mesh["replicate"],
             bucket_cap_mb=self.bucket_cap_mb,
             find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph,

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from multigpu.config import json_value, read_json
-from multigpu.env import DistEnv
-from multigpu.errors import UsageError, require
-from multigpu.precision import Precision
+from multigpu.core.config import json_value, read_json
+from multigpu.core.env import DistEnv
+from multigpu.core.errors import UsageError, require
+from multigpu.core.precision import Precision
 from multigpu.strategies.base import StepOutcome, Strategy, frozen_names
 
 INSTALL = "pip install 'multigpu[deepspeed]'"
@@ -79,6 +79,8 @@ class DeepSpeed(Strategy):
     max_grad_norm: float | None = None
 
     name = "deepspeed"
+    # No mesh_dims: deepspeed.initialize makes its own data-parallel groups over the default one (every process
+    # a ZeRO partition), so a torch mesh would only add communicators nothing uses.
 
     def __post_init__(self) -> None:
         self._groups: list[list[str]] = []  # trainable parameter names per optimizer group, in DeepSpeed's order

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from multigpu.env import DistEnv
-from multigpu.precision import Precision
+from multigpu.core.env import DistEnv
+from multigpu.core.precision import Precision
 from multigpu.strategies.base import Strategy, move_to_device
 
 

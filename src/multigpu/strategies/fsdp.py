@@ -9,35 +9,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from multigpu.env import DistEnv
-from multigpu.errors import UsageError
-from multigpu.precision import Precision
+from multigpu.core.env import DistEnv
+from multigpu.core.errors import UsageError
+from multigpu.core.modules import default_units
+from multigpu.core.precision import Precision
 from multigpu.strategies.base import Strategy, is_quantized
 
 UnitSelector = Callable[[nn.Module], list[nn.Module]]
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
-
-
-def default_units(model: nn.Module) -> list[nn.Module]:
-    """One unit per block: the items of every ModuleList or ModuleDict that are not containers themselves
-    (transformer layers, however deeply nested), else each top-level child that has parameters.
-
-    A unit is all-gathered as a whole, so its size sets the temporary memory and the overlap granularity.
-    """
-    blocks = [
-        block
-        for module in model.modules()
-        if isinstance(module, _CONTAINERS)
-        for block in (module.values() if isinstance(module, nn.ModuleDict) else module)
-        if not isinstance(block, _CONTAINERS)
-    ]
-    if blocks:
-        return blocks
-    return [child for child in model.children() if any(True for _ in child.parameters())]
 
 
 def children_first(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
@@ -65,6 +47,7 @@ class FSDP(Strategy):
     units: UnitSelector = default_units
 
     uses_autocast = False
+    mesh_dims = ("shard",)
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -75,15 +58,16 @@ class FSDP(Strategy):
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         if optimizer is not None and optimizer.state:
             raise UsageError(f"{self.name} must shard a fresh optimizer; call engine.setup before the first step.")
+        self.build_mesh(env)
         if not self.cpu_offload:
             model.to(env.device)
-        # fully_shard slices whatever each rank holds; unlike DDP it does not broadcast rank 0's weights.
+        # fully_shard slices whatever each rank holds; unlike DDP it does not broadcast rank 0's weights. Every
+        # process starts from them, whichever mesh dimension it lies along.
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.data, src=0)
         names = {id(p): name for name, p in model.named_parameters()}
 
-        mesh = init_device_mesh(env.device.type, (env.world_size,))
-        common = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward}
+        common = {"mesh": self.sharding_mesh(), "reshard_after_forward": self.reshard_after_forward}
         if self.cpu_offload:
             common["offload_policy"] = CPUOffloadPolicy()
         compute = precision.compute_dtype
@@ -107,6 +91,11 @@ class FSDP(Strategy):
             for group in optimizer.param_groups:
                 group["params"] = [sharded[names[id(p)]] for p in group["params"]]
         return model, optimizer
+
+    def sharding_mesh(self) -> DeviceMesh:
+        """The mesh fully_shard lays parameters out on. It reads a 2-D ("replicate", "shard") mesh as HSDP (shards
+        within each replica group, gradients averaged across groups): an hsdp strategy returns that here."""
+        return self.mesh["shard"]
 
     @property
     def accumulates_unsynced(self) -> bool:  # type: ignore[override]

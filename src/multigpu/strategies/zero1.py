@@ -10,9 +10,9 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from multigpu.env import DistEnv
-from multigpu.errors import UsageError
-from multigpu.precision import Precision
+from multigpu.core.env import DistEnv
+from multigpu.core.errors import UsageError
+from multigpu.core.precision import Precision
 from multigpu.strategies.ddp import DDP
 
 
@@ -34,7 +34,9 @@ class Zero1(DDP):
         accepted = inspect.signature(type(optimizer)).parameters
         defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
         # A new optimizer object: schedulers must be built on the one engine.setup returns.
-        sharded = ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **defaults)
+        # States are sharded across the replicas that average gradients: the mesh DDP.setup built.
+        group = self.mesh["replicate"].get_group()
+        sharded = ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=group, **defaults)
         return model, sharded
 
     # Each rank saves the states of the parameters it owns, keyed by parameter name: together they form the

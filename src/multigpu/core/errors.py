@@ -1,0 +1,37 @@
+"""The one exception type for mistakes a user can fix, and the one place it becomes a sentence and exit code 2."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+
+class UsageError(ValueError):
+    """A configuration or input that cannot run; the message says what to do instead."""
+
+    #: Raised alike on every rank of a job (after they agreed on it): only rank 0 need print it.
+    on_every_rank: bool = False
+
+
+def require(*checks: tuple[bool, str]) -> None:
+    """Raises the message of the first (condition, message) pair whose condition is false."""
+    for ok, message in checks:
+        if not ok:
+            raise UsageError(message)
+
+
+def exit_on_usage_error(main: Callable[[], int | None]) -> int:
+    """Runs `main` and returns its exit code (None counts as 0); a UsageError becomes one line on stderr,
+    `multigpu: error: <sentence>`, and exit code 2.
+
+    The only place that translation happens: library code raises, and the entry points call this: `multigpu`'s
+    `cli.main`, and the `python -m` mains of the recipes and tools (`torchrun -m multigpu.recipes.train ...` gets
+    the same one line and exit code 2 as the CLI). An error every rank raises alike is printed by rank 0 alone.
+    """
+    try:
+        return main() or 0
+    except UsageError as error:
+        if not error.on_every_rank or os.environ.get("RANK", "0") == "0":
+            print(f"multigpu: error: {error}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,77 @@
+"""The Engine's settings: one dataclass, which the CLI maps flag for flag (`multigpu demo`, bench, verify)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from multigpu.core.env import BACKENDS
+from multigpu.core.errors import UsageError
+from multigpu.core.precision import PRECISIONS, Precision
+from multigpu.strategies import STRATEGIES
+from multigpu.strategies.deepspeed import DeepSpeedOptions
+
+UNSHARDED_GRAD_ACCUM_HELP = (
+    "zero2/zero3: accumulate whole gradients locally and reduce-scatter once per optimizer step (less "
+    "communication, a full gradient per rank) instead of on every micro-step"
+)
+PEAK_TFLOPS_HELP = "the device's dense peak TFLOPS for MFU (default: looked up by the GPU's exact name)"
+FIND_UNUSED_HELP = (
+    "ddp/zero1: let some parameters get no gradient in a step (costs a pass over the autograd graph every step)"
+)
+SYNC_BATCHNORM_HELP = (
+    "convert BatchNorm to SyncBatchNorm, so every process normalises with the global batch's statistics "
+    "(process-group strategies on GPUs; one process has nothing to synchronise)"
+)
+
+
+@dataclass
+class EngineConfig(DeepSpeedOptions):
+    strategy: str = field(
+        default="auto", metadata={"help": "how to spread training over processes", "choices": STRATEGIES}
+    )
+    precision: str = field(default="32", metadata={"help": "number format for training", "choices": PRECISIONS})
+    grad_accum_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    max_grad_norm: float | None = field(default=None, metadata={"help": "clip the global gradient norm to this"})
+    seed: int = field(default=0, metadata={"help": "seed for model init and data order (the same on every rank)"})
+    cpu_offload: bool = field(default=False, metadata={"help": "keep zero3's sharded parameters in CPU memory"})
+    unsharded_grad_accum: bool = field(default=False, metadata={"help": UNSHARDED_GRAD_ACCUM_HELP})
+    find_unused_parameters: bool = field(default=False, metadata={"help": FIND_UNUSED_HELP})
+    sync_batchnorm: bool = field(default=False, metadata={"help": SYNC_BATCHNORM_HELP})
+    backend: str | None = field(
+        default=None,
+        metadata={"help": "process-group backend (default: nccl on GPUs, gloo on CPU)", "choices": BACKENDS},
+    )
+    timeout_s: float = field(default=1800.0, metadata={"help": "seconds a collective may wait before the run fails"})
+    log_every: int = field(
+        default=0, metadata={"help": "report memory, throughput and MFU every N optimizer steps (0: never)"}
+    )
+    log_dir: str | None = field(default=None, metadata={"help": "also write those reports as JSONL and TensorBoard"})
+    peak_tflops: float | None = field(default=None, metadata={"help": PEAK_TFLOPS_HELP})
+
+    def __post_init__(self) -> None:
+        # Strategy names are checked where they are resolved (resolve_strategy), precisions by Precision.
+        super().__post_init__()
+        Precision(self.precision)
+        if self.grad_accum_steps < 1:
+            raise UsageError(f"grad_accum_steps must be 1 or more (got {self.grad_accum_steps}).")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise UsageError(f"max_grad_norm must be positive (got {self.max_grad_norm}); leave it unset for none.")
+        if self.timeout_s <= 0:
+            raise UsageError(f"timeout_s must be positive (got {self.timeout_s}).")
+        if self.log_every < 0:
+            raise UsageError(f"log_every must be 0 or more (got {self.log_every}).")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise UsageError(f"peak_tflops must be positive (got {self.peak_tflops}).")
+
+    @classmethod
+    def of(cls, strategy: str, settings: dict[str, Any]) -> EngineConfig:
+        """The config of `Engine(strategy, **settings)`, or one sentence naming the settings it does not know."""
+        names = [f.name for f in fields(cls) if f.name != "strategy"]
+        unknown = sorted(set(settings) - set(names))
+        if unknown:
+            raise UsageError(
+                f"Engine got unknown setting(s) {', '.join(unknown)}; the settings are EngineConfig's fields: "
+                f"{', '.join(names)}."
+            )
+        return cls(strategy=strategy, **settings)

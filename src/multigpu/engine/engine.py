@@ -1,0 +1,396 @@
+"""The Engine: the few calls a training loop makes, the same for every strategy and number of processes.
+
+What is specific to a strategy lives in its file (multigpu.strategies); what watches the run (the stuck-rank
+heartbeat, the metrics monitor, bench and verify's recorder) attaches through multigpu.engine.observe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import Dataset
+
+from multigpu.core.data import Batch, DistributedLoader, gather_in_order
+from multigpu.core.env import DistEnv, all_reduce_value, collective_device, grouped
+from multigpu.core.errors import UsageError
+from multigpu.core.precision import Precision
+from multigpu.core.schedule import SampleSchedule
+from multigpu.engine import checkpoint, start
+from multigpu.engine.config import EngineConfig
+from multigpu.engine.observe import StepObserver, StepStats, new_observers, watched, watching
+from multigpu.strategies import Strategy
+
+STEP_BEFORE_BACKWARD = (
+    "engine.step() was called before engine.backward(loss) in this step; call engine.backward(loss) first."
+)
+COUNTERS = "multigpu.engine"  # the engine's own entry in every checkpoint it writes
+
+
+@dataclass
+class _Window:
+    """What one optimizer step's micro-batches add up to."""
+
+    busy_s: float = 0.0  # data loading and forward, i.e. the time outside backward and the optimizer step
+    samples: int = 0  # real samples in the global batch (engine loader only)
+    count: torch.Tensor | None = None  # this rank's units (tokens) when the loss is a sum; see backward
+    loss: torch.Tensor | None = None  # this rank's share of the step's loss, when an observer wants it
+    other_work: bool = False  # a checkpoint, evaluation or FLOP count ran inside this step's time
+
+
+class Engine:
+    def __init__(
+        self, strategy: str | Strategy = "auto", *, observers: Sequence[StepObserver] = (), **settings: Any
+    ) -> None:
+        """`strategy`: a name or a configured Strategy; `settings`: any other field of EngineConfig (precision,
+        grad_accum_steps, max_grad_norm, seed, ...; see its help texts); `observers`: StepObservers of the
+        script's own, after the registered ones (multigpu.engine.observe)."""
+        self.observers = [*new_observers(), *observers]
+        config = EngineConfig.of(strategy if isinstance(strategy, str) else strategy.name, settings)
+        for observer in self.observers:  # bench and verify decide some settings, whatever the script asks for
+            config = observer.configure(config)
+        self.config = config = replace(config)  # checked again, as an observer may have changed it
+        configured = not isinstance(strategy, str) and config.strategy == strategy.name
+        spec = strategy if configured else config.strategy
+        self.env = DistEnv.from_environ()
+        self._strategy = start.resolve(spec, self.env, config, self.print)
+        self._auto_pending = spec == "auto" and self.env.is_distributed
+        self.precision = Precision(config.precision)
+        self.device = self.env.device
+        start.join(self.env, self._strategy, config)
+        self._scaler: torch.amp.GradScaler | None = None
+        self._micro_steps = 0  # micro-steps since the last optimizer step
+        self._backward_ran = False  # since the last engine.step
+        self._batch: Batch | None = None  # the engine-loader batch being trained on, if any
+        self._loader: DistributedLoader | None = None
+        self._train_loader: DistributedLoader | None = None  # the loader whose batches backward last saw
+        self._printed_batch_size = False
+        self.last_grad_norm: float | None = None
+        self.last_step_applied = True  # False after a step that fp16 loss scaling skipped
+        self.skipped_steps = 0  # optimizer steps skipped so far for inf/nan gradients (fp16-mixed)
+        self._pending_save: tuple[Future, Path] | None = None  # a background save and where it goes
+        self._model: nn.Module | None = None
+        self._set_up: list[nn.Module] = []  # what setup was given and returned, so a second setup is caught
+        self._window = _Window(other_work=True)  # the first step also pays for lazy initialisation
+        self._mark = self._step_end = time.perf_counter()
+        self._steps = 0
+        self._wants_loss = any(observer.wants_loss for observer in self.observers)
+        self._synchronizes = any(observer.synchronizes for observer in self.observers)
+        for observer in self.observers:
+            observer.attach(self)
+
+    # -- who am I ---------------------------------------------------------------------------------------------
+    @property
+    def strategy(self) -> str:
+        """The resolved strategy's name; "auto" with several processes until setup has chosen."""
+        return "auto" if self._auto_pending else self._strategy.name
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.env.rank == 0
+
+    # -- setup ------------------------------------------------------------------------------------------------
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """Moves the model to this rank's device and wraps model and optimizer for the strategy.
+
+        Build schedulers on the optimizer returned here (zero1 replaces it with a sharded one).
+        """
+        if any(model is known for known in self._set_up):
+            raise UsageError(
+                "engine.setup() was already called on this model; call it once and use the model it returned."
+            )
+        given = model
+        if self._auto_pending:
+            self._strategy = start.strategy_for(model, optimizer, self.env, self.config, self.print)
+            self._auto_pending = False
+        model = start.batchnorm(model, self._strategy, self.env, self.config.sync_batchnorm)
+        if self.precision.name == "bf16-true":
+            model.to(torch.bfloat16)
+        model, optimizer = self._strategy.setup(model, optimizer, self.env, self.precision)
+        forward = self.precision.wrap_forward(model.forward, self.device, self._strategy.uses_autocast)
+        model.forward = watched(self.observers, "forward", forward)
+        if self.precision.needs_grad_scaler:
+            self._scaler = self._strategy.grad_scaler(self.device)
+        self._model = model
+        self._set_up += [given, model]
+        for observer in self.observers:
+            observer.on_setup(model)
+        self._mark = self._step_end = time.perf_counter()
+        return model, optimizer
+
+    def dataloader(
+        self,
+        dataset: Dataset,
+        batch_size: int = 32,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ) -> DistributedLoader:
+        """This rank's shard of `dataset`, `batch_size` samples per device, moved to `engine.device`."""
+        loader = DistributedLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            rank=self.rank,
+            world_size=self.world_size,
+            grad_accum_steps=self.config.grad_accum_steps,
+            seed=self.config.seed,
+            device=self.device,
+            on_batch=self._on_batch,
+        )
+        if not self._printed_batch_size:
+            self._printed_batch_size = True
+            self.print(loader.batch_size_line())
+        return loader
+
+    def _on_batch(self, loader: DistributedLoader, batch: Batch) -> None:
+        self._loader, self._batch = loader, batch
+        if self._train_loader is not None and loader is not self._train_loader:
+            self.mark_untimed()  # an evaluation pass between two training steps
+
+    # -- the training step ------------------------------------------------------------------------------------
+    def _syncs_now(self) -> bool:
+        """Whether this micro-step ends the accumulation window (and so must synchronise gradients)."""
+        if self._batch is not None:
+            return self._batch.ends_window
+        return (self._micro_steps + 1) % self.config.grad_accum_steps == 0
+
+    @contextlib.contextmanager
+    def accumulate(self, model: nn.Module) -> Iterator[None]:
+        """Skips gradient communication on every micro-step but the last of an accumulation window, where the
+        strategy accumulates that way (zero2/zero3 reduce-scatter every micro-step unless unsharded_grad_accum)."""
+        if self._syncs_now() or not self._strategy.accumulates_unsynced:
+            yield
+        else:
+            with self._strategy.no_sync(model):
+                yield
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Inside it, backward keeps gradients local to each rank (bench's measure of the communication share)."""
+        return self._strategy.no_sync(model)
+
+    def backward(self, loss: torch.Tensor, count: int | torch.Tensor | None = None) -> None:
+        """Backward of `loss` so that each optimizer step's gradient is the mean over its whole global batch.
+
+        Without `count`, `loss` is the mean over this rank's batch; it is weighted by the batch's share of the
+        step's samples (exact for uneven last batches and padding with the engine's loader; without it, divided
+        by grad_accum_steps). With `count`, `loss` is a *sum* over `count` units (e.g. the tokens that are not
+        padding): the step's gradient is then divided by the units of all ranks and micro-batches together,
+        the token-normalised loss one process would compute over the same global batch.
+        """
+        self._window.busy_s += time.perf_counter() - self._mark
+        if self._batch is not None:
+            self._window.samples += self._batch.global_size
+            self._train_loader = self._loader
+        summed = count is not None
+        if self._micro_steps > 0 and summed != (self._window.count is not None):
+            raise UsageError("Pass count= to engine.backward on every micro-step of an optimizer step, or on none.")
+        if summed:
+            count = torch.as_tensor(count, dtype=torch.float64, device=self.device).detach()
+            self._window.count = count if self._window.count is None else self._window.count + count
+            # DDP and FSDP average gradients over ranks; the world factor turns that back into a sum.
+            weight = float(self.world_size)
+            share = loss.detach().double()
+        else:
+            weight = self._batch.weight if self._batch is not None else 1.0 / self.config.grad_accum_steps
+            share = loss.detach().double() * weight / self.world_size
+        if self._wants_loss:
+            self._window.loss = share if self._window.loss is None else self._window.loss + share
+        loss = loss * weight
+        if self._scaler is not None:
+            loss = self._scaler.scale(loss)
+        for observer in self.observers:
+            observer.on_backward_start()
+        with self._watching("backward"):
+            self._strategy.backward(self._model, loss, self._syncs_now())
+        for observer in self.observers:
+            observer.on_backward_end()
+        self._mark = time.perf_counter()
+        self._backward_ran = True
+
+    def step(self, optimizer: torch.optim.Optimizer, scheduler: LRScheduler | None = None) -> bool:
+        """On the last micro-step of a window: unscale, clip, step, zero the gradients, advance `scheduler` and
+        return True; on the others, return False.
+
+        fp16-mixed skips the update of a step whose gradients overflowed (the loss scale is lowered instead): that
+        step still ends its window and returns True, but leaves `scheduler` where it was, so the learning-rate
+        schedule follows the updates that happened. `skipped_steps` counts such steps.
+        """
+        if not self._backward_ran:
+            raise UsageError(STEP_BEFORE_BACKWARD)
+        self._backward_ran = False
+        syncs = self._syncs_now()
+        self._batch = None
+        if not syncs:
+            self._micro_steps += 1
+            return False
+        self._micro_steps = 0
+        with self._watching("optimizer step"):
+            count, loss = self._window_totals()
+            outcome = self._strategy.optimizer_step(
+                self._model, optimizer, self._scaler, count, self.config.max_grad_norm
+            )
+        if outcome.grad_norm is not None:
+            self.last_grad_norm = outcome.grad_norm
+        self.last_step_applied = outcome.applied
+        if not outcome.applied:
+            self.skipped_steps += 1
+            if isinstance(scheduler, SampleSchedule):
+                scheduler.skip(self._window.samples)
+        elif scheduler is not None:
+            scheduler.step()
+        self._end_window(count, loss, outcome.applied)
+        return True
+
+    def _window_totals(self) -> tuple[float | None, float | None]:
+        """The step's units over all ranks (when the loss is a sum) and, for observers, its global loss."""
+        window = self._window
+        if window.count is None and window.loss is None:
+            return None, None
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        totals = torch.stack([zero if t is None else t for t in (window.count, window.loss)])
+        if grouped():
+            totals = totals.to(collective_device(self.device))
+            with self._watching("step totals"):
+                dist.all_reduce(totals)
+        count, loss = totals.tolist()
+        if window.count is None:
+            return None, loss
+        return count, (loss / max(count, 1.0) if window.loss is not None else None)
+
+    def _end_window(self, count: float | None, loss: float | None, applied: bool) -> None:
+        """Times the step just ended and tells the observers; the next step's time starts now."""
+        if self._synchronizes and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the step's time must include its queued GPU work
+        now = time.perf_counter()
+        window, self._window = self._window, _Window()
+        seconds, self._step_end = now - self._step_end, now
+        self._steps += 1
+        stats = StepStats(
+            self._steps, seconds, window.samples, count or 0.0, window.busy_s, not window.other_work, loss, applied
+        )
+        for observer in self.observers:
+            observer.on_step_end(stats)
+        self._mark = time.perf_counter()
+
+    def mark_untimed(self) -> None:
+        """The step under way does other work besides training (evaluation, a checkpoint, a FLOP count): its
+        time is left out of the throughput figures."""
+        self._window.other_work = True
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+    def save(
+        self, path: str | Path, state: dict[str, Any], async_save: bool = False, keep_last: int | None = None
+    ) -> Path:
+        """Writes `state` (modules, optimizers, anything with state_dict, plain values, RNG) as a sharded checkpoint.
+
+        Every rank writes its own shards; nothing is gathered onto rank 0. The directory appears only once
+        complete. With `async_save` the tensors are copied and written in the background: call
+        `wait_for_checkpoint()` before exiting. `keep_last` removes all but the newest K `step-N` siblings.
+        """
+        self.wait_for_checkpoint()
+        self.mark_untimed()
+        path, state = Path(path), {**state, COUNTERS: {"steps": self._steps, "skipped_steps": self.skipped_steps}}
+        with self._watching("save"):
+            if async_save:
+                self._pending_save = (checkpoint.save_async(path, state, self._strategy, keep_last), path)
+            else:
+                checkpoint.save(path, state, self._strategy, keep_last)
+        return path
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """What this rank writes of `model` into a checkpoint: its trainable weights and buffers, keyed as in the
+        unwrapped model (whole tensors, DTensor shards under FSDP2, or this rank's share of the whole tensors under
+        DeepSpeed). Every rank must call it: assembling them is a collective."""
+        return self._strategy.model_state_dict(model)
+
+    def full_state_dict(self, model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+        """`model`'s whole weights and buffers (frozen weights left out with `trainable_only`) on rank 0's CPU, an
+        empty dict on the other ranks, keyed as in the unwrapped model: for writing a model or adapter out.
+        Assembled one tensor at a time, so no device holds more than one whole tensor besides its own shard.
+        Every rank must call it."""
+        return self._strategy.full_state_dict(model, trainable_only)
+
+    def wait_for_checkpoint(self) -> None:
+        """Blocks until a background save has finished (and re-raises its error, if it failed)."""
+        if self._pending_save is not None:
+            (pending, path), self._pending_save = self._pending_save, None
+            checkpoint.wait(pending, path)
+            self.barrier()
+
+    def load(self, path: str | Path, state: dict[str, Any]) -> None:
+        """Restores `state` in place from a checkpoint written at any world size and with any strategy."""
+        self.wait_for_checkpoint()
+        self.mark_untimed()
+        restored = {**state, COUNTERS: None}
+        with self._watching("load"):
+            checkpoint.load(path, restored, self._strategy, optional=(COUNTERS,))
+        state.update({key: restored[key] for key in state})  # plain values are replaced, not loaded in place
+        if restored[COUNTERS] is not None:  # the counts carry on, for reports, logs and stuck-rank messages
+            self._steps, self.skipped_steps = (int(restored[COUNTERS][key]) for key in ("steps", "skipped_steps"))
+            for observer in self.observers:
+                observer.on_resume(self._steps)
+
+    # -- collectives ------------------------------------------------------------------------------------------
+    def reduce(self, value: float | torch.Tensor, op: str = "mean") -> float | torch.Tensor:
+        """`value` combined over all ranks ("mean", "sum" or "max"), returned on every rank as the same type."""
+        with self._watching("reduce"):
+            return all_reduce_value(value, op, self.device)
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rows from every rank, padding removed, in dataset order.
+
+        `tensor`'s rows must belong to the last `len(tensor)` samples this rank's engine loader yielded (a batch's
+        outputs, or everything collected over the epoch).
+        """
+        self.mark_untimed()  # evaluation, usually
+        batches = self._loader.yielded if self._loader is not None else []
+        with self._watching("gather"):
+            return gather_in_order(tensor, batches, self.device)
+
+    def barrier(self) -> None:
+        if grouped():
+            with self._watching("barrier"):
+                dist.barrier()
+
+    def _watching(self, op: str) -> contextlib.AbstractContextManager[None]:
+        return watching(self.observers, op)
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        """Hands `record` to the observers on the main process: the monitor writes it to log_dir's metrics.jsonl
+        and TensorBoard (nothing without log_dir)."""
+        if self.is_main_process:
+            for observer in self.observers:
+                observer.on_log(step, record)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """print() on the main process only."""
+        if self.is_main_process:
+            print(*args, **kwargs, flush=True)

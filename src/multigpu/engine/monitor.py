@@ -1,0 +1,289 @@
+"""What the Engine reports as it trains: memory, throughput and MFU every `log_every` steps, and every record the
+loop logs, as one JSON line and in TensorBoard, from the main process."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from multigpu.engine.observe import StepObserver, StepStats
+
+
+class MetricsLog:
+    def __init__(self, directory: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only where metrics are written
+
+        directory.mkdir(parents=True, exist_ok=True)
+        self._jsonl = (directory / "metrics.jsonl").open("a")
+        self._tensorboard = SummaryWriter(str(directory / "tensorboard"))
+
+    def write(self, step: int, record: dict[str, Any]) -> None:
+        self._jsonl.write(json.dumps({"step": step, **record}) + "\n")
+        self._jsonl.flush()
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._tensorboard.add_scalar(key, value, step)
+        self._tensorboard.flush()
+
+    def close(self) -> None:
+        self._jsonl.close()
+        self._tensorboard.close()
+
+
+def peak_memory_bytes(device: Any) -> int:
+    """The allocator's peak on a GPU; the process's peak resident memory on CPU."""
+    import resource
+
+    import torch
+
+    if getattr(device, "type", "cpu") == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class PeakTflops(NamedTuple):
+    """One card's dense (no sparsity) peak TFLOPS; None where it has no tensor cores for the format."""
+
+    fp16: float  # tensor cores, FP32 accumulation
+    bf16: float | None
+    tf32: float | None
+    fp32: float  # plain FP32, without tensor cores
+
+
+HOPPER_SXM = PeakTflops(fp16=989.4, bf16=989.4, tf32=494.7, fp32=66.9)
+AMPERE_A100 = PeakTflops(fp16=312.0, bf16=312.0, tf32=156.0, fp32=19.5)
+VOLTA_V100_SXM2 = PeakTflops(fp16=125.0, bf16=None, tf32=None, fp32=15.7)
+
+# Keyed by the exact names torch.cuda.get_device_name() returns: a substring would lend "NVIDIA H100 NVL" the SXM
+# card's figures, "NVIDIA A10G" the A10's and "NVIDIA L40" the L4's. Figures are NVIDIA's datasheets' (Hopper's
+# and Ada's architecture whitepapers for their unrounded values and for the GeForce card); a card whose figures
+# are not certain is left out, and MFU is then not reported rather than wrong.
+PEAK_TFLOPS: dict[str, PeakTflops] = {
+    "NVIDIA H100 80GB HBM3": HOPPER_SXM,
+    "NVIDIA H200": HOPPER_SXM,  # the SXM card, the H100 SXM's compute; the H200 NVL is named "NVIDIA H200 NVL"
+    "NVIDIA H100 PCIe": PeakTflops(fp16=756.0, bf16=756.0, tf32=378.0, fp32=51.2),
+    "NVIDIA A100-SXM4-40GB": AMPERE_A100,
+    "NVIDIA A100-SXM4-80GB": AMPERE_A100,
+    "NVIDIA A100-PCIE-40GB": AMPERE_A100,
+    "NVIDIA A100 80GB PCIe": AMPERE_A100,
+    "NVIDIA L40S": PeakTflops(fp16=362.05, bf16=362.05, tf32=183.0, fp32=91.6),
+    "NVIDIA L4": PeakTflops(fp16=121.0, bf16=121.0, tf32=60.0, fp32=30.3),
+    "NVIDIA A10": PeakTflops(fp16=125.0, bf16=125.0, tf32=62.5, fp32=31.2),
+    "Tesla V100-SXM2-16GB": VOLTA_V100_SXM2,
+    "Tesla V100-SXM2-32GB": VOLTA_V100_SXM2,
+    "Tesla T4": PeakTflops(fp16=65.0, bf16=None, tf32=None, fp32=8.1),
+    "NVIDIA GeForce RTX 4090": PeakTflops(fp16=165.2, bf16=165.2, tf32=82.6, fp32=82.6),
+}
+
+
+def peak_tflops(device_name: str, precision: str, tf32: bool | None = None) -> float | None:
+    """The device's dense peak for `precision`, or None where the table has no figure for it.
+
+    `tf32`: whether fp32 matrix products may use TF32 tensor cores; torch's current setting unless given.
+    """
+    peak = PEAK_TFLOPS.get(device_name)
+    if peak is None:
+        return None
+    if precision == "fp16-mixed":
+        return peak.fp16
+    if precision != "32":
+        return peak.bf16  # None on cards that run bf16 without tensor cores: a peak they never reach
+    if tf32 is None:
+        import torch
+
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+    return peak.tf32 if tf32 and peak.tf32 is not None else peak.fp32
+
+
+def nvml_stats(device: Any) -> tuple[float, float] | None:
+    """(GPU utilisation %, memory used bytes as the driver sees it) for this rank's GPU; None without NVML."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return None
+    try:
+        import pynvml
+        import torch
+
+        pynvml.nvmlInit()
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        utilisation = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+        return float(utilisation), float(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+    except Exception:  # no driver library, or a GPU NVML does not manage: reported as absent, once
+        return None
+
+
+class StepMonitor:
+    """Every `every` optimizer steps, on rank 0: each rank's memory and data+forward time, GPU utilisation,
+    throughput and MFU; to the console and, where given, the metrics log. Flags ranks out of line.
+
+    Every rank must call `add` at the same steps (it gathers one small tensor from all of them).
+    """
+
+    IMBALANCE = 1.25  # a rank this many times the median (time) or the smallest (memory) is flagged
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        device: Any,
+        precision: str,
+        every: int,
+        log: MetricsLog | None,
+        peak: float | None,
+        say: Any,
+    ) -> None:
+        import torch
+
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.every, self.log, self.say = every, log, say
+        name = torch.cuda.get_device_name(device) if getattr(device, "type", "cpu") == "cuda" else "CPU"
+        self.peak = peak if peak is not None else peak_tflops(name, precision)
+        self.flops_per_step: float | None = None  # all ranks together, counted once by the Engine
+        self._interval: list[tuple[float, int, float, float]] = []  # (seconds, samples, tokens, data+forward s)
+        if self.peak is None and every:
+            say(
+                f"MFU not reported: no peak FLOPS known for {name!r} in precision {precision}; pass the device's "
+                "dense peak TFLOPS as --peak-tflops (Engine(peak_tflops=...) in a script) to report it."
+            )
+
+    def add(self, step: int, seconds: float, samples: int, tokens: float, busy_s: float, timed: bool) -> None:
+        if timed:
+            self._interval.append((seconds, samples, tokens, busy_s))
+        if self.every and step % self.every == 0:
+            self._report(step)
+            self._interval = []
+
+    def _report(self, step: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from multigpu.core.env import collective_device
+
+        busy = sum(i[3] for i in self._interval) / max(len(self._interval), 1)
+        gpu = nvml_stats(self.device) or (float("nan"), float("nan"))
+        local = torch.tensor([busy, peak_memory_bytes(self.device), *gpu], dtype=torch.float64)
+        ranks = local.unsqueeze(0)
+        if self.world_size > 1:
+            on = collective_device(self.device)
+            parts = [torch.empty(4, dtype=torch.float64, device=on) for _ in range(self.world_size)]
+            dist.all_gather(parts, local.to(on))
+            ranks = torch.stack(parts).cpu()
+        if self.rank != 0 or not self._interval:
+            return
+        seconds = sum(i[0] for i in self._interval)
+        record: dict[str, Any] = {"perf/step_time_s": seconds / len(self._interval)}
+        samples, tokens = sum(i[1] for i in self._interval), sum(i[2] for i in self._interval)
+        if samples:
+            record["perf/samples_per_s"] = samples / seconds
+        if tokens:
+            record["perf/tokens_per_s"] = tokens / seconds
+        if self.flops_per_step is not None:
+            record["perf/flops_per_step"] = self.flops_per_step
+            record["perf/tflops_per_device"] = (
+                self.flops_per_step * len(self._interval) / seconds / self.world_size / 1e12
+            )
+        if self.flops_per_step is not None and self.peak is not None:
+            achieved = self.flops_per_step * len(self._interval) / seconds
+            record["perf/mfu"] = achieved / (self.world_size * self.peak * 1e12)
+        for r, (busy_r, memory, util, used) in enumerate(ranks.tolist()):
+            record[f"memory/rank{r}_peak_mb"] = memory / 2**20
+            record[f"time/rank{r}_data_forward_s"] = busy_r
+            if util == util:  # not NaN: NVML answered
+                record[f"gpu/rank{r}_util_pct"] = util
+                record[f"gpu/rank{r}_used_mb"] = used / 2**20
+        warnings = imbalance(ranks[:, 0].tolist(), ranks[:, 1].tolist(), self.IMBALANCE)
+        parts = [f"step {step}", f"{record['perf/step_time_s'] * 1e3:.1f} ms/step"]
+        parts += [
+            f"{record[f'perf/{unit}_per_s']:,.0f} {unit}/s"
+            for unit in ("samples", "tokens")
+            if f"perf/{unit}_per_s" in record
+        ]
+        if "perf/tflops_per_device" in record:
+            parts.append(f"{record['perf/tflops_per_device']:.3g} TFLOP/s per device")
+        if "perf/mfu" in record:
+            parts.append(f"MFU {record['perf/mfu']:.1%}")
+        parts.append("peak MB " + "/".join(f"{m / 2**20:.0f}" for m in ranks[:, 1].tolist()))
+        self.say("  ".join(parts) + "".join(f"\n  imbalance: {w}" for w in warnings))
+        if self.log is not None:
+            self.log.write(step, record)
+
+
+def imbalance(busy: list[float], memory: list[float], ratio: float) -> list[str]:
+    """What is out of line between ranks: a slow data+forward, or much more memory than the others."""
+    warnings = []
+    middle = sorted(busy)[len(busy) // 2]
+    slow = [r for r, t in enumerate(busy) if middle > 0 and t > ratio * middle]
+    if slow:
+        warnings.append(
+            f"rank(s) {', '.join(map(str, slow))} spend {max(busy) / middle:.2f}x the median time in data loading "
+            "and forward; the others wait for them at every gradient sync (uneven data or a slower device?)"
+        )
+    if min(memory) > 0 and max(memory) > ratio * min(memory) and max(memory) - min(memory) > 64 * 2**20:
+        heavy = memory.index(max(memory))
+        warnings.append(
+            f"rank {heavy} peaks at {max(memory) / min(memory):.2f}x the memory of the lightest rank "
+            "(something gathered or kept on one rank only?)"
+        )
+    return warnings
+
+
+class Monitor(StepObserver):
+    """The Engine's own metrics, attached to every Engine: a StepMonitor report every `log_every` steps, the FLOPs
+    of one step for MFU (counted on the second step this process runs, whose time is then left out), and the
+    records the loop logs, into `log_dir`.
+
+    Another observer that needs the FLOPs per step sets `count_flops` once attached (bench does).
+    """
+
+    def __init__(self) -> None:
+        self.count_flops = False
+        self.flops_per_step: float | None = None  # all ranks together
+        self._counting = False
+        self._counter: Any = None  # a FlopCounterMode, from the forward it starts in to the end of that backward
+        self._log: MetricsLog | None = None
+        self._steps_seen = 0
+
+    def attach(self, engine: Any) -> None:
+        config = engine.config
+        self._scale = config.grad_accum_steps * engine.world_size  # one micro-step's FLOPs -> the whole step's
+        self._untimed = engine.mark_untimed
+        if config.log_dir is not None and engine.is_main_process:
+            self._log = MetricsLog(Path(config.log_dir))
+        self.reports = StepMonitor(
+            engine.rank,
+            engine.world_size,
+            engine.device,
+            config.precision,
+            config.log_every,
+            self._log,
+            config.peak_tflops,
+            engine.print,
+        )
+        self.count_flops = bool(config.log_every)
+
+    def watch(self, op: str) -> contextlib.AbstractContextManager[None]:
+        if op == "forward" and self._counting and self._counter is None:
+            from torch.utils.flop_counter import FlopCounterMode
+
+            self._counter = FlopCounterMode(display=False)
+            self._counter.__enter__()  # left at the end of the backward that follows
+        return contextlib.nullcontext()
+
+    def on_backward_end(self) -> None:
+        if self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            self.flops_per_step = self.reports.flops_per_step = self._counter.get_total_flops() * self._scale
+            self._counter, self._counting = None, False
+
+    def on_step_end(self, stats: StepStats) -> None:
+        self.reports.add(stats.step, stats.seconds, stats.samples, stats.tokens, stats.busy_s, stats.timed)
+        self._steps_seen += 1
+        if self._steps_seen == 1 and self.count_flops:
+            self._counting = True  # the next step, one micro-step's forward to the end of its backward
+            self._untimed()
+
+    def on_log(self, step: int, record: dict[str, Any]) -> None:
+        if self._log is not None:
+            self._log.write(step, record)

@@ -1,0 +1,105 @@
+"""The Engine's observer seam: what watches a training run attaches here, and the Engine imports none of it.
+
+An observer sees each engine op (forward, backward, the optimizer step, every collective and checkpoint), the end
+of every optimizer step with its figures, and every record the loop logs. The Engine's own observers (the
+stuck-rank heartbeat and the metrics monitor) are registered by `multigpu.engine`'s package face; `multigpu bench`
+and `multigpu verify` register their recorder in the worker that runs a script (multigpu.tools.harness); a script
+can pass its own to `Engine(observers=[...])`. Registered factories make observers for every Engine built
+afterwards in the process, in registration order; observers passed to the Engine come last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from multigpu.engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One optimizer step, as every rank saw it."""
+
+    step: int  # optimizer steps finished, this one included (carried on over a resume)
+    seconds: float  # wall time since the previous step ended
+    samples: int  # real samples in the global batch (batches from engine.dataloader; else 0)
+    tokens: float  # units summed over all ranks when backward got count= (tokens), else 0
+    busy_s: float  # this rank's data loading and forward: the time outside backward and the optimizer step
+    timed: bool  # nothing but training ran inside it (no checkpoint, evaluation or FLOP count)
+    loss: float | None  # the global batch's loss, when an observer wants it (wants_loss)
+    applied: bool  # False when fp16 loss scaling skipped the update
+
+
+class StepObserver:
+    """Every hook is a no-op here: override the ones you need. Hooks run on every rank, in step."""
+
+    wants_loss = False  # the engine all-reduces each step's global loss (one more scalar) for StepStats.loss
+    synchronizes = False  # the engine waits for the device's queued work before it times each step
+
+    def configure(self, config: EngineConfig) -> EngineConfig:
+        """The Engine's settings before anything is built from them; return them changed to override them."""
+        return config
+
+    def attach(self, engine: Any) -> None:
+        """`engine` (a multigpu.Engine: not imported here, as it imports this module) is built, process group joined,
+        strategy chosen unless auto, and this observer is its own."""
+
+    def on_setup(self, model: nn.Module) -> None:
+        """engine.setup wrapped `model` (the model the script trains from now on)."""
+
+    def watch(self, op: str) -> contextlib.AbstractContextManager[None]:
+        """Entered around each engine op: "forward", "backward", "optimizer step", "save", "reduce", ..."""
+        return contextlib.nullcontext()
+
+    def on_backward_start(self) -> None:
+        """A micro-step's backward is about to run."""
+
+    def on_backward_end(self) -> None:
+        """A micro-step's backward has run."""
+
+    def on_step_end(self, stats: StepStats) -> None:
+        """An optimizer step ended (applied or skipped); the next step's timing has begun."""
+
+    def on_log(self, step: int, record: dict[str, Any]) -> None:
+        """The loop logged `record` at `step` through engine.log (called on the main process only)."""
+
+    def on_resume(self, step: int) -> None:
+        """A checkpoint was loaded: the count of optimizer steps goes on from `step`."""
+
+
+_FACTORIES: list[Callable[[], StepObserver]] = []
+
+
+def observe_every_engine(factory: Callable[[], StepObserver]) -> None:
+    """Every Engine built from now on in this process gets an observer from `factory`."""
+    _FACTORIES.append(factory)
+
+
+def new_observers() -> list[StepObserver]:
+    """One observer from each registered factory, in registration order: what a new Engine starts with."""
+    return [factory() for factory in _FACTORIES]
+
+
+@contextlib.contextmanager
+def watching(observers: list[StepObserver], op: str) -> Iterator[None]:
+    """All `observers`' watch(op) at once, entered in order and left in reverse."""
+    with contextlib.ExitStack() as stack:
+        for observer in observers:
+            stack.enter_context(observer.watch(op))
+        yield
+
+
+def watched(observers: list[StepObserver], op: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function`, called inside every observer's watch(op)."""
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with watching(observers, op):
+            return function(*args, **kwargs)
+
+    return call

@@ -1,0 +1,380 @@
+"""Which rank is stuck?
+
+gloo: each rank runs a heartbeat thread that posts, twice a second, where its main thread is to the process group's
+store: the optimizer steps it finished, the micro-steps it began and the collective it is inside, if any. The main
+thread only replaces a tuple in memory, and the posts stay current while it is stuck. When a collective times out,
+the waiting rank reads every post at once (no waiting for anyone to post) and names the ranks that are not in that
+collective, with the exact step where they stopped. It leaves that verdict in the store: the heartbeat of a rank it
+names prints the rank's Python stack, and ends the process a few seconds later if the launcher's SIGTERM did not (a
+SIGTERM handler and a main thread stuck in C++ otherwise cost torchrun's 30 s before SIGKILL). A wait in a collective
+that outlives its timeout without raising is reported by the waiting rank's heartbeat in the same words.
+
+NCCL: collectives are queued on the GPU and the Python call returns at once, so a waiting rank never raises where
+the heartbeat could see it. NCCL's watchdog thread sees the timeout instead: `multigpu run` has it record every
+rank's collectives (torch's flight recorder) and dump them when it fires, and reads the dumps to name the rank that
+never reached the collective the others waited in. The heartbeat only posts there: ending a rank could cut short
+its flight-recorder dump.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch.distributed as dist
+
+from multigpu.engine.observe import StepObserver, StepStats
+
+BEAT_S = 0.5  # how often each rank posts where it is: the most a post can lag behind
+ACK_S = 1.0  # how long a waiting rank lets the ranks it names print their stacks before it raises
+WATCH_GRACE_S = 1.0  # a wait this long past the timeout did not raise by itself: the heartbeat reports it
+STOP_GRACE_S = 5.0  # a named rank still alive this long after printing its stack ends itself
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited past the process-group timeout; the message names the ranks that never came."""
+
+
+class Where(NamedTuple):
+    """Where a rank was when it last posted."""
+
+    step: int  # optimizer steps finished
+    micro_step: int  # micro-steps begun (backward calls)
+    op: str | None  # the collective it is inside; None outside any
+    for_s: float  # how long it had been there (its own clock: machines' clocks differ)
+
+    def __str__(self) -> str:
+        return f"optimizer step {self.step} (micro-step {self.micro_step})"
+
+
+def _is_timeout(error: BaseException) -> bool:
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _whereabouts(rank: int, where: Where | None) -> str:
+    if where is None:
+        return f"rank {rank} never posted where it is (it died, or stopped before its first backward)"
+    if where.op is None:
+        return (
+            f"rank {rank} stopped reaching collectives after {where} and has been outside any collective for "
+            f"{where.for_s:.1f}s"
+        )
+    return f"rank {rank} is inside a different collective, {where.op}, after {where}"
+
+
+def describe(
+    me: int, timeout_s: float, posts: dict[int, Where | None], printed_stacks: bool = False
+) -> tuple[str, list[int]]:
+    """What rank `me`, timed out in a collective, tells the user from every rank's post; and the ranks it names.
+    `printed_stacks`: the ranks named have printed their stacks."""
+    mine = posts[me]
+    waiting = [rank for rank, where in posts.items() if where is not None and where[:3] == mine[:3]]
+    absent = [rank for rank in posts if rank not in waiting]
+    if not absent:
+        return (
+            f"A collective in {mine.op} on rank {me} (micro-step {mine.micro_step}) timed out after {timeout_s:g}s "
+            "although every rank is inside it at the same micro-step: the ranks issued different collectives in it "
+            "(a rank-only branch, parameters that some ranks did not use?) or the network failed.",
+            [],
+        )
+    whereabouts = "; ".join(_whereabouts(rank, posts[rank]) for rank in absent)
+    who = "that rank does" if len(absent) == 1 else "those ranks do"
+    printed = f"; {'it' if len(absent) == 1 else 'they'} printed {'its' if len(absent) == 1 else 'their'} stack"
+    return (
+        f"{whereabouts[0].upper()}{whereabouts[1:]}, while {_ranks(waiting)} waited in {mine.op} (micro-step "
+        f"{mine.micro_step}) past the {timeout_s:g}s timeout: look at what {who} from there (a hang, a deadlock, "
+        f"a much slower data path{printed if printed_stacks else ''}). The launcher stops every process.",
+        absent,
+    )
+
+
+class Progress:
+    def __init__(self, rank: int, world_size: int, timeout_s: float, store: dist.Store | None = None) -> None:
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        # (step, micro-step, op, since): replaced whole, never changed in place, so the heartbeat reads it whole.
+        self._at: tuple[int, int, str | None, float] = (0, 0, None, time.monotonic())
+        self._store = store
+        self._watch = True  # False under NCCL: see the module's doc
+        self._following = False
+        self._reported = False  # this rank has had its say about a timeout
+        # A restarted job may keep the store: each attempt posts under keys of its own.
+        self._prefix = f"multigpu/progress/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+    @property
+    def step(self) -> int:
+        return self._at[0]
+
+    @property
+    def micro_step(self) -> int:
+        return self._at[1]
+
+    def _key(self, name: object) -> str:
+        return self._prefix + str(name)
+
+    def _the_store(self) -> dist.Store | None:
+        if self._store is None and dist.is_available() and dist.is_initialized() and self.world_size > 1:
+            # The default group's store (torchrun's, or the one init_process_group made): private, but stable.
+            self._store = dist.distributed_c10d._get_default_store()
+            self._watch = "nccl" not in str(dist.get_backend())
+        return self._store
+
+    def advance(self) -> None:
+        """A micro-step begins (before its backward)."""
+        step, micro_step, op, _ = self._at
+        self._at = (step, micro_step + 1, op, time.monotonic())
+        if not self._following:
+            self._following = True
+            if dist.is_available() and dist.is_initialized() and self._the_store() is not None:
+                _follow(self)
+
+    def resume_at(self, step: int) -> None:
+        """Continues the count of optimizer steps from a checkpoint's."""
+        _, micro_step, op, since = self._at
+        self._at = (step, micro_step, op, since)
+
+    def finish_step(self) -> None:
+        """An optimizer step is done."""
+        step, micro_step, op, _ = self._at
+        self._at = (step + 1, micro_step, op, time.monotonic())
+
+    @contextlib.contextmanager
+    def diagnose(self, op: str) -> Iterator[None]:
+        step, micro_step, outer, _ = self._at
+        self._at = (step, micro_step, op, time.monotonic())
+        try:
+            yield
+        except CollectiveTimeout:
+            raise
+        except RuntimeError as error:
+            if self._the_store() is None or not _is_timeout(error):
+                raise
+            raise CollectiveTimeout(self.explain(op)) from error
+        finally:
+            step, micro_step, _, _ = self._at
+            self._at = (step, micro_step, outer, time.monotonic())
+
+    def _where(self) -> Where:
+        step, micro_step, op, since = self._at
+        return Where(step, micro_step, op, round(time.monotonic() - since, 2))
+
+    def _post(self) -> None:
+        self._store.set(self._key(self.rank), json.dumps(self._where()))
+
+    def _read_posts(self) -> dict[int, Where | None]:
+        keys = [self._key(rank) for rank in range(self.world_size)]
+        if self._store.check(keys):
+            values = self._store.multi_get(keys)  # one round trip, however many ranks
+        else:
+            values = [self._store.get(key) if self._store.check([key]) else None for key in keys]
+        return {rank: None if value is None else Where(*json.loads(value)) for rank, value in enumerate(values)}
+
+    def explain(self, op: str) -> str:
+        """Names the ranks that are not in the collective `op` this rank timed out in, and where they stopped."""
+        self._reported = True
+        self._the_store()
+        if self.timeout_s < 2 * BEAT_S:
+            time.sleep(BEAT_S)  # a wait this short may have begun after the other waiting ranks last posted
+        return self._verdict(op, self._read_posts())
+
+    def _verdict(self, op: str, posts: dict[int, Where | None]) -> str:
+        """The message; and, where it names ranks, the verdict that makes them print their stacks."""
+        posts[self.rank] = self._where()
+        text, absent = describe(self.rank, self.timeout_s, posts)
+        if absent and self._watch:
+            self._store.set(self._key("verdict"), json.dumps({"stuck": absent, "by": self.rank, "op": op}))
+            if self._acknowledged(absent):
+                text, _ = describe(self.rank, self.timeout_s, posts, printed_stacks=True)
+        return text
+
+    def _acknowledged(self, ranks: list[int]) -> bool:
+        keys = [self._key(f"ack/{rank}") for rank in ranks]
+        deadline = time.monotonic() + ACK_S
+        # Polled: the store's own wait with a timeout logs a C++ warning each time it expires.
+        while not self._store.check(keys):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def beat(self) -> bool:
+        """One heartbeat: posts where this rank is; reports a wait that outlived its timeout without raising;
+        prints this rank's stack if a waiting rank named it. Returns True in that last case."""
+        self._post()
+        _, _, op, since = self._at
+        if self._reported or not self._watch:
+            return False
+        if op is not None and time.monotonic() - since > self.timeout_s + WATCH_GRACE_S:
+            posts = self._read_posts()
+            # Every rank inside the same call for that long (a slow save, say) is no one's fault: nothing to say.
+            mine = self._where()[:3]
+            if any(where is None or where[:3] != mine for where in posts.values()):
+                self._reported = True
+                print(f"multigpu: {self._verdict(op, posts)}", file=sys.stderr, flush=True)
+            return False
+        verdict_key = self._key("verdict")
+        if not self._store.check([verdict_key]):
+            return False
+        verdict = json.loads(self._store.get(verdict_key))
+        if self.rank not in verdict["stuck"]:
+            return False
+        self._reported = True
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "  (not found)\n"
+        print(
+            f"multigpu: rank {self.rank} is the rank that rank {verdict['by']} waited for in {verdict['op']}; "
+            f"after {self._where()} its main thread is here:\n{stack}",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._store.set(self._key(f"ack/{self.rank}"), "1")
+        return True
+
+
+# One heartbeat thread per process, posting for the newest Progress (an Engine made later replaces the first).
+_target: weakref.ref[Progress] | None = None
+_thread: threading.Thread | None = None
+_stop = threading.Event()
+
+
+def _follow(progress: Progress) -> None:
+    global _target, _thread
+    _target = weakref.ref(progress)
+    if _thread is None:
+        _thread = threading.Thread(target=_beat_until_exit, name="multigpu-heartbeat", daemon=True)
+        _thread.start()
+        # Before the process group is destroyed (that handler was registered earlier, so it runs later).
+        atexit.register(_stop_heartbeat)
+
+
+def _stop_heartbeat() -> None:
+    _stop.set()
+    if _thread is not None:
+        _thread.join(timeout=2 * BEAT_S)
+
+
+def _beat_until_exit() -> None:
+    while not _stop.wait(BEAT_S):
+        progress = _target() if _target is not None else None
+        if progress is None or not dist.is_initialized():
+            continue
+        try:
+            named = progress.beat()
+        except (RuntimeError, ValueError):
+            continue  # the store went away with the run (rank 0 or the launcher hosted it): nothing to post to
+        del progress
+        if named:
+            # The peers have raised and the launcher is stopping every process; if its SIGTERM did not end this
+            # one (a handler waits for a main thread stuck in C++), end it here rather than after torchrun's 30 s.
+            if _stop.wait(STOP_GRACE_S):
+                return  # the process is exiting on its own
+            with contextlib.suppress(OSError, ValueError):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(1)
+
+
+#: The file name each worker's flight recorder dumps to, in the launcher's directory; torch appends the rank.
+NCCL_TRACE_PREFIX = "nccl-trace-rank"
+
+
+def nccl_watchdog_environment(directory: Path) -> dict[str, str]:
+    """torch's settings that make the NCCL watchdog record collectives and dump them into `directory` on a
+    timeout (each under its current and its older name; torch reads one or the other)."""
+    prefix = str(directory / NCCL_TRACE_PREFIX)
+    return {
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_FR_DUMP_TEMP_FILE": prefix,
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    }
+
+
+def read_nccl_traces(directory: Path) -> dict[int, list[dict[str, Any]]]:
+    """Each rank's recorded collectives, from the dumps our own workers wrote into our own temporary directory."""
+    traces = {}
+    for path in directory.glob(f"{NCCL_TRACE_PREFIX}*"):
+        suffix = path.name[len(NCCL_TRACE_PREFIX) :]
+        if suffix.isdigit():
+            with path.open("rb") as file:
+                traces[int(suffix)] = pickle.load(file).get("entries", [])
+    return traces
+
+
+def explain_nccl_timeout(traces: dict[int, list[dict[str, Any]]]) -> str | None:
+    """The rank that never reached the collective its peers waited in, from the flight recorder's entries of this
+    node's ranks; None when there is nothing to compare."""
+    if len(traces) < 2:
+        return None
+    groups = sorted({entry["process_group"][0] for entries in traces.values() for entry in entries})
+    for group in groups:
+        last = {rank: _last_collective(entries, group) for rank, entries in traces.items()}
+        reached = {rank: entry["collective_seq_id"] if entry else 0 for rank, entry in last.items()}
+        behind = sorted(rank for rank, seq in reached.items() if seq < max(reached.values()))
+        if behind:
+            waiting = sorted(set(reached) - set(behind))
+            awaited = _entry(traces[waiting[0]], group, min(reached[r] for r in behind) + 1)
+            stopped = last[behind[0]]
+            return (
+                f"NCCL timed out: rank(s) {', '.join(map(str, behind))} never reached collective "
+                f"{awaited['collective_seq_id']} ({awaited['profiling_name']}) of process group {group}, in which "
+                f"rank(s) {', '.join(map(str, waiting))} waited; the last one they reached was "
+                + (f"{stopped['collective_seq_id']} ({stopped['profiling_name']})" if stopped else "none")
+                + ". Look at what those ranks did after it (a hang, a deadlock, a rank-only branch)."
+            )
+        unfinished = [entry for entry in last.values() if entry and entry.get("state") != "completed"]
+        if unfinished:
+            entry = unfinished[0]
+            return (
+                f"NCCL timed out: every rank entered collective {entry['collective_seq_id']} "
+                f"({entry['profiling_name']}) of process group {group} and it never completed: a network, "
+                "driver or GPU fault rather than a rank that stopped; run `multigpu env` to test the interconnect."
+            )
+    return None
+
+
+def _last_collective(entries: list[dict[str, Any]], group: str) -> dict[str, Any] | None:
+    mine = [e for e in entries if e["process_group"][0] == group and e.get("collective_seq_id", 0) > 0]
+    return max(mine, key=lambda e: e["collective_seq_id"], default=None)
+
+
+def _entry(entries: list[dict[str, Any]], group: str, seq: int) -> dict[str, Any]:
+    found = [e for e in entries if e["process_group"][0] == group and e.get("collective_seq_id") == seq]
+    return found[0] if found else {"collective_seq_id": seq, "profiling_name": "unknown"}
+
+
+class Heartbeat(StepObserver):
+    """Progress attached to every Engine: each op the engine runs is watched, each micro-step and optimizer step
+    counted, and a resumed run's count of steps carried on."""
+
+    def attach(self, engine: Any) -> None:
+        self.progress = Progress(engine.rank, engine.world_size, engine.config.timeout_s)
+
+    def watch(self, op: str) -> contextlib.AbstractContextManager[None]:
+        return self.progress.diagnose(op)
+
+    def on_backward_start(self) -> None:
+        self.progress.advance()
+
+    def on_step_end(self, stats: StepStats) -> None:
+        self.progress.finish_step()
+
+    def on_resume(self, step: int) -> None:
+        self.progress.resume_at(step)

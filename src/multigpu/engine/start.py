@@ -1,0 +1,124 @@
+"""How an Engine starts: the strategy that runs (the config's, or the planner's pick for `auto` once engine.setup
+sees the model), the process group it joins, the seeds, and what becomes of the model's BatchNorm layers."""
+
+from __future__ import annotations
+
+import os
+import random
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from multigpu.core.env import DistEnv, check_backend, init_process_group
+from multigpu.core.precision import Precision
+from multigpu.engine.config import EngineConfig
+from multigpu.planner import choose_strategy
+from multigpu.strategies import DataParallel, DeepSpeed, Strategy, resolve_strategy
+from multigpu.strategies.deepspeed import DeepSpeedOptions
+
+
+def resolve(spec: str | Strategy, env: DistEnv, config: EngineConfig, say: Callable[[str], None]) -> Strategy:
+    """The strategy `config` asks for (`spec` may be a configured Strategy), or one sentence refusing it."""
+    return resolve_strategy(
+        spec,
+        env,
+        config.cpu_offload,
+        say=say,
+        deepspeed=DeepSpeedOptions.of(config),
+        max_grad_norm=config.max_grad_norm,
+        unsharded_grad_accum=config.unsharded_grad_accum,
+        find_unused_parameters=config.find_unused_parameters,
+        sync_batchnorm=config.sync_batchnorm,
+    )
+
+
+def check(config: EngineConfig, nproc: int) -> None:
+    """Refuses, before any process starts, what the Engine would refuse in each of `nproc` workers."""
+    env = DistEnv(world_size=nproc, local_world_size=nproc)
+    strategy = resolve(config.strategy, env, config, lambda _: None)
+    if isinstance(strategy, DeepSpeed):
+        strategy.config(Precision(config.precision), env.device)
+    if config.backend is not None:
+        check_backend(config.backend, env.device)
+
+
+def join(env: DistEnv, strategy: Strategy, config: EngineConfig) -> None:
+    """Joins the process group the strategy needs, then seeds every generator the same on every rank, so that
+    models built afterwards start identical everywhere."""
+    if strategy.needs_process_group:
+        backend = config.backend or env.default_backend()
+        init_process_group(env, backend, timedelta(seconds=config.timeout_s))
+    elif config.backend is not None:
+        check_backend(config.backend, env.device)
+    torch.manual_seed(config.seed)
+    np.random.seed(config.seed)
+    random.seed(config.seed)
+
+
+def strategy_for(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    env: DistEnv,
+    config: EngineConfig,
+    say: Callable[[str], None],
+) -> Strategy:
+    """`auto` with several processes: the planner's fastest strategy that fits this device's memory."""
+    if env.device.type == "cuda":
+        memory = torch.cuda.get_device_properties(env.device).total_memory
+    else:  # the processes of a node share its RAM
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / env.local_world_size
+    kind = "sgd" if isinstance(optimizer, torch.optim.SGD) else "adamw"  # others counted as Adam (2 states)
+    name, reason = choose_strategy(
+        model,
+        kind,
+        gpus=env.local_world_size,
+        nodes=max(1, env.world_size // env.local_world_size),
+        gpu_bytes=memory,
+        precision=config.precision,
+        offload_possible=env.device.type == "cuda",
+        grad_accum_steps=config.grad_accum_steps,
+        unsharded_grad_accum=config.unsharded_grad_accum,
+    )
+    say(f"strategy auto -> {name}: {reason}")
+    fsdp = name.startswith("zero2") or name.startswith("zero3")
+    return resolve_strategy(
+        "zero3" if name == "zero3+offload" else name,
+        env,
+        name == "zero3+offload",
+        unsharded_grad_accum=fsdp and config.unsharded_grad_accum,
+        find_unused_parameters=config.find_unused_parameters,
+        sync_batchnorm=config.sync_batchnorm,
+    )
+
+
+def batchnorm(model: nn.Module, strategy: Strategy, env: DistEnv, sync: bool) -> nn.Module:
+    """BatchNorm turned into SyncBatchNorm when asked, else a warning where processes or replicas normalise
+    alone. A warning, not engine.print: a run that wants per-process statistics can filter it out."""
+    layers = sum(isinstance(m, _BatchNorm) and not isinstance(m, nn.SyncBatchNorm) for m in model.modules())
+    if not layers:
+        return model
+    if sync and strategy.needs_process_group:
+        # Keeps the Parameter objects, so an optimizer built before setup stays valid.
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if isinstance(strategy, DataParallel):
+        parts = f"each of the {torch.cuda.device_count()} GPUs' slices of a batch under dp with that slice's"
+        remedy = "use strategy ddp with sync_batchnorm=True (--sync-batchnorm) to synchronise them"
+    elif strategy.needs_process_group and env.world_size > 1:
+        parts = f"each of the {env.world_size} processes' batches under {strategy.name} with that process's"
+        remedy = "pass sync_batchnorm=True (--sync-batchnorm) to synchronise them"
+        if env.device.type != "cuda":
+            remedy = "sync_batchnorm=True (--sync-batchnorm) synchronises them when training on GPUs"
+    else:
+        return model
+    if env.rank == 0:  # one warning per run, not one per rank
+        warnings.warn(
+            f"The model's {layers} BatchNorm layer(s) normalise {parts} own statistics rather than the global "
+            f"batch's (running statistics included); {remedy}.",
+            stacklevel=3,
+        )
+    return model

@@ -1,0 +1,299 @@
+"""`multigpu run`: torch.distributed.run with free ports, GPU selection and one clear failure report."""
+
+from __future__ import annotations
+
+import errno
+import importlib.machinery
+import importlib.util
+import os
+import signal
+import socket
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import get_args_parser
+from torch.distributed.run import run as torch_run
+
+from multigpu.core.env import LAUNCHER_DIR, free_port
+from multigpu.core.errors import UsageError
+from multigpu.engine.progress import explain_nccl_timeout, nccl_watchdog_environment, read_nccl_traces
+from multigpu.launch.stop import LAUNCHER_PID, checkpoint_note, raising_on_stop, report_stop
+
+WORKER = ("multigpu.launch.worker",)  # what each process runs: see its module doc
+
+
+@dataclass
+class LaunchConfig:
+    nproc: int | None = field(
+        default=None, metadata={"help": "processes per node (default: the visible GPUs, or 1 without GPUs)"}
+    )
+    gpu_ids: str | None = field(
+        default=None,
+        metadata={
+            "help": "comma-separated GPU indices to use, e.g. 0,1,3, counted among the GPUs CUDA_VISIBLE_DEVICES "
+            "already exposes if it is set (sets CUDA_VISIBLE_DEVICES)"
+        },
+    )
+    nnodes: int = field(default=1, metadata={"help": "number of machines"})
+    node_rank: int = field(default=0, metadata={"help": "this machine's index, 0..nnodes-1"})
+    master_addr: str = field(default="127.0.0.1", metadata={"help": "address of node 0 (several nodes)"})
+    master_port: int | None = field(
+        default=None, metadata={"help": "port on node 0; a free one is picked on a single node"}
+    )
+    max_restarts: int = field(default=0, metadata={"help": "restart all workers up to K times after a failure"})
+
+    def __post_init__(self) -> None:
+        if self.nproc is not None and self.nproc < 1:
+            raise UsageError(f"--nproc must be 1 or more (got {self.nproc}).")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise UsageError(f"--node-rank must be in 0..{self.nnodes - 1} for --nnodes {self.nnodes}.")
+        if self.max_restarts < 0:
+            raise UsageError(f"--max-restarts must be 0 or more (got {self.max_restarts}).")
+        if self.nnodes > 1 and self.master_port is None:
+            raise UsageError("Several nodes need the same --master-port on every node; pass e.g. --master-port 29500.")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise UsageError(f"--master-port must be in 1..65535 (got {self.master_port}).")
+
+
+def parse_gpu_ids(gpu_ids: str, present: int, where: str = "this machine has") -> list[int]:
+    """The indices in --gpu-ids, each checked against the `present` GPUs torch sees (`where` says whose count)."""
+    try:
+        ids = [int(part) for part in gpu_ids.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(f"--gpu-ids {gpu_ids!r} must be comma-separated integers such as 0,1,3.") from None
+    absent = [i for i in ids if not 0 <= i < present]
+    if not ids or absent:
+        raise UsageError(
+            f"--gpu-ids {gpu_ids} names GPUs that are not present ({where} {present}: "
+            f"{', '.join(map(str, range(present))) or 'none'}); choose among those."
+        )
+    if len(set(ids)) != len(ids):
+        raise UsageError(f"--gpu-ids {gpu_ids} names a GPU twice; list each GPU once.")
+    return ids
+
+
+def select_gpus(config: LaunchConfig, present: int, cuda_visible_devices: str | None) -> tuple[int, str | None]:
+    """The processes to start on this node, and the CUDA_VISIBLE_DEVICES to give them (None: leave it as it is).
+
+    `present` is torch.cuda.device_count(), which counts only what `cuda_visible_devices` (the variable as the
+    user left it) exposes; --gpu-ids index those GPUs, so with CUDA_VISIBLE_DEVICES=2,3, --gpu-ids 1 is GPU 3.
+    """
+    if cuda_visible_devices is None:
+        visible, where = [str(index) for index in range(present)], "this machine has"
+    else:
+        # CUDA stops at the first entry it cannot use, so the GPUs torch counts are the first `present` entries.
+        # They are kept verbatim: an index, a GPU-<uuid> or a MIG-<uuid> each means something only to CUDA.
+        visible = [entry.strip() for entry in cuda_visible_devices.split(",")][:present]
+        where = f"CUDA_VISIBLE_DEVICES={cuda_visible_devices} leaves"
+    if config.gpu_ids is None:
+        selected, usable = None, present
+        gpus = f"the {present} GPU{'s' if present != 1 else ''} {where}"
+    else:
+        ids = parse_gpu_ids(config.gpu_ids, present, where)
+        selected, usable = ",".join(visible[i] for i in ids), len(ids)
+        gpus = f"the {usable} GPU{'s' if usable != 1 else ''} --gpu-ids {config.gpu_ids} names"
+    nproc = config.nproc or max(usable, 1)
+    # Without GPUs the workers run on CPU, as many as asked. With GPUs, two processes on one GPU make NCCL fail
+    # on a duplicate device, or share it silently under gloo.
+    if present and nproc > usable:
+        raise UsageError(
+            f"--nproc {nproc} starts more processes than {gpus}, and each needs a GPU of its own; "
+            f"pass --nproc {usable}{' or fewer' if usable > 1 else ''}."
+        )
+    return nproc, selected
+
+
+def check_target(target: list[str], module: bool) -> None:
+    """Refuses, before any process starts, a script or module that no worker could run."""
+    name = target[0]
+    if module:
+        if not module_found(name):
+            raise UsageError(
+                f"No module named {name} can be found from {os.getcwd()} or the Python path; check its name, "
+                "or drop -m to run a script file."
+            )
+    elif os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, "__main__.py")):  # `python DIR` runs DIR/__main__.py
+            raise UsageError(f"{name} is a directory; pass the path of the Python script in it to run.")
+    elif not os.path.isfile(name):
+        how = "is not a file" if os.path.exists(name) else "does not exist"
+        raise UsageError(f"{name} {how}; pass the path of a Python script, or -m MODULE.")
+
+
+def module_found(name: str) -> bool:
+    """Whether `python -m name` run here would find the module, without importing any package it lies in.
+
+    The workers run from this directory, which a `multigpu` console script does not put on sys.path.
+    """
+    parts = name.split(".")
+    try:
+        spec = importlib.machinery.PathFinder.find_spec(parts[0], [os.getcwd()]) or importlib.util.find_spec(parts[0])
+    except (ImportError, ValueError):
+        return False
+    for depth in range(2, len(parts) + 1):
+        if spec is None or spec.submodule_search_locations is None:
+            return False
+        spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:depth]), spec.submodule_search_locations)
+    if spec is not None and spec.submodule_search_locations is not None:  # a package runs its __main__
+        spec = importlib.machinery.PathFinder.find_spec(f"{name}.__main__", spec.submodule_search_locations)
+    return spec is not None
+
+
+def check_port_free(config: LaunchConfig) -> None:
+    """Refuses a --master-port that another process holds on node 0.
+
+    The rendezvous store would fail to bind it, join whatever listens there as a client instead, and wait for
+    minutes without a word. The check binds as the store does (on every address, IPv6 and IPv4, with
+    SO_REUSEADDR, so a port that only old connections in TIME_WAIT still name counts as free).
+    """
+    port = config.master_port
+    if port is None or config.node_rank != 0:
+        return
+    instead = ", or leave it out to get a free one" if config.nnodes == 1 else " (the same on every node)"
+    for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no IPv6 on this machine: the store listens on IPv4 alone
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((address, port))
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    raise UsageError(
+                        f"--master-port {port} is already in use on this machine; pass another --master-port{instead}."
+                    ) from None
+                if family == socket.AF_INET:  # IPv6 addresses may just be unavailable here
+                    raise UsageError(
+                        f"--master-port {port} cannot be opened on this machine ({error.strerror}); pass another "
+                        f"--master-port{instead}."
+                    ) from None
+
+
+def torchrun_argv(
+    config: LaunchConfig, nproc: int, target: list[str], module: bool, worker: Sequence[str] = WORKER
+) -> list[str]:
+    argv = [f"--nproc-per-node={nproc}", f"--nnodes={config.nnodes}", f"--max-restarts={config.max_restarts}"]
+    if config.nnodes == 1:
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{config.master_port or free_port()}"]
+    else:
+        argv += [
+            f"--node-rank={config.node_rank}",
+            f"--master-addr={config.master_addr}",
+            f"--master-port={config.master_port}",
+        ]
+    # Every worker runs the target through multigpu.launch.worker, which adds a clean process-group teardown at exit.
+    return [*argv, "--module", *worker, *(["-m"] if module else []), *target]
+
+
+def launch(config: LaunchConfig, target: list[str], module: bool = False, worker: Sequence[str] = WORKER) -> int:
+    """Runs `target` (a script and its arguments, or a module with `module=True`) in N processes.
+
+    `worker`: the module each process runs, with its own arguments, before the target's: multigpu.launch.worker,
+    or a module that prepares the process and then hands over to it (bench and verify's multigpu.tools.harness).
+
+    Returns the exit code of the first worker that failed, 0 if all succeeded. SIGINT or SIGTERM stops every
+    worker and ends this process with the shell's code for the signal (SystemExit 130 or 143), so that bench and
+    verify, which launch several runs, stop too.
+    """
+    check_target(target, module)
+    check_port_free(config)
+    present = torch.cuda.device_count()
+    nproc, visible_devices = select_gpus(config, present, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if visible_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+    if present == 0 and nproc * config.nnodes > 1:
+        use_cpu_for_accelerate(nproc * config.nnodes)
+    # The workers' rank 0 serves their store, not this process. Measured: with the rendezvous store shared,
+    # restarted workers hang or fail in most runs; and a script's own processes (torch.multiprocessing.spawn)
+    # inherit TORCHELASTIC_USE_AGENT_STORE=True, so none of them serves the store at the MASTER_PORT they set, and
+    # they wait for it until the timeout. (Several nodes rendezvous statically, which always shares it.)
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    args = get_args_parser().parse_args(torchrun_argv(config, nproc, target, module, worker))
+    with tempfile.TemporaryDirectory(prefix="multigpu-exits-") as exits:
+        os.environ[LAUNCHER_DIR] = exits
+        os.environ[LAUNCHER_PID] = str(os.getpid())
+        if present:
+            for name, value in nccl_watchdog_environment(Path(exits)).items():
+                os.environ.setdefault(name, value)
+        try:
+            with raising_on_stop():
+                torch_run(args)
+        except ChildFailedError as error:
+            return report_failure(error, Path(exits))
+        except SignalException as stopped:
+            raise SystemExit(report_stop(stopped.sigval, Path(exits))) from None
+    return 0
+
+
+def use_cpu_for_accelerate(world: int) -> None:
+    """Makes accelerate and HF Trainer scripts cooperate when the workers have no CUDA GPU.
+
+    Measured with accelerate 1.15 and transformers 5.x on CPU: unless ACCELERATE_USE_CPU is true (or the script
+    passes Accelerator(cpu=True) / TrainingArguments(use_cpu=True)), each worker joins a torch.distributed group
+    of the full size yet reports num_processes 1, neither wraps the model in DDP nor splits the data, and trains
+    alone on the whole dataset, without an error. Plain torch.distributed scripts ignore the variable.
+    """
+    value = os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+    if value.strip().lower() in ("0", "false", "no", "n", "f", "off"):
+        raise UsageError(
+            f"ACCELERATE_USE_CPU={value} on a machine without CUDA GPUs makes accelerate and HF Trainer train each "
+            f"of the {world} processes alone; unset it (multigpu run then sets it to true) or set it to true."
+        )
+
+
+def report_failure(error: ChildFailedError, exits: Path) -> int:
+    """Prints which worker failed first and returns its exit code.
+
+    A crash makes its peers fail too, blocked in collectives, often within the same second; torchrun's own
+    timestamps cannot order them, so each worker records the nanosecond its script ended (multigpu.launch.worker).
+    """
+    ended: dict[int, tuple[int, int]] = {}  # rank -> (nanosecond its script ended, the script's exit code)
+    for rank in error.failures:
+        record = exits / f"rank{rank}"
+        if record.is_file():
+            stamp, code = map(int, record.read_text().split())
+            if code != 0:
+                ended[rank] = (stamp, code)
+    # Killed from outside (SIGKILL, the OOM killer, a segfault) before its script could end: that one came first.
+    # torchrun itself only sends SIGTERM, to the survivors.
+    killed = [
+        r for r, f in error.failures.items() if r not in ended and f.exitcode < 0 and -f.exitcode != signal.SIGTERM
+    ]
+    if killed:
+        rank = min(killed, key=lambda r: error.failures[r].timestamp)
+        failure = error.failures[rank]
+        code, how = 128 - failure.exitcode, f"was killed by {signal.Signals(-failure.exitcode).name}"
+    elif ended:
+        # The script's own code: torchrun may SIGTERM the originator while it is still shutting down.
+        rank = min(ended, key=lambda r: ended[r][0])
+        failure, code = error.failures[rank], ended[rank][1]
+        how = f"exited with code {code}"
+    else:
+        rank, failure = error.get_first_failure()
+        code = failure.exitcode if failure.exitcode > 0 else 128 + abs(failure.exitcode)
+        how = (
+            f"was killed by {signal.Signals(-failure.exitcode).name}"
+            if failure.exitcode < 0
+            else f"exited with code {failure.exitcode}"
+        )
+    others = len(error.failures) - 1
+    also = f" ({others} more worker{'s' if others > 1 else ''} failed after it)" if others else ""
+    checkpoint = checkpoint_note(exits)
+    print(
+        f"multigpu run: worker rank {rank} (pid {failure.pid}) {how}{also}; errors are printed above"
+        f"{f'; {checkpoint}' if checkpoint else ''}.",
+        file=sys.stderr,
+    )
+    stuck = explain_nccl_timeout(read_nccl_traces(exits))
+    if stuck is not None:
+        print(f"multigpu run: {stuck}", file=sys.stderr)
+    return code

@@ -1,0 +1,238 @@
+"""`multigpu bench`: throughput, speedup and memory of a script or recipe at several process counts and strategies.
+
+Each cell (process count x strategy x repeat) runs the script unchanged under the harness, which times every
+optimizer step after warm-up, skipping steps that also checkpointed or evaluated. The per-device batch is the
+script's own, so N processes train N times the samples per step (weak scaling, as the guides' tables do).
+The communication share is measured: the same cell again with gradient synchronisation switched off, and
+1 - (step time without sync / with it) is the part of the step spent waiting for gradient communication.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from multigpu.core.config import parse_list
+from multigpu.core.errors import UsageError
+from multigpu.core.precision import PRECISIONS
+from multigpu.strategies import STRATEGIES
+from multigpu.tools import harness
+
+RECIPES = {
+    "train": ["multigpu.recipes.train", "--resume", "none", "--epochs", "1000", "--log-every", "0"],
+    # Evaluation happens before the first step, which is never timed: one batch is enough.
+    "finetune": [
+        *("multigpu.recipes.finetune", "--resume", "none", "--epochs", "1000", "--log-every", "0"),
+        *("--eval-batches", "1"),
+    ],
+}
+
+
+@dataclass
+class BenchConfig:
+    nproc: str = field(default="1,2", metadata={"help": "comma-separated process counts, e.g. 1,2,4"})
+    strategies: str = field(default="ddp", metadata={"help": "comma-separated strategies, e.g. ddp,zero2,zero3"})
+    steps: int = field(default=50, metadata={"help": "timed optimizer steps per run"})
+    warmup: int = field(default=5, metadata={"help": "optimizer steps before timing starts"})
+    repeats: int = field(default=3, metadata={"help": "runs per cell (min / median / max are reported)"})
+    recipe: str | None = field(
+        default=None, metadata={"help": "bench a built-in recipe instead of SCRIPT", "choices": tuple(RECIPES)}
+    )
+    precision: str | None = field(
+        default=None, metadata={"help": "precision for every run (default: the script's own)", "choices": PRECISIONS}
+    )
+    comm_share: bool = field(
+        default=True, metadata={"help": "also run each multi-process cell without gradient sync, to measure it"}
+    )
+    out: str = field(default="bench", metadata={"help": "directory for bench.json, speedup.png and memory.png"})
+    baseline: str = field(
+        default="single",
+        metadata={
+            "help": "the 1-process run speedups are taken over: plain single-process training, or each strategy "
+            "itself on 1 process (separates a strategy's own overhead from its communication)",
+            "choices": ("single", "same"),
+        },
+    )
+
+    def __post_init__(self) -> None:
+        self.counts = parse_list(self.nproc, "--nproc", int)
+        if any(n < 1 for n in self.counts):
+            raise UsageError(f"--nproc {self.nproc} must list process counts of 1 or more, e.g. 1,2,4.")
+        self.strategy_names = parse_list(self.strategies, "--strategies", str)
+        unknown = [s for s in self.strategy_names if s not in STRATEGIES or s in ("auto", "single", "dp")]
+        if unknown:
+            raise UsageError(
+                f"--strategies has {', '.join(unknown)}; choose among ddp, zero1, zero2, zero3, fsdp "
+                "(1 process always runs as the single-process baseline)."
+            )
+        for name in ("steps", "repeats"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name} must be 1 or more (got {getattr(self, name)}).")
+        if self.warmup < 0:
+            raise UsageError(f"--warmup must be 0 or more (got {self.warmup}).")
+
+
+def run_cell(target: list[str], module: bool, n: int, strategy: str, config: BenchConfig, sync: bool) -> dict:
+    """One run: rank 0's timed steps and every rank's peak memory."""
+    with tempfile.TemporaryDirectory(prefix="multigpu-bench-") as tmp:
+        spec = harness.Harness(
+            tmp, strategy=strategy, precision=config.precision, warmup=config.warmup, steps=config.steps, grad_sync=sync
+        )
+        ranks = harness.run(target, module, n, spec)
+    steps = harness.timed_steps(ranks[0], config.warmup)
+    if not steps:
+        raise UsageError(
+            f"The script made {len(ranks[0]['steps'])} optimizer steps, none of them timed after {config.warmup} "
+            "warm-up steps; give it more data or epochs, or lower --warmup."
+        )
+    return {
+        "times": [s["time_s"] for s in steps],
+        "samples": sum(s["samples"] for s in steps),
+        "tokens": sum(s["tokens"] for s in steps),
+        "memory": [r["peak_memory_bytes"] for r in ranks],
+        "device": ranks[0]["device"],
+        "precision": ranks[0]["precision"],
+    }
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def summarise(n: int, strategy: str, runs: list[dict], unsynced: list[dict]) -> dict[str, Any]:
+    times = [t for run in runs for t in run["times"]]
+    seconds = [sum(run["times"]) for run in runs]
+    cell: dict[str, Any] = {
+        "nproc": n,
+        "strategy": strategy,
+        "repeats": len(runs),
+        "step_time_s": {"median": statistics.median(times), "p90": float(np.percentile(times, 90))},
+        "samples_per_s": spread([run["samples"] / s for run, s in zip(runs, seconds, strict=True)]),
+        "tokens_per_s": None,
+        "peak_memory_mb": [max(run["memory"][r] for run in runs) / 2**20 for r in range(n)],
+        "comm_share": None,
+    }
+    if all(run["tokens"] for run in runs):
+        cell["tokens_per_s"] = spread([run["tokens"] / s for run, s in zip(runs, seconds, strict=True)])
+    if unsynced:
+        without = statistics.median([t for run in unsynced for t in run["times"]])
+        cell["comm_share"] = max(0.0, 1.0 - without / cell["step_time_s"]["median"])
+    return cell
+
+
+def bench(config: BenchConfig, target: list[str], module: bool = False) -> dict[str, Any]:
+    """Runs every cell and returns the report (also written to OUT/bench.json with the plots)."""
+    cells, device, precision = [], None, None
+    for n in config.counts:
+        for strategy in ["single"] if n == 1 and config.baseline == "single" else config.strategy_names:
+            runs = [run_cell(target, module, n, strategy, config, sync=True) for _ in range(config.repeats)]
+            unsynced = []
+            if config.comm_share and n > 1:
+                unsynced = [run_cell(target, module, n, strategy, config, sync=False) for _ in range(config.repeats)]
+            cells.append(summarise(n, strategy, runs, unsynced))
+            device, precision = runs[0]["device"], runs[0]["precision"]
+    for cell in cells:
+        wanted = "single" if config.baseline == "single" else cell["strategy"]
+        base = next((c for c in cells if c["nproc"] == 1 and c["strategy"] == wanted), None)
+        if base is not None:
+            cell["speedup"] = cell["samples_per_s"]["median"] / base["samples_per_s"]["median"]
+            cell["efficiency"] = cell["speedup"] / cell["nproc"]
+        else:
+            cell["speedup"] = cell["efficiency"] = None
+    report = {
+        "target": " ".join(target),
+        "device": device,
+        "precision": precision,
+        "config": {k: v for k, v in asdict(config).items()},
+        "cells": cells,
+    }
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    plot(report, out)
+    return report
+
+
+def plot(report: dict[str, Any], out: Path) -> None:
+    """speedup.png (with the ideal line) and memory.png (peak per rank, by strategy and process count)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = report["cells"]
+    strategies = list(dict.fromkeys(c["strategy"] for c in cells if c["strategy"] != "single"))
+    counts = sorted({c["nproc"] for c in cells})
+    figure, axes = plt.subplots(figsize=(6, 4))
+    axes.plot(counts, counts, "k--", label="ideal")
+    for strategy in strategies:
+        points = [(c["nproc"], c["speedup"]) for c in cells if c["strategy"] in (strategy, "single") and c["speedup"]]
+        axes.plot(*zip(*points, strict=True), "o-", label=strategy)
+    axes.set(xlabel="processes", ylabel="speedup over 1 process", title=f"{report['device']}: speedup")
+    axes.set_xticks(counts)
+    axes.legend()
+    figure.savefig(out / "speedup.png", dpi=120, bbox_inches="tight")
+    plt.close(figure)
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    labels = [f"{c['strategy']}\n{c['nproc']}p" for c in cells]
+    axes.bar(labels, [max(c["peak_memory_mb"]) for c in cells])
+    axes.set(ylabel="peak memory per rank (MB, largest rank)", title=f"{report['device']}: memory per rank")
+    figure.savefig(out / "memory.png", dpi=120, bbox_inches="tight")
+    plt.close(figure)
+
+
+def rate(value: float) -> str:
+    """Thousands separators for large rates, three significant digits for small ones (a 135M model on CPU)."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def print_report(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    tokens = any(c["tokens_per_s"] for c in report["cells"])
+    table = Table(title=f"bench on {report['device']} ({report['precision']}): {report['target']}")
+    columns = ["procs", "strategy", "samples/s (min/med/max)", *(["tokens/s"] if tokens else [])]
+    columns += ["step ms med / p90", "speedup", "efficiency", "comm share", "peak MB per rank"]
+    for column in columns:
+        table.add_column(column, justify="right")
+    for c in report["cells"]:
+        s = c["samples_per_s"]
+        row = [str(c["nproc"]), c["strategy"], " / ".join(rate(s[k]) for k in ("min", "median", "max"))]
+        if tokens:
+            row.append(rate(c["tokens_per_s"]["median"]) if c["tokens_per_s"] else "-")
+        row += [
+            f"{c['step_time_s']['median'] * 1e3:.1f} / {c['step_time_s']['p90'] * 1e3:.1f}",
+            f"{c['speedup']:.2f}x" if c["speedup"] is not None else "-",
+            f"{c['efficiency']:.0%}" if c["efficiency"] is not None else "-",
+            f"{c['comm_share']:.0%}" if c["comm_share"] is not None else "-",
+            " / ".join(f"{m:,.0f}" for m in c["peak_memory_mb"]),
+        ]
+        table.add_row(*row)
+    console = Console()
+    if not console.is_terminal:  # files and pipes get the whole table unwrapped
+        console = Console(width=160)
+    console.print(table)
+
+
+def run(config: BenchConfig, script: str | None, script_args: list[str], module: bool) -> None:
+    """`multigpu bench`: SCRIPT or --recipe at every process count and strategy; prints and writes the report."""
+    if (script is None) == (config.recipe is None):
+        raise UsageError(
+            "Give bench a SCRIPT or --recipe train|finetune (not both), or --collectives for the interconnect."
+        )
+    with tempfile.TemporaryDirectory(prefix="multigpu-bench-recipe-") as scratch:
+        if config.recipe is not None:
+            target, module = [*RECIPES[config.recipe], "--save-dir", scratch, *script_args], True
+        else:
+            target = [script, *script_args]
+        report = bench(config, target, module)
+    print_report(report)
+    print(f"wrote {Path(config.out) / 'bench.json'}, speedup.png and memory.png")

@@ -1,0 +1,165 @@
+"""What `multigpu bench` and `multigpu verify` ask of a user's Engine script, and what the script reports back.
+
+Both launch the script unchanged through `python -m multigpu.tools.harness DIR SCRIPT ...`: each process reads
+DIR/harness.json, a Harness (which strategy and precision to run whatever the script asks for, when to stop,
+whether to skip gradient synchronisation), attaches a Recorder to every Engine the script builds
+(multigpu.engine.observe) and hands over to multigpu.launch.worker. Each rank writes DIR/rank{r}.json with its
+step records; with `dump_params` rank 0 also writes DIR/initial_params.pt and DIR/params.pt.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from multigpu.core.errors import UsageError
+from multigpu.engine import Engine, EngineConfig, StepObserver, StepStats, observe_every_engine
+from multigpu.engine.monitor import Monitor, peak_memory_bytes
+from multigpu.launch import worker
+from multigpu.launch.launcher import LaunchConfig, launch
+
+
+@dataclass
+class Harness:
+    directory: str
+    strategy: str | None = None  # None: whatever the script asks for
+    precision: str | None = None
+    grad_accum_factor: int = 1  # verify's 1-process reference multiplies accumulation to keep the global batch
+    warmup: int = 0  # optimizer steps before the timed ones
+    steps: int | None = None  # timed optimizer steps; the run stops after warmup + steps
+    grad_sync: bool = True  # False: no gradient communication, for bench's communication share
+    record_loss: bool = False  # the global loss of every step (one extra scalar all-reduce per step)
+    dump_params: bool = False  # rank 0 writes the full parameters when the run stops
+
+    def save(self) -> None:
+        Path(self.directory, "harness.json").write_text(json.dumps(asdict(self)))
+
+
+class StopRun(SystemExit):
+    """Ends the script after the harness's last step, as a clean exit (code 0) on every rank."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+
+
+class Recorder(StepObserver):
+    """One rank's records of the steps it ran under the harness; it ends the run after the last step asked for."""
+
+    synchronizes = True  # per-step times must include the GPU work queued in the step
+
+    def __init__(self, harness: Harness) -> None:
+        self.harness = harness
+        self.wants_loss = harness.record_loss
+        self.steps: list[dict[str, Any]] = []
+        self.meta: dict[str, Any] = {}
+        self.model: torch.nn.Module | None = None
+        self.finished = False
+
+    def configure(self, config: EngineConfig) -> EngineConfig:
+        """Bench and verify decide the strategy, precision and accumulation, whatever the script asks for."""
+        return replace(
+            config,
+            strategy=self.harness.strategy or config.strategy,
+            precision=self.harness.precision or config.precision,
+            grad_accum_steps=config.grad_accum_steps * self.harness.grad_accum_factor,
+        )
+
+    def attach(self, engine: Engine) -> None:
+        self.engine = engine
+        self.monitor = next(observer for observer in engine.observers if isinstance(observer, Monitor))
+        self.monitor.count_flops = True
+        _RECORDERS.append(self)
+
+    def on_setup(self, model: torch.nn.Module) -> None:
+        engine, self.model = self.engine, model
+        self.meta = {
+            "strategy": engine.strategy,
+            "precision": engine.precision.name,
+            "world_size": engine.world_size,
+            "grad_accum_steps": engine.config.grad_accum_steps,
+            "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
+        }
+        self._dump_params("initial_params")
+        if not self.harness.grad_sync:
+            # Entered for good: every backward keeps its gradients local (bench's communication share).
+            engine.no_sync(model).__enter__()
+
+    def on_step_end(self, stats: StepStats) -> None:
+        flops = self.monitor.flops_per_step
+        record = {"time_s": stats.seconds, "samples": stats.samples, "tokens": stats.tokens, "loss": stats.loss}
+        self.steps.append({"step": len(self.steps) + 1, **record, "flops": flops, "other_work": not stats.timed})
+        last = None if self.harness.steps is None else self.harness.warmup + self.harness.steps
+        if last is not None and len(self.steps) >= last:
+            self.finish()
+            raise StopRun()
+
+    def _dump_params(self, name: str) -> None:
+        """Rank 0 writes the full parameters to DIR/`name`.pt. Collective under sharding: every rank calls it."""
+        if not self.harness.dump_params or self.model is None:
+            return
+        full = self.engine.full_state_dict(self.model, trainable_only=True)  # whole tensors on rank 0's CPU
+        if self.engine.rank == 0:
+            torch.save({k: v.float() for k, v in full.items()}, Path(self.harness.directory, f"{name}.pt"))
+
+    def finish(self) -> None:
+        """Writes this rank's records, and the final parameters. Every rank calls it."""
+        if self.finished:
+            return
+        self.finished = True
+        self._dump_params("params")
+        record = {**self.meta, "peak_memory_bytes": peak_memory_bytes(self.engine.device), "steps": self.steps}
+        Path(self.harness.directory, f"rank{self.engine.rank}.json").write_text(json.dumps(record))
+
+
+_RECORDERS: list[Recorder] = []  # this process's, in the order the script built its Engines
+
+
+def finish_recorders() -> None:
+    """The script returned before the harness stopped it: what its last Engine recorded is written all the same."""
+    if _RECORDERS:
+        _RECORDERS[-1].finish()
+
+
+def main() -> None:
+    """`python -m multigpu.tools.harness DIR [-m] TARGET [ARGS...]`: one process of a bench or verify run."""
+    directory, *target = sys.argv[1:]
+    harness = Harness(**json.loads(Path(directory, "harness.json").read_text()))
+    observe_every_engine(lambda: Recorder(harness))
+    worker.main(target, after=finish_recorders)
+
+
+def read_ranks(directory: Path, world_size: int) -> list[dict[str, Any]]:
+    """Every rank's record from a finished harness run."""
+    return [json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def run(target: list[str], module: bool, nproc: int, harness: Harness) -> list[dict[str, Any]]:
+    """Runs the script in `nproc` processes under `harness`; returns every rank's record."""
+    harness.save()
+    worker = ("multigpu.tools.harness", harness.directory)
+    code = launch(LaunchConfig(nproc=nproc), target, module=module, worker=worker)
+    if code != 0:
+        raise UsageError(
+            f"{target[0]} failed in {nproc} process(es) with exit code {code} (its errors are above); "
+            "fix it and run again."
+        )
+    directory = Path(harness.directory)
+    if not (directory / "rank0.json").is_file():
+        raise UsageError(
+            f"{target[0]} finished without training through a multigpu Engine; bench and verify measure Engine scripts."
+        )
+    return read_ranks(directory, nproc)
+
+
+def timed_steps(record: dict[str, Any], warmup: int) -> list[dict[str, Any]]:
+    """The steps after warm-up that did nothing but train (no checkpoint, evaluation or FLOP count in between)."""
+    return [s for s in record["steps"][warmup:] if not s["other_work"]]
+
+
+if __name__ == "__main__":
+    main()

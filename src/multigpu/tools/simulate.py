@@ -1,0 +1,466 @@
+"""Predicts how data-parallel training scales to G GPUs: step time, throughput and scaling efficiency.
+
+Pure arithmetic, no process group. The input is the compute time of one training step on one device at a fixed
+per-device batch (weak scaling: the per-device batch stays constant as GPUs are added); each strategy's collectives
+are costed with an alpha-beta model (time = hops · alpha + bytes on the wire / bandwidth) and overlapped with
+compute as far as that strategy allows.
+
+Links: every `Link.bandwidth_Bps` is a bus bandwidth per GPU in the nccl-tests sense, the figure that nccl-tests and
+`multigpu bench --collectives` print, so a preset and a calibrated link mean the same thing. `interconnect` names
+the fabric between nodes and `intra` (default nvlink) the one inside a node: a run within one node uses `intra`
+alone; a collective that spans nodes runs at the slower of the two bandwidths and pays the inter-node latency on
+every hop (pessimistic: in NCCL's rings only the hops that leave a node pay it).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from multigpu.core.config import json_value, parse_list, read_json
+from multigpu.core.errors import UsageError
+
+if TYPE_CHECKING:
+    from multigpu.planner.shapes import ModelShape
+
+
+@dataclass(frozen=True)
+class Link:
+    alpha_s: float  # latency per message hop
+    bandwidth_Bps: float  # bus bandwidth per GPU, bytes/s
+
+    def __post_init__(self) -> None:
+        if not self.alpha_s >= 0 or not self.bandwidth_Bps > 0:
+            raise UsageError(
+                f"A link needs latency >= 0 and bandwidth > 0 (got {self.alpha_s:g} s, {self.bandwidth_Bps:g} B/s)."
+            )
+
+
+INTERCONNECTS: dict[str, Link] = {
+    # H100 SXM NVLink4: 900 GB/s bidirectional per GPU (450 GB/s each way). nccl-tests ring all-reduce inside an
+    # 8xH100 node reaches about 360 GB/s bus bandwidth (about 470 GB/s with NVLink SHARP, NVIDIA/nccl-tests#290).
+    "nvlink": Link(alpha_s=3e-6, bandwidth_Bps=360e9),
+    # PCIe Gen4 x16: 32 GB/s raw each way, about 25 GB/s achievable (Gen5 twice that); rings that cross the host's
+    # root complexes get less, about 20 GB/s.
+    "pcie": Link(alpha_s=5e-6, bandwidth_Bps=20e9),
+    # InfiniBand NDR, one 400 Gb/s NIC per GPU: 46-48 GB/s per NIC in nccl-tests (NVIDIA/nccl-tests#290). NCCL runs a
+    # ring per NIC, so a collective across nodes gets the node's NICs together: one 100 Gb NIC gives 12.2 GB/s bus
+    # bandwidth, a DGX-1's four give 48 GB/s (NVIDIA/nccl-tests#29). Here: 8 GPUs, 8 NICs, 8 x 46 GB/s; nodes with
+    # fewer NICs get proportionally less, so pass a Link of their own (or a calibrated one).
+    "infiniband": Link(alpha_s=5e-6, bandwidth_Bps=8 * 46e9),
+    # 100 Gb Ethernet, one port per node shared by its GPUs: 12.5 GB/s raw, about 12 GB/s bus bandwidth by the
+    # same argument; TCP sockets add tens of microseconds per message.
+    "ethernet": Link(alpha_s=30e-6, bandwidth_Bps=12e9),
+}
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def hops_and_factor(op: str, n: int) -> tuple[int, float]:
+    """Latency hops and the fraction of the full buffer S each GPU sends, for the ring algorithm."""
+    if op == "all_reduce":
+        return 2 * (n - 1), 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter"):
+        return n - 1, (n - 1) / n
+    raise UsageError(f"Unknown collective {op!r}; use one of {', '.join(OPS)}.")
+
+
+def ring_time(op: str, n: int, size: float, link: Link) -> float:
+    """Ring cost of `op` over n ranks on a full buffer of `size` bytes (as nccl-tests counts it)."""
+    if n <= 1:
+        return 0.0
+    hops, factor = hops_and_factor(op, n)
+    return hops * link.alpha_s + factor * size / link.bandwidth_Bps
+
+
+def tree_all_reduce(n: int, size: float, link: Link) -> float:
+    # A pipelined (double) binary tree: a reduce up and a broadcast down, each ceil(log2 n) hops deep, each moving
+    # the whole buffer once over a link. Never beats the ring on bandwidth, wins on latency at small sizes.
+    if n <= 1:
+        return 0.0
+    return 2 * math.ceil(math.log2(n)) * link.alpha_s + 2 * size / link.bandwidth_Bps
+
+
+def all_reduce(n: int, size: float, link: Link) -> float:
+    """The cheaper of ring and tree, as NCCL's tuner picks."""
+    return min(ring_time("all_reduce", n, size, link), tree_all_reduce(n, size, link))
+
+
+def all_gather(n: int, size: float, link: Link) -> float:
+    return ring_time("all_gather", n, size, link)
+
+
+def reduce_scatter(n: int, size: float, link: Link) -> float:
+    return ring_time("reduce_scatter", n, size, link)
+
+
+Links = dict[str, Link]  # one link per collective: a calibration measures each op on its own
+
+
+def per_op(link: Link | Links) -> Links:
+    return link if isinstance(link, dict) else dict.fromkeys(OPS, link)
+
+
+def span_link(n: int, gpus_per_node: int, intra: Link, inter: Link) -> Link:
+    """The link a collective over n ranks sees: the slowest on its ring."""
+    if n <= gpus_per_node:
+        return intra
+    return Link(max(intra.alpha_s, inter.alpha_s), min(intra.bandwidth_Bps, inter.bandwidth_Bps))
+
+
+def span_links(n: int, gpus_per_node: int, intra: Links, inter: Links) -> Links:
+    return {op: span_link(n, gpus_per_node, intra[op], inter[op]) for op in OPS}
+
+
+@dataclass(frozen=True)
+class SimulateConfig:
+    params: int
+    compute_s: float  # one training step on one device (forward, backward, optimizer) at the per-device batch
+    units_per_step: float  # samples or tokens per device per step
+    layers: int = 1  # equal-sized units; zero3 gathers and scatters one at a time
+    unit: str = "samples"
+    gpus: tuple[int, ...] = (1, 2, 4, 8)
+    gpus_per_node: int = 8
+    interconnect: str = "infiniband"  # between nodes
+    intra: str = "nvlink"  # inside a node
+    strategy: str = "ddp"
+    grad_bytes: int = 4  # 4: fp32 reductions, 2: bf16
+    param_bytes: int = 4  # of parameter all-gathers; 2 for bf16 mixed precision
+    bucket_mb: float = 25.0  # DDP's bucket_cap_mb (MiB)
+    backward_fraction: float = 2 / 3  # backward is about twice the forward's FLOPs
+    overlap: bool = True
+    # A CPU host: processes on a node share its cores, so with more processes per node than slots each one's
+    # compute stretches by processes / slots. None: every process has its own device.
+    compute_slots_per_node: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "gpus", tuple(self.gpus))  # a list from the CLI would leave the config unhashable
+        positive = {"--params": self.params, "--compute-s": self.compute_s, "--units-per-step": self.units_per_step}
+        for flag, value in positive.items():
+            if not 0 < value < math.inf:
+                raise UsageError(f"{flag} must be positive and finite (got {value:g}).")
+        at_least_one = {
+            "--layers": self.layers,
+            "--gpus-per-node": self.gpus_per_node,
+            "--grad-bytes": self.grad_bytes,
+            "--param-bytes": self.param_bytes,
+        }
+        if self.compute_slots_per_node is not None:
+            at_least_one["--compute-slots-per-node"] = self.compute_slots_per_node
+        for flag, value in at_least_one.items():
+            if not value >= 1:
+                raise UsageError(f"{flag} must be 1 or more (got {value}).")
+        if not self.gpus or any(not isinstance(g, int) or g < 1 for g in self.gpus):
+            raise UsageError(f"--gpus must list GPU counts of 1 or more (got {list(self.gpus)}).")
+        for flag, name in (("--interconnect", self.interconnect), ("--intra", self.intra)):
+            if name not in INTERCONNECTS:
+                raise UsageError(f"{flag} must be one of {', '.join(INTERCONNECTS)} (got {name!r}).")
+        if self.strategy not in STRATEGIES:
+            raise UsageError(f"--strategy must be one of {', '.join(STRATEGIES)} (got {self.strategy!r}).")
+        if not 0 < self.bucket_mb < math.inf:
+            raise UsageError(f"--bucket-mb must be positive and finite (got {self.bucket_mb:g}).")
+        if not 0 < self.backward_fraction < 1:
+            raise UsageError(f"--backward-fraction must lie between 0 and 1 (got {self.backward_fraction:g}).")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    gpus: int
+    nodes: int
+    step_s: float
+    compute_s: float
+    comm_s: float  # every collective of the step, hidden or not
+    exposed_comm_s: float  # the part compute does not hide
+    throughput: float  # units per second, all GPUs
+    per_gpu_throughput: float
+    speedup: float  # throughput over one GPU's
+    efficiency: float  # speedup / gpus
+    unit: str = "samples"
+
+
+def overlapped(times: list[float], backward_s: float, overlap: bool) -> tuple[float, float]:
+    """(total, exposed) for buckets reduced in turn as backward produces them."""
+    comm = sum(times)
+    # Every bucket but the last can run under the remaining backward; the last is ready only when backward ends.
+    return comm, max(comm - backward_s, times[-1]) if overlap else comm
+
+
+def strategy_comm(config: SimulateConfig, n: int, links: Link | Links, compute_s: float) -> tuple[float, float]:
+    """(total, exposed) communication seconds of one step on n ranks."""
+    links = per_op(links)
+    if n <= 1:
+        return 0.0, 0.0
+    grads, weights = config.params * config.grad_bytes, config.params * config.param_bytes
+    backward = config.backward_fraction * compute_s
+    if config.strategy in ("ddp", "zero1", "zero2"):
+        full, rest = divmod(grads, config.bucket_mb * 2**20)
+        sizes = [config.bucket_mb * 2**20] * int(full) + ([rest] if rest else [])
+        cost, op = (reduce_scatter, "reduce_scatter") if config.strategy == "zero2" else (all_reduce, "all_reduce")
+        comm, exposed = overlapped([cost(n, size, links[op]) for size in sizes], backward, config.overlap)
+        if config.strategy != "ddp":  # updated shards gathered after the optimizer step: nothing left to hide them
+            gather = all_gather(n, weights, links["all_gather"])
+            comm, exposed = comm + gather, exposed + gather
+        return comm, exposed
+    # zero3 / fsdp: each unit is gathered for forward and again for backward, its gradients scattered in backward.
+    gather = all_gather(n, weights / config.layers, links["all_gather"])
+    scatter = reduce_scatter(n, grads / config.layers, links["reduce_scatter"])
+    comm = config.layers * (2 * gather + scatter)
+    if not config.overlap:
+        return comm, comm
+    forward_unit = (1 - config.backward_fraction) * compute_s / config.layers
+    backward_unit = backward / config.layers
+    # With prefetch, unit i+1's gather runs under unit i's compute; in backward the next gather and the previous
+    # scatter share the window. Nothing hides the first gather nor the last scatter.
+    hidden_shortfall = max(0.0, gather - forward_unit) + max(0.0, gather + scatter - backward_unit)
+    return comm, gather + scatter + config.layers * hidden_shortfall
+
+
+def simulate(
+    config: SimulateConfig, intra: Link | Links | None = None, inter: Link | Links | None = None
+) -> list[Prediction]:
+    """One Prediction per entry of config.gpus. `intra`/`inter` (e.g. from load_calibration) replace the presets."""
+    intra = per_op(intra or INTERCONNECTS[config.intra])
+    inter = per_op(inter or INTERCONNECTS[config.interconnect])
+    single = config.compute_s  # one process never oversubscribes a slot, and talks to no one
+    predictions = []
+    for n in config.gpus:
+        per_node = min(n, config.gpus_per_node)
+        slots = config.compute_slots_per_node
+        compute = config.compute_s * (per_node / slots if slots and per_node > slots else 1.0)
+        comm, exposed = strategy_comm(config, n, span_links(n, config.gpus_per_node, intra, inter), compute)
+        step = compute + exposed
+        speedup = n * single / step
+        predictions.append(
+            Prediction(
+                gpus=n,
+                nodes=-(-n // config.gpus_per_node),
+                step_s=step,
+                compute_s=compute,
+                comm_s=comm,
+                exposed_comm_s=exposed,
+                throughput=n * config.units_per_step / step,
+                per_gpu_throughput=config.units_per_step / step,
+                speedup=speedup,
+                efficiency=speedup / n,
+                unit=config.unit,
+            )
+        )
+    return predictions
+
+
+def flops_per_token(shape: ModelShape, seq_len: int) -> float:
+    """Training FLOPs per token: 6·params (forward 2, backward 4 per weight) + 12·layers·hidden·seq_len for
+    attention's score and value matmuls, which hold no weights (the estimate behind the usual MFU figure).
+    Without a transformer's dimensions, 6·params alone."""
+    if seq_len < 1:
+        raise UsageError(f"--seq-len must be 1 or more (got {seq_len}).")
+    t = shape.transformer
+    return 6.0 * shape.params + (12.0 * t.layers * t.hidden * seq_len if t else 0.0)
+
+
+def compute_time(flops_per_unit: float, units_per_step: float, tflops: float, mfu: float) -> float:
+    """Seconds per step when not measured: FLOPs of the step over peak TFLOPS at the given utilisation."""
+    if not 0 < tflops < math.inf or not 0 < mfu <= 1:
+        raise UsageError(f"--tflops must be positive and --mfu in (0, 1] (got {tflops:g} and {mfu:g}).")
+    return flops_per_unit * units_per_step / (tflops * 1e12 * mfu)
+
+
+def fit_link(results: list[dict[str, Any]], world_size: int) -> Link:
+    """Least-squares alpha and bus bandwidth from collective timings, under the ring model above."""
+    if not isinstance(world_size, int) or world_size < 2:
+        raise UsageError(f"Calibration needs timings from 2 or more ranks (got world_size {world_size}).")
+    rows, sizes = [], set()
+    for result in results:
+        if isinstance(result, dict) and result.get("correct") is False:  # the bench flags wrong answers; skip them
+            continue
+        try:
+            hops, factor = hops_and_factor(result["op"], world_size)
+            size, seconds = float(result["bytes"]), float(result["time_s"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise UsageError(f"A calibration result needs op, bytes and time_s ({error!r} in {result}).") from None
+        # Dividing each row by its time fits relative error, so the small messages that fix alpha count as much
+        # as the large ones that fix bandwidth.
+        if not seconds > 0:
+            raise UsageError(f"A calibration time must be positive (got {seconds:g} s for {size:g} bytes).")
+        rows.append([hops / seconds, factor * size / seconds])
+        sizes.add(factor * size)
+    if len(sizes) < 2:
+        raise UsageError("Calibration needs timings at two or more message sizes; rerun the benchmark with more.")
+    a, b = np.array(rows), np.ones(len(rows))
+    (alpha, inverse_bw), *_ = np.linalg.lstsq(a, b, rcond=None)
+    if alpha < 0:  # latency below resolution: refit the bandwidth alone
+        alpha, inverse_bw = 0.0, float(a[:, 1] @ b / (a[:, 1] @ a[:, 1]))
+    if not inverse_bw > 0:
+        raise UsageError("The timings do not grow with message size, so no bandwidth fits; rerun with larger sizes.")
+    return Link(alpha_s=float(alpha), bandwidth_Bps=float(1 / inverse_bw))
+
+
+def load_calibration(path: str | Path, flag: str = "--calibration") -> Links:
+    """One Link per collective, each fitted to that op's timings in a `multigpu bench --collectives` JSON file.
+
+    gloo's reduce-scatter, the one FSDP calls, runs a whole all-reduce (the bench times a true reduce-scatter
+    instead and notes it), so on gloo it is costed as the all-reduce it is: twice the hops and the bytes.
+    """
+    how, what = "write it with `multigpu bench --collectives` first", "a JSON file from `multigpu bench --collectives`"
+    data = read_json(path, how, flag, what)
+    get = functools.partial(json_value, file=path, advice="use the file `multigpu bench --collectives` writes")
+    get(data, None, dict)
+    world = get(data, "world_size", int, minimum=2, advice="calibrate with `multigpu bench --collectives --nproc 2`")
+    results = get(data, "results", list, items=dict)
+    for index, row in enumerate(results):
+        get(row, "op", str, f"results[{index}]", choices=OPS)
+        for key in ("bytes", "time_s"):
+            get(row, key, float, f"results[{index}]", positive=True)
+        get(row, "correct", bool, f"results[{index}]", optional=True)
+    backend = get(data, "backend", str, optional=True)
+    measured = {row["op"] for row in results}
+    links = {op: fit_link([r for r in results if r["op"] == op], world) for op in OPS if op in measured}
+    fallback = fit_link(results, world)
+    links = {op: links.get(op, fallback) for op in OPS}
+    if backend == "gloo":
+        ring = links["all_reduce"]
+        links["reduce_scatter"] = Link(2 * ring.alpha_s, ring.bandwidth_Bps / 2)
+    return links
+
+
+def to_json(predictions: list[Prediction]) -> str:
+    return json.dumps([asdict(p) for p in predictions], indent=2)
+
+
+def format_table(predictions: list[Prediction], title: str | None = None) -> str:
+    """A rich table as text, for a terminal or a log."""
+    from rich.console import Console
+    from rich.table import Table
+
+    unit = predictions[0].unit if predictions else "samples"
+    table = Table(title=title)
+    columns = ("GPUs", "nodes", "step s", "compute s", "comm s", "exposed s", f"{unit}/s", f"{unit}/s/GPU")
+    for column in (*columns, "speedup", "efficiency"):
+        table.add_column(column, justify="right")
+    for p in predictions:
+        times = (f"{t:.4f}" for t in (p.step_s, p.compute_s, p.comm_s, p.exposed_comm_s))
+        rates = (f"{p.throughput:,.1f}", f"{p.per_gpu_throughput:,.1f}", f"{p.speedup:.2f}", f"{p.efficiency:.1%}")
+        table.add_row(str(p.gpus), str(p.nodes), *times, *rates)
+    console = Console(file=io.StringIO(), width=150, color_system=None)
+    console.print(table)
+    return console.file.getvalue()
+
+
+@dataclass
+class SimulateRequest:
+    """`multigpu simulate`'s flags, one to one; `resolve` turns them into a SimulateConfig and its links."""
+
+    model: str | None = field(default=None, metadata={"help": "a built-in model name or a config.json (or its dir)"})
+    params: float | None = field(default=None, metadata={"help": "parameter count instead of --model, e.g. 7e9"})
+    layers: int | None = field(default=None, metadata={"help": "with --params: layers (zero3's units)"})
+    gpus: str = field(default="1,2,4,8,16,32,64,128", metadata={"help": "comma-separated GPU counts"})
+    gpus_per_node: int = field(default=8, metadata={"help": "GPUs in one node"})
+    interconnect: str = field(
+        default="infiniband", metadata={"help": "fabric between nodes", "choices": tuple(INTERCONNECTS)}
+    )
+    intra: str = field(default="nvlink", metadata={"help": "link inside a node", "choices": tuple(INTERCONNECTS)})
+    strategy: str = field(default="ddp", metadata={"help": "data-parallel strategy", "choices": STRATEGIES})
+    compute_s: float | None = field(default=None, metadata={"help": "seconds of one step on one device, if known"})
+    units_per_step: float | None = field(default=None, metadata={"help": "with --compute-s: samples per device"})
+    bench: str | None = field(
+        default=None, metadata={"help": "take compute time and units from a bench.json's 1-process cell"}
+    )
+    tflops: float | None = field(default=None, metadata={"help": "device peak TFLOPS, to derive the compute time"})
+    mfu: float = field(default=0.4, metadata={"help": "with --tflops: the utilisation assumed"})
+    seq_len: int = field(default=2048, metadata={"help": "with --tflops: tokens per sample"})
+    batch_size: int = field(default=1, metadata={"help": "with --tflops: samples per device per step"})
+    grad_bytes: int = field(default=4, metadata={"help": "bytes per gradient element reduced (4: fp32, 2: bf16)"})
+    param_bytes: int = field(default=2, metadata={"help": "bytes per parameter all-gathered (2: bf16 compute)"})
+    bucket_mb: float = field(default=25.0, metadata={"help": "DDP bucket size, MiB"})
+    overlap: bool = field(default=True, metadata={"help": "overlap communication with backward / prefetch"})
+    compute_slots_per_node: int | None = field(
+        default=None, metadata={"help": "CPU hosts: cores shared by a node's processes (compute slows beyond it)"}
+    )
+    calibration: str | None = field(
+        default=None, metadata={"help": "a bench --collectives JSON: replaces the intra-node link"}
+    )
+    inter_calibration: str | None = field(
+        default=None, metadata={"help": "a bench --collectives JSON taken across nodes: replaces the inter-node link"}
+    )
+
+
+def resolve(request: SimulateRequest) -> tuple[SimulateConfig, Link | None, Link | None]:
+    from multigpu.planner.shapes import from_counts, load_shape
+
+    if (request.model is None) == (request.params is None):
+        raise UsageError("Give the model as --model (a name or config.json) or as --params, not both.")
+    if request.model is not None:
+        shape = load_shape(request.model)
+    else:
+        shape = from_counts(request.params, None, None, None, None)
+    layers = shape.transformer.layers if shape.transformer else (request.layers or 1)
+    sources = [request.compute_s is not None, request.bench is not None, request.tflops is not None]
+    if sum(sources) != 1:
+        raise UsageError("Give the compute time one way: --compute-s (with --units-per-step), --bench or --tflops.")
+    unit = "samples"
+    if request.compute_s is not None:
+        if request.units_per_step is None:
+            raise UsageError("--compute-s needs --units-per-step, the samples one device trains per step.")
+        compute, units = request.compute_s, request.units_per_step
+    elif request.bench is not None:
+        compute, units, unit = from_bench(Path(request.bench), request.strategy)
+    else:
+        units, unit = request.batch_size * request.seq_len, "tokens"
+        compute = compute_time(flops_per_token(shape, request.seq_len), units, request.tflops, request.mfu)
+    config = SimulateConfig(
+        params=shape.params,
+        compute_s=compute,
+        units_per_step=units,
+        layers=layers,
+        unit=unit,
+        gpus=tuple(parse_list(request.gpus, "--gpus", int)),
+        gpus_per_node=request.gpus_per_node,
+        interconnect=request.interconnect,
+        intra=request.intra,
+        strategy=request.strategy,
+        grad_bytes=request.grad_bytes,
+        param_bytes=request.param_bytes,
+        bucket_mb=request.bucket_mb,
+        overlap=request.overlap,
+        compute_slots_per_node=request.compute_slots_per_node,
+    )
+    intra = load_calibration(request.calibration) if request.calibration else None
+    inter = load_calibration(request.inter_calibration, "--inter-calibration") if request.inter_calibration else None
+    return config, intra, inter
+
+
+def from_bench(path: Path, strategy: str) -> tuple[float, float, str]:
+    """(seconds per step, units per device per step, unit) from a bench.json's 1-process cell: the strategy's own
+    (bench --baseline same) where there is one, as it carries the strategy's overhead; else the single one."""
+    data = read_json(path, "write it with `multigpu bench --nproc 1,...` first", "--bench", "a bench.json")
+    get = functools.partial(json_value, file=path, advice="use the bench.json that `multigpu bench` writes")
+    get(data, None, dict)
+    cells = get(data, "cells", list, items=dict)
+    ones = [i for i, cell in enumerate(cells) if get(cell, "nproc", int, f"cells[{i}]", minimum=1) == 1]
+    if not ones:
+        raise UsageError(f"{path} has no 1-process cell; rerun bench with 1 in --nproc.")
+    index = next((i for i in ones if get(cells[i], "strategy", str, f"cells[{i}]") == strategy), ones[0])
+    cell, at = cells[index], f"cells[{index}]"
+    step = get(cell, "step_time_s.median", float, at, positive=True)
+    if get(cell, "tokens_per_s", (dict, type(None)), at, optional=True):
+        return step, get(cell, "tokens_per_s.median", float, at, positive=True) * step, "tokens"
+    return step, get(cell, "samples_per_s.median", float, at, positive=True) * step, "samples"
+
+
+def run(request: SimulateRequest, as_json: bool) -> int:
+    """`multigpu simulate`: the predictions for `request`, as a table or (`as_json`) as JSON."""
+    config, intra, inter = resolve(request)
+    predictions = simulate(config, intra, inter)
+    if as_json:
+        print(to_json(predictions))
+    else:
+        title = f"{config.strategy}, {config.intra} in a node, {config.interconnect} between nodes"
+        print(format_table(predictions, title=title), end="")
+    return 0

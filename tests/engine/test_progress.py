@@ -1,0 +1,200 @@
+"""Naming the rank that stopped reaching collectives (gloo): the message, its timing, and that everything exits."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from multigpu.engine import progress
+from multigpu.engine.progress import CollectiveTimeout, Progress, Where, describe
+from tests.dist import multigpu
+
+
+class FakeStore:
+    """The calls Progress makes on the process group's store, over a dict shared by the in-process 'ranks'."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+        self.lock = threading.Lock()
+
+    def set(self, key: str, value: str) -> None:
+        with self.lock:
+            self.values[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        with self.lock:
+            return self.values[key]
+
+    def check(self, keys: list[str]) -> bool:
+        with self.lock:
+            return all(key in self.values for key in keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        with self.lock:
+            return [self.values[key] for key in keys]
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        raise AssertionError("Progress polls instead: the store's wait logs a C++ warning when it expires")
+
+
+def ranks(world: int, timeout_s: float = 3.0) -> list[Progress]:
+    store = FakeStore()
+    return [Progress(rank, world, timeout_s, store=store) for rank in range(world)]
+
+
+def run_steps(rank: Progress, steps: int) -> None:
+    for _ in range(steps):
+        with rank.diagnose("forward"):
+            pass
+        rank.advance()
+        with rank.diagnose("backward"):
+            pass
+        with rank.diagnose("optimizer step"):
+            pass
+        rank.finish_step()
+
+
+def time_out_in(rank: Progress, op: str) -> str:
+    with pytest.raises(CollectiveTimeout) as raised, rank.diagnose(op):
+        raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation")
+    return str(raised.value)
+
+
+def test_describe_names_the_rank_that_stopped_with_its_exact_step_and_the_collective_the_others_wait_in() -> None:
+    posts = {
+        0: Where(2, 3, "backward", 3.0),
+        1: Where(2, 2, None, 3.4),
+        2: Where(2, 3, "backward", 3.0),
+    }
+    text, named = describe(0, 3.0, posts)
+    assert named == [1]
+    assert text.startswith(
+        "Rank 1 stopped reaching collectives after optimizer step 2 (micro-step 2) and has been outside any "
+        "collective for 3.4s, while ranks 0, 2 waited in backward (micro-step 3) past the 3s timeout:"
+    )
+    assert "printed its stack" not in text
+    assert "it printed its stack" in describe(0, 3.0, posts, printed_stacks=True)[0]
+
+
+def test_describe_names_a_rank_in_a_different_collective_one_that_never_posted_and_a_shared_wait() -> None:
+    posts = {0: Where(5, 5, "reduce", 4.0), 1: Where(5, 5, "save", 4.0), 2: None}
+    text, named = describe(0, 4.0, posts)
+    assert named == [1, 2]
+    assert text.startswith(
+        "Rank 1 is inside a different collective, save, after optimizer step 5 (micro-step 5); rank 2 never posted "
+        "where it is (it died, or stopped before its first backward), while rank 0 waited in reduce"
+    )
+    assert "look at what those ranks do" in text
+    text, named = describe(1, 4.0, {0: Where(5, 5, "reduce", 4.0), 1: Where(5, 5, "reduce", 4.0)})
+    assert named == []
+    assert "every rank is inside it at the same micro-step" in text
+
+
+def test_a_timeout_reads_fresh_posts_at_once_and_waits_only_for_the_named_rank_to_print_its_stack(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    waiting, stuck = ranks(2)
+    run_steps(stuck, 2)  # two steps within a millisecond: a once-a-second post would still show micro-step 1
+    run_steps(waiting, 2)
+    waiting.advance()
+    stuck.beat()
+
+    def heartbeat_of_the_stuck_rank() -> None:
+        while not stuck.beat():
+            time.sleep(0.02)
+
+    beating = threading.Thread(target=heartbeat_of_the_stuck_rank, daemon=True)
+    beating.start()
+    start = time.monotonic()
+    text = time_out_in(waiting, "backward")
+    assert time.monotonic() - start < 0.5  # no settling sleep: every post was already current
+    beating.join(timeout=5)
+    assert re.match(
+        r"Rank 1 stopped reaching collectives after optimizer step 2 \(micro-step 2\) and has been outside any "
+        r"collective for [\d.]+s, while rank 0 waited in backward \(micro-step 3\) past the 3s timeout: .*; it "
+        r"printed its stack\)\. The launcher stops every process\.$",
+        text,
+    )
+    printed = capsys.readouterr().err
+    assert "multigpu: rank 1 is the rank that rank 0 waited for in backward; after optimizer step 2" in printed
+    assert "in time_out_in" in printed  # the stack of the main thread (here the test's own)
+    assert (waiting.step, waiting.micro_step) == (2, 3)
+
+
+def test_a_wait_that_outlives_its_timeout_without_raising_is_reported_by_the_heartbeat(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setattr(progress, "WATCH_GRACE_S", 0.0)
+    monkeypatch.setattr(progress, "ACK_S", 0.0)
+    waiting, stuck = ranks(2, timeout_s=2.0)
+    run_steps(stuck, 1)
+    run_steps(waiting, 1)
+    with waiting.diagnose("barrier"):
+        with stuck.diagnose("barrier"):
+            stuck.beat()
+            assert not waiting.beat()
+            assert "multigpu:" not in capsys.readouterr().err  # within the timeout: nothing to say yet
+            waiting._at = (*waiting._at[:3], time.monotonic() - 2.5)  # as if it had waited 2.5s
+            assert not waiting.beat()
+            assert "multigpu:" not in capsys.readouterr().err  # every rank in there alike (a slow save): no one to name
+        stuck.beat()
+        assert not waiting.beat()
+    assert capsys.readouterr().err.startswith(
+        "multigpu: Rank 1 stopped reaching collectives after optimizer step 1 (micro-step 1) and has been outside "
+        "any collective for "
+    )
+    assert stuck.beat()  # the verdict names it
+
+
+STUCK_SCRIPT = """
+import signal, sys, time
+import torch
+from torch import nn
+import multigpu as mg
+
+engine = mg.Engine(strategy="ddp", timeout_s=float(sys.argv[1]))
+model, _ = engine.setup(nn.Linear(4, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+try:
+    for step in range(1, 100):
+        engine.backward(model(torch.ones(2, 4)).sum())
+        engine.step(optimizer)
+        if step == 2 and engine.rank == 1:
+            signal.signal(signal.SIGTERM, lambda *_: None)  # a handler that waits for a stuck main thread
+            print(f"hang at {time.time()}", flush=True)
+            while True:
+                time.sleep(60)  # stuck here
+except Exception:
+    print(f"raised at {time.time()}", flush=True)
+    raise
+"""
+
+
+def test_a_stuck_rank_that_ignores_sigterm_is_named_at_the_timeout_and_the_run_ends_soon_after(
+    tmp_path: Path,
+) -> None:
+    # Measured before the heartbeat: the message came at the timeout + 2 s, and the launcher ended 38 s after the
+    # hang (torchrun's 30 s before SIGKILL), blaming rank 1's SIGKILL with exit code 137.
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK_SCRIPT)
+    timeout_s = 3.0
+    result = multigpu("run", "-n", "2", str(script), str(timeout_s), timeout=120)
+    ended = time.time()
+    hang = float(re.search(r"hang at ([\d.]+)", result.stdout).group(1))
+    raised = float(re.search(r"raised at ([\d.]+)", result.stdout).group(1))
+    assert raised - hang < timeout_s + 1.9, result.stdout
+    assert ended - hang < timeout_s + 25, result.stdout
+    assert result.returncode == 1, result.stdout
+    assert "multigpu run: worker rank 0 (pid" in result.stdout
+    assert re.search(
+        r"Rank 1 stopped reaching collectives after optimizer step 2 \(micro-step 2\) .*, while rank 0 waited in "
+        r"backward \(micro-step 3\) past the 3s timeout",
+        result.stdout,
+    )
+    stack = result.stdout.split("multigpu: rank 1 is the rank that rank 0 waited for in backward")[1]
+    assert "time.sleep(60)  # stuck here" in stack

@@ -1,0 +1,79 @@
+"""The ecosystem's own scripts under `multigpu run -n 2`, unchanged, with both processes really cooperating.
+
+Each script in tests/scripts writes OUTDIR/rank{RANK}.json: the world size and rank its library reported, the
+sample indices it trained on (32 samples, 2 epochs) and its parameters before and after training.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from multigpu.core.env import free_port
+from tests.dist import multigpu, run_command
+
+SCRIPTS = Path(__file__).parents[1] / "scripts"
+SAMPLES, EPOCHS = 32, 2
+ON_CPU = torch.cuda.device_count() == 0
+
+
+def records(outdir: Path) -> list[dict]:
+    return [json.loads((outdir / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def epochs(samples: list[int]) -> list[list[int]]:
+    """A rank's sample indices cut into its epochs."""
+    per_epoch = len(samples) // EPOCHS
+    return [samples[i * per_epoch : (i + 1) * per_epoch] for i in range(EPOCHS)]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() == 1, reason="2 processes need 2 GPUs, or none")
+@pytest.mark.parametrize("script", ["plain_torch_distributed.py", "hf_trainer.py", "accelerate_script.py"])
+def test_script_trains_in_two_cooperating_processes(script: str, tmp_path: Path) -> None:
+    result = multigpu("run", "-n", "2", str(SCRIPTS / script), str(tmp_path), timeout=180)
+    assert result.returncode == 0, result.stdout
+    first, second = records(tmp_path)
+
+    assert [first["world_size"], second["world_size"]] == [2, 2], result.stdout
+    assert [first["rank"], second["rank"]] == [0, 1]
+    assert [first.get("torch_world_size", 2), second.get("torch_world_size", 2)] == [2, 2]
+    # The data is split: in every epoch the two ranks trained on disjoint halves that together cover it all.
+    for mine, theirs in zip(epochs(first["samples"]), epochs(second["samples"]), strict=True):
+        assert len(mine) == len(theirs) == SAMPLES // 2
+        assert set(mine).isdisjoint(theirs) and set(mine) | set(theirs) == set(range(SAMPLES))
+    # Different data yet the same parameters: gradients were averaged across the ranks, and training moved them.
+    assert first["initial"] == second["initial"]
+    assert first["final"] == second["final"]
+    assert first["final"] != first["initial"]
+
+
+@pytest.mark.skipif(not ON_CPU, reason="accelerate's CPU fallback only happens without CUDA GPUs")
+def test_without_accelerate_use_cpu_each_rank_would_train_alone(tmp_path: Path) -> None:
+    """Why `multigpu run` sets ACCELERATE_USE_CPU=true on CPU: plain torchrun without it gets 2 lone trainers.
+
+    Should accelerate ever stop falling back silently, this fails and the setting in launch.py can go.
+    """
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d"]
+    argv += [f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(SCRIPTS / "accelerate_script.py"), str(tmp_path)]
+    result = run_command(argv, timeout=180, env={"ACCELERATE_USE_CPU": "false"})
+    assert result.returncode == 0, result.stdout
+    for record in records(tmp_path):
+        assert record["torch_world_size"] == 2  # a process group of 2 exists...
+        assert record["world_size"] == 1 and record["rank"] == 0  # ...but accelerate runs each rank alone
+        assert all(sorted(epoch) == list(range(SAMPLES)) for epoch in epochs(record["samples"]))
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the refusal only applies without CUDA GPUs")
+def test_accelerate_use_cpu_forced_false_on_cpu_is_refused(tmp_path: Path) -> None:
+    script = SCRIPTS / "accelerate_script.py"
+    result = multigpu("run", "-n", "2", str(script), str(tmp_path), timeout=60, env={"ACCELERATE_USE_CPU": "false"})
+    assert result.returncode == 2, result.stdout
+    assert (
+        "ACCELERATE_USE_CPU=false on a machine without CUDA GPUs makes accelerate and HF Trainer train each of the "
+        "2 processes alone" in result.stdout
+    )
+    assert not list(tmp_path.iterdir())  # refused before any worker started

@@ -1,0 +1,418 @@
+"""The scaling simulator: arithmetic only, no processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+
+import pytest
+
+from multigpu.core.errors import UsageError
+from multigpu.planner.shapes import load_shape
+from multigpu.tools.simulate import (
+    INTERCONNECTS,
+    Link,
+    SimulateConfig,
+    all_gather,
+    all_reduce,
+    compute_time,
+    fit_link,
+    flops_per_token,
+    load_calibration,
+    reduce_scatter,
+    ring_time,
+    simulate,
+    to_json,
+    tree_all_reduce,
+)
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+BASE = SimulateConfig(params=350_000_000, layers=24, compute_s=0.05, units_per_step=8, gpus=(1, 2, 8, 16, 64))
+
+
+def config(**changes: object) -> SimulateConfig:
+    return dataclasses.replace(BASE, **changes)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_one_gpu_costs_no_communication(strategy: str) -> None:
+    (p,) = simulate(config(strategy=strategy, gpus=(1,)))
+    assert p.comm_s == 0 and p.exposed_comm_s == 0
+    assert p.step_s == BASE.compute_s
+    assert p.speedup == 1 and p.efficiency == 1
+    assert p.throughput == BASE.units_per_step / BASE.compute_s
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_step_time_falls_with_bandwidth_and_rises_with_latency(strategy: str, overlap: bool) -> None:
+    c = config(strategy=strategy, overlap=overlap)
+
+    def steps(link: Link) -> list[float]:
+        return [p.step_s for p in simulate(c, intra=link, inter=link)]
+
+    by_bandwidth = [steps(Link(5e-6, bw)) for bw in (1e9, 4e9, 16e9, 64e9, 256e9)]
+    by_alpha = [steps(Link(alpha, 10e9)) for alpha in (0.0, 1e-6, 1e-5, 1e-4, 1e-3)]
+    for slower, faster in itertools.pairwise(by_bandwidth):
+        assert all(f <= s for s, f in zip(slower, faster, strict=True))
+    for cheaper, dearer in itertools.pairwise(by_alpha):
+        assert all(d >= c for c, d in zip(cheaper, dearer, strict=True))
+    # Not trivially flat: the slowest link costs time the fastest does not.
+    assert by_bandwidth[0][-1] > by_bandwidth[-1][-1]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_crossing_the_node_boundary_on_a_slower_link_lowers_efficiency(strategy: str) -> None:
+    c = config(strategy=strategy, gpus=(8, 16), gpus_per_node=8, compute_s=0.02)
+    one_node, two_nodes = simulate(c, intra=Link(3e-6, 300e9), inter=Link(30e-6, 12e9))
+    assert (one_node.nodes, two_nodes.nodes) == (1, 2)
+    assert two_nodes.efficiency < one_node.efficiency
+    # The same fabric between nodes as within costs (almost) nothing more.
+    _, flat = simulate(c, intra=Link(3e-6, 300e9), inter=Link(3e-6, 300e9))
+    assert flat.efficiency > two_nodes.efficiency
+
+
+def test_tree_wins_small_messages_on_many_ranks_and_ring_wins_large_ones() -> None:
+    link = Link(5e-6, 100e9)
+    small, large = 4096, 1e9
+    assert tree_all_reduce(64, small, link) < ring_time("all_reduce", 64, small, link)
+    assert all_reduce(64, small, link) == tree_all_reduce(64, small, link)
+    assert ring_time("all_reduce", 8, large, link) < tree_all_reduce(8, large, link)
+    assert all_reduce(8, large, link) == ring_time("all_reduce", 8, large, link)
+
+
+def test_collective_formulas() -> None:
+    link = Link(2e-6, 50e9)
+    n, size = 4, 1e8
+    assert ring_time("all_reduce", n, size, link) == pytest.approx(6 * 2e-6 + 1.5 * size / 50e9)
+    assert all_gather(n, size, link) == pytest.approx(3 * 2e-6 + 0.75 * size / 50e9)
+    assert reduce_scatter(n, size, link) == all_gather(n, size, link)
+    assert tree_all_reduce(n, size, link) == pytest.approx(4 * 2e-6 + 2 * size / 50e9)
+    assert all_reduce(1, size, link) == all_gather(1, size, link) == 0
+
+
+def test_ddp_without_overlap_is_compute_plus_every_bucket() -> None:
+    link = Link(10e-6, 10e9)
+    c = config(params=60 * 2**20, grad_bytes=4, bucket_mb=100, gpus=(8,), overlap=False)  # 240 MiB: 100, 100, 40
+    (p,) = simulate(c, intra=link)
+    buckets = [all_reduce(8, mib * 2**20, link) for mib in (100, 100, 40)]
+    assert p.comm_s == pytest.approx(sum(buckets))
+    assert p.exposed_comm_s == p.comm_s
+    assert p.step_s == pytest.approx(c.compute_s + sum(buckets))
+    # With overlap only what backward cannot cover, and never less than the last bucket.
+    (q,) = simulate(dataclasses.replace(c, overlap=True), intra=link)
+    backward = c.compute_s * c.backward_fraction
+    assert q.exposed_comm_s == pytest.approx(max(sum(buckets) - backward, buckets[-1]))
+    assert q.exposed_comm_s < p.exposed_comm_s
+
+
+def test_zero_strategies_add_their_collectives() -> None:
+    link = Link(5e-6, 20e9)
+    c = config(gpus=(8,), overlap=False, param_bytes=2)
+    ddp, zero1, zero2, zero3 = (simulate(dataclasses.replace(c, strategy=s), intra=link)[0] for s in STRATEGIES)
+    gather = all_gather(8, c.params * 2, link)
+    assert zero1.comm_s == pytest.approx(ddp.comm_s + gather)
+    assert zero2.comm_s > gather
+    per_layer = 2 * all_gather(8, c.params * 2 / c.layers, link) + reduce_scatter(8, c.params * 4 / c.layers, link)
+    assert zero3.comm_s == pytest.approx(c.layers * per_layer)
+    assert simulate(dataclasses.replace(c, strategy="fsdp"), intra=link)[0] == zero3
+    # Ample compute hides all but the first gather and the last scatter.
+    (hidden,) = simulate(dataclasses.replace(c, strategy="zero3", overlap=True, compute_s=100.0), intra=link)
+    edges = all_gather(8, c.params * 2 / c.layers, link) + reduce_scatter(8, c.params * 4 / c.layers, link)
+    assert hidden.exposed_comm_s == pytest.approx(edges)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_efficiency_is_speedup_over_gpus(strategy: str) -> None:
+    for p in simulate(config(strategy=strategy, interconnect="ethernet")):
+        assert p.efficiency == p.speedup / p.gpus
+        assert p.speedup == pytest.approx(p.throughput / (BASE.units_per_step / BASE.compute_s))
+        assert p.per_gpu_throughput == pytest.approx(p.throughput / p.gpus)
+        assert p.efficiency <= 1
+
+
+def test_shared_cpu_slots_stretch_compute() -> None:
+    two, four, eight = simulate(config(gpus=(2, 4, 8), compute_slots_per_node=2))
+    assert two.compute_s == BASE.compute_s
+    assert four.compute_s == pytest.approx(2 * BASE.compute_s)
+    assert eight.compute_s == pytest.approx(4 * BASE.compute_s)
+
+
+def test_presets_pick_links_by_node() -> None:
+    one_node, two_nodes = simulate(config(gpus=(8, 16), interconnect="ethernet", intra="nvlink"))
+    assert one_node == simulate(config(gpus=(8,)), intra=INTERCONNECTS["nvlink"])[0]
+    slow = Link(INTERCONNECTS["ethernet"].alpha_s, INTERCONNECTS["ethernet"].bandwidth_Bps)
+    assert two_nodes == simulate(config(gpus=(16,)), intra=INTERCONNECTS["nvlink"], inter=slow)[0]
+    assert two_nodes.exposed_comm_s > one_node.exposed_comm_s
+    assert json.loads(to_json([one_node]))[0]["gpus"] == 8
+
+
+def timings(world_size: int, alpha: float, bandwidth: float) -> list[dict[str, object]]:
+    rows = []
+    for op, (hops, factor) in {
+        "all_reduce": (2 * (world_size - 1), 2 * (world_size - 1) / world_size),
+        "all_gather": (world_size - 1, (world_size - 1) / world_size),
+        "reduce_scatter": (world_size - 1, (world_size - 1) / world_size),
+    }.items():
+        for size in (2**10, 2**14, 2**18, 2**22, 2**26):
+            time = hops * alpha + factor * size / bandwidth
+            rows.append({"op": op, "bytes": size, "time_s": time, "algbw_GBps": size / time / 1e9, "busbw_GBps": 0})
+    return rows
+
+
+@pytest.mark.parametrize(("world_size", "alpha", "bandwidth"), [(2, 50e-6, 1.2e9), (4, 3e-6, 300e9), (16, 0, 12e9)])
+def test_fit_link_recovers_alpha_and_bandwidth(world_size: int, alpha: float, bandwidth: float) -> None:
+    link = fit_link(timings(world_size, alpha, bandwidth), world_size)
+    assert link.bandwidth_Bps == pytest.approx(bandwidth, rel=0.01)
+    assert link.alpha_s == pytest.approx(alpha, rel=0.01, abs=1e-9)
+
+
+def test_fit_link_clamps_negative_latency() -> None:
+    rows = timings(4, 0.0, 10e9)
+    rows[0]["time_s"] *= 0.9  # the smallest message beats bandwidth alone: unclamped, alpha would be < 0
+    link = fit_link(rows, 4)
+    assert link.alpha_s == 0
+    assert link.bandwidth_Bps == pytest.approx(10e9, rel=0.02)
+
+
+@pytest.mark.parametrize(
+    ("rows", "world_size"),
+    [
+        ([{"op": "all_reduce", "bytes": 1024, "time_s": 1e-5}], 2),  # one point
+        ([{"op": "all_reduce", "bytes": 1024, "time_s": t} for t in (1e-5, 2e-5)], 2),  # one size
+        ([{"op": "all_reduce", "bytes": b, "time_s": t} for b, t in ((1e3, 1e-3), (1e6, 1e-4))], 2),  # shrinking
+        (timings(2, 1e-5, 1e9), 1),  # one rank
+        ([{"op": "broadcast", "bytes": 1024, "time_s": 1e-5}], 2),
+        ([{"op": "all_reduce", "bytes": 1024}], 2),
+    ],
+)
+def test_fit_link_refuses_what_cannot_fit(rows: list[dict[str, object]], world_size: int) -> None:
+    with pytest.raises(UsageError):
+        fit_link(rows, world_size)
+
+
+def test_load_calibration(tmp_path) -> None:
+    path = tmp_path / "collectives.json"
+    rows = timings(2, 20e-6, 2e9)
+    path.write_text(json.dumps({"backend": "nccl", "world_size": 2, "device": "gpu", "results": rows}))
+    links = load_calibration(path)
+    for link in links.values():
+        assert link.bandwidth_Bps == pytest.approx(2e9, rel=0.01)
+        assert link.alpha_s == pytest.approx(20e-6, rel=0.01)
+    # On gloo, FSDP's reduce-scatter is a whole all-reduce: it costs what the all-reduce costs.
+    path.write_text(json.dumps({"backend": "gloo", "world_size": 2, "device": "cpu", "results": rows}))
+    links = load_calibration(path)
+    for size in (1e3, 1e8):
+        expected = ring_time("all_reduce", 2, size, links["all_reduce"])
+        assert ring_time("reduce_scatter", 2, size, links["reduce_scatter"]) == pytest.approx(expected)
+    with pytest.raises(UsageError, match="does not exist"):
+        load_calibration(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(UsageError, match="not valid JSON"):
+        load_calibration(tmp_path / "bad.json")
+    (tmp_path / "shape.json").write_text(json.dumps({"results": rows}))
+    with pytest.raises(UsageError, match="world_size"):
+        load_calibration(tmp_path / "shape.json")
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"params": 0},
+        {"layers": 0},
+        {"compute_s": 0.0},
+        {"units_per_step": -1},
+        {"gpus": ()},
+        {"gpus": (0, 8)},
+        {"gpus_per_node": 0},
+        {"interconnect": "carrier-pigeon"},
+        {"intra": "infiniband-ish"},
+        {"strategy": "zero4"},
+        {"grad_bytes": 0},
+        {"param_bytes": 0},
+        {"bucket_mb": 0},
+        {"backward_fraction": 1.0},
+        {"compute_slots_per_node": 0},
+        {"compute_s": math.inf},
+        {"units_per_step": math.inf},
+        {"bucket_mb": math.inf},
+    ],
+)
+def test_bad_configs_are_usage_errors(changes: dict[str, object]) -> None:
+    with pytest.raises(UsageError):
+        config(**changes)
+
+
+def test_gpus_per_node_message_says_what_to_do() -> None:
+    with pytest.raises(UsageError, match=r"--gpus-per-node must be 1 or more \(got 0\)\."):
+        config(gpus_per_node=0)
+
+
+def test_bad_links_are_usage_errors() -> None:
+    with pytest.raises(UsageError):
+        Link(-1e-6, 1e9)
+    with pytest.raises(UsageError):
+        Link(1e-6, 0)
+
+
+def test_flops_per_token_and_compute_time() -> None:
+    shape = load_shape("llama-3.1-8b")
+    t = shape.transformer
+    assert t is not None
+    flops = flops_per_token(shape, 8192)
+    assert flops == 6 * shape.params + 12 * t.layers * t.hidden * 8192
+    assert 6e10 < flops < 6.2e10  # about 61 GFLOPs per token for an 8B model at 8k context
+    seconds = compute_time(flops, 16384, tflops=989, mfu=0.4)
+    assert seconds == pytest.approx(flops * 16384 / (989e12 * 0.4))
+    assert math.isclose(compute_time(1e12, 1, 1, 1), 1.0)
+    with pytest.raises(UsageError):
+        compute_time(flops, 1, tflops=989, mfu=0)
+    with pytest.raises(UsageError):
+        flops_per_token(shape, 0)
+
+
+def test_cli_from_flops_from_a_bench_report_and_its_errors(tmp_path) -> None:
+    from tests.dist import multigpu
+
+    result = multigpu(
+        "simulate", "--model", "llama-3.1-8b", "--strategy", "zero3", "--gpus", "8,128", "--json",
+        "--tflops", "989", "--mfu", "0.36", "--seq-len", "8192", "--batch-size", "2",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout
+    eight, many = json.loads(result.stdout)
+    assert (eight["nodes"], many["nodes"], eight["unit"]) == (1, 16, "tokens")
+    assert many["per_gpu_throughput"] <= eight["per_gpu_throughput"] and many["efficiency"] <= eight["efficiency"]
+    # 6 x 8.03e9 + 12 x 32 x 4096 x 8192 FLOPs per token, 16,384 tokens per GPU, at 36% of 989 TFLOPS.
+    assert eight["compute_s"] == pytest.approx(
+        (6 * load_shape("llama-3.1-8b").params + 12 * 32 * 4096 * 8192) * 16384 / (0.36 * 989e12)
+    )
+
+    bench = tmp_path / "bench.json"
+    cell = {
+        "nproc": 1,
+        "strategy": "single",
+        "step_time_s": {"median": 0.02},
+        "samples_per_s": {"median": 1600.0},
+        "tokens_per_s": None,
+    }
+    bench.write_text(json.dumps({"cells": [cell]}))
+    result = multigpu("simulate", "--params", "4e6", "--layers", "4", "--bench", str(bench), "--gpus", "1,2", "--json")
+    one, two = json.loads(result.stdout)
+    assert one["compute_s"] == 0.02 and one["throughput"] == pytest.approx(1600.0) and one["unit"] == "samples"
+    assert two["step_s"] > one["step_s"]
+
+    for flags, words in [
+        (["--params", "1e9", "--compute-s", "1", "--tflops", "100"], "Give the compute time one way"),
+        (["--params", "1e9", "--compute-s", "1"], "--compute-s needs --units-per-step"),
+        (["--model", "llama-2-7b", "--params", "1e9", "--compute-s", "1"], "not both"),
+        (["--params", "1e9", "--bench", str(tmp_path / "none.json")], "does not exist"),
+    ]:
+        result = multigpu("simulate", *flags)
+        assert result.returncode == 2 and words in result.stdout, result.stdout
+
+
+def calibration() -> dict:
+    return {"backend": "nccl", "world_size": 2, "results": timings(2, 20e-6, 2e9)}
+
+
+def bench_report() -> dict:
+    def cell(nproc: int, strategy: str) -> dict:
+        return {
+            "nproc": nproc,
+            "strategy": strategy,
+            "step_time_s": {"median": 0.02},
+            "samples_per_s": {"median": 1600.0},
+        }
+
+    return {"cells": [cell(2, "ddp"), {**cell(1, "single"), "tokens_per_s": None}]}
+
+
+def changed(data: dict, path: str, value: object) -> str:
+    """`data` as JSON text with the value at `path` ("results.2.time_s") replaced, or removed if `value` is ..."""
+    *parents, last = [int(k) if k.isdigit() else k for k in path.split(".")]
+    inner = data
+    for key in parents:
+        inner = inner[key]
+    if value is ...:
+        del inner[last]
+    else:
+        inner[last] = value
+    return json.dumps(data)  # writes NaN and Infinity as Python's json reads them
+
+
+BAD_CALIBRATIONS = [
+    ("results.2.time_s", math.nan, "results[2].time_s is NaN, but a finite number is expected"),
+    ("results.0.busbw_GBps", -math.inf, "results[0].busbw_GBps is -Infinity, but a finite number"),
+    ("results.1.bytes", "1024", 'results[1].bytes is "1024", but a number above 0 is expected'),
+    ("results.1.time_s", True, "results[1].time_s is true, but a number above 0 is expected"),
+    ("results.1.time_s", 0, "results[1].time_s is 0, but a number above 0 is expected"),
+    ("results.3.op", "broadcast", 'results[3].op is "broadcast", but one of "all_reduce", "all_gather"'),
+    ("results.3.op", ..., "results[3].op is missing, but one of"),
+    ("world_size", ..., "world_size is missing, but an integer of 2 or more is expected"),
+    ("world_size", 1, "world_size is 1, but an integer of 2 or more is expected"),
+    ("world_size", 2.0, "world_size is 2.0, but an integer"),
+    ("results", {"all_reduce": []}, "results is an object, but a non-empty list is expected"),
+    ("results", [], "results is an empty list, but a non-empty list is expected"),
+    ("results", [[1024, 1e-5]], "results[0] is a list, but an object is expected"),
+    ("backend", 3, "backend is 3, but a string is expected"),
+]
+BAD_BENCH_REPORTS = [
+    ("cells.1.step_time_s.median", math.inf, "cells[1].step_time_s.median is Infinity, but a finite number"),
+    ("cells.1.step_time_s.median", "fast", 'cells[1].step_time_s.median is "fast", but a number above 0'),
+    ("cells.1.step_time_s", [0.02], "cells[1].step_time_s is a list, but an object is expected"),
+    ("cells.1.samples_per_s", ..., "cells[1].samples_per_s is missing, but an object is expected"),
+    ("cells.1.tokens_per_s", [], "cells[1].tokens_per_s is an empty list, but an object or null is expected"),
+    ("cells.0.nproc", "2", 'cells[0].nproc is "2", but an integer of 1 or more is expected'),
+    ("cells.1.strategy", None, "cells[1].strategy is null, but a string is expected"),
+    ("cells", {"single": {}}, "cells is an object, but a non-empty list is expected"),
+    ("cells", [], "cells is an empty list, but a non-empty list is expected"),
+    ("cells", ..., "cells is missing, but a non-empty list is expected"),
+]
+
+
+@pytest.mark.parametrize(
+    ("flag", "path", "value", "message"),
+    [("--calibration", *case) for case in BAD_CALIBRATIONS]
+    + [("--inter-calibration", "world_size", "2", 'world_size is "2", but an integer')]
+    + [("--bench", *case) for case in BAD_BENCH_REPORTS],
+    ids=lambda value: value if isinstance(value, str) and value.startswith("-") else None,
+)
+def test_a_bad_json_input_is_one_sentence_naming_file_and_key(
+    tmp_path, capsys: pytest.CaptureFixture, flag: str, path: str, value: object, message: str
+) -> None:
+    from multigpu.cli import main
+
+    file = tmp_path / "input.json"
+    file.write_text(changed(bench_report() if flag == "--bench" else calibration(), path, value))
+    timing = [] if flag == "--bench" else ["--compute-s", "0.1", "--units-per-step", "8"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", "--params", "1e8", "--gpus", "1,2", *timing, flag, str(file)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"multigpu: error: {file}: {message}") and err.count("\n") == 1, err
+
+
+def test_the_valid_json_inputs_those_cases_start_from_are_accepted(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    from multigpu.cli import main
+
+    (tmp_path / "calibration.json").write_text(json.dumps(calibration()))
+    (tmp_path / "bench.json").write_text(json.dumps(bench_report()))
+    calibrated = [f"--{side}calibration={tmp_path / 'calibration.json'}" for side in ("", "inter-")]
+    main(
+        ["simulate", "--params", "1e8", "--gpus", "1,2", "--json", "--bench", str(tmp_path / "bench.json"), *calibrated]
+    )
+    one, _ = json.loads(capsys.readouterr().out)
+    assert one["compute_s"] == 0.02 and one["unit"] == "samples"
+
+
+@pytest.mark.parametrize("flag", ["--calibration", "--bench"])
+def test_a_directory_given_as_a_json_file_is_named_as_one(tmp_path, capsys: pytest.CaptureFixture, flag: str) -> None:
+    from multigpu.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        timing = [] if flag == "--bench" else ["--compute-s", "1", "--units-per-step", "1"]
+        main(["simulate", "--params", "1e8", *timing, flag, str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert f"{flag} {tmp_path} is a directory, but a" in capsys.readouterr().err
