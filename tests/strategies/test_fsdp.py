@@ -10,8 +10,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import multigpu as mg
+from multigpu.core.modules import default_units
 from multigpu.planner import plan
-from multigpu.strategies.fsdp import children_first, default_units
+from multigpu.strategies.fsdp import children_first
 from tests.dist import run_in_processes
 from tests.reference import dataset
 
