@@ -190,3 +190,26 @@ def test_sync_batchnorm_converts_and_normalises_over_every_rank(nproc: int) -> N
     for result in results:
         assert result["layers"] == ["SyncBatchNorm"] and result["trained"], result
         assert torch.allclose(result["running_mean"], result["expected"], atol=1e-5), result
+
+
+def zero3_built_on_meta() -> dict:
+    """zero3 under init_module on the GPU: each unit is initialised on the CPU (the plain build's random stream),
+    moved to the GPU and sharded; the weights come back as the plain build's."""
+    from tests.engine.test_init_module import SEED, Net
+
+    engine = mg.Engine(strategy="zero3", seed=SEED)
+    with engine.init_module():
+        model = Net(width=64, blocks=4)
+    model, _ = engine.setup(model)
+    devices = {str(p.device) for p in model.parameters()}
+    return {"devices": devices, "weights": engine.full_state_dict(model)}
+
+
+def test_zero3_under_init_module_builds_on_the_cpu_and_shards_on_the_gpu() -> None:
+    from tests.engine.test_init_module import SEED, Net
+
+    (result,) = run_in_processes("tests.gpu.test_gpu_paths:zero3_built_on_meta", 1, timeout=300)
+    assert all(device.startswith("cuda") for device in result["devices"]), result["devices"]
+    torch.manual_seed(SEED)
+    expected = Net(width=64, blocks=4).state_dict()
+    assert all(torch.equal(result["weights"][name].cpu(), tensor) for name, tensor in expected.items())

@@ -3,23 +3,29 @@ checkpoints load at any world size, into any strategy, and export like every oth
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import multigpu as mg
 from multigpu.core.errors import UsageError
+from multigpu.core.modules import give_back_freed_memory
 from multigpu.core.precision import Precision
 from multigpu.engine import checkpoint
 from multigpu.strategies import DeepSpeed, DeepSpeedOptions
 from multigpu.strategies.deepspeed import read_config
 from tests.dist import multigpu, run_command, run_in_processes
 from tests.engine.test_checkpoint import GLOBAL_BATCH, SAMPLES, STOP, assert_resumed_exactly
+from tests.engine.test_init_module import SEED, WIDTH, Net, one_step, rss_bytes
 from tests.reference import Case, Outcome, TinyNet, dataset, train_reference
 from tests.strategies.test_equivalence import assert_matches
 
@@ -260,3 +266,98 @@ def test_each_rank_assembles_only_its_share_of_a_checkpoint(stage: int) -> None:
     assert ranks[0]["devices"] == ranks[1]["devices"] == {"cpu"}
     assert ranks[0]["export"] == {name: tuple(p.shape) for name, p in TinyNet().named_parameters()}
     assert ranks[1]["export"] == {}
+
+
+def peak_growth(build: Callable[..., Any], *args: Any) -> tuple[Any, int]:
+    """What `build(*args)` returns, and the process's peak RSS growth while it ran."""
+    give_back_freed_memory()  # or what earlier work freed would serve the build unseen
+    Path("/proc/self/clear_refs").write_text("5")  # resets the peak (VmHWM) to what the process holds now
+    before = rss_bytes("VmRSS")
+    return build(*args), rss_bytes("VmHWM") - before
+
+
+def set_up(engine: mg.Engine, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
+    return engine.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+
+
+def differing(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:
+    """The names whose tensors are not bitwise `expected`'s (none off rank 0, where full states are empty)."""
+    return [name for name, tensor in expected.items() if not torch.equal(state[name], tensor)]
+
+
+def partitioned(model: nn.Module) -> bool:
+    """Whether zero.Init holds every parameter of `model` as this rank's partition (nothing whole)."""
+    return all(hasattr(p, "ds_id") and p.numel() == 0 for p in model.parameters())
+
+
+def zero3_under_init_module(folder: str) -> dict:
+    """ZeRO-3 with the model built under engine.init_module, then the same run built plainly; returns the names of
+    the tensors that differ where they must not, and each build's and setup's peak memory growth on this rank."""
+    warm = mg.Engine(strategy="deepspeed", zero_stage=3)
+    with warm.init_module():  # DeepSpeed's and gloo's one-time costs, paid before anything is measured
+        small = Net(width=8, blocks=2)
+    checks = {"stage 3 partitions": partitioned(small)}
+    warm.setup(small, torch.optim.AdamW(small.parameters()))
+    with mg.Engine(strategy="deepspeed", zero_stage=2).init_module():
+        checks["stage 2 builds whole"] = not any(hasattr(p, "ds_id") for p in Net(width=8, blocks=2).parameters())
+    with mg.Engine(strategy="deepspeed", zero_stage=3, precision="bf16-mixed").init_module():
+        checks["bf16-mixed builds fp32"] = {p.dtype for p in Net(width=8, blocks=2).parameters()}
+    runs = {}
+    for meta in (True, False):
+        engine = mg.Engine(strategy="deepspeed", zero_stage=3, seed=SEED)
+        with engine.init_module() if meta else contextlib.nullcontext():
+            model, build = peak_growth(Net)
+        (model, optimizer), setup = peak_growth(set_up, engine, model)
+        run = {"growth": (build, setup), "initial": engine.full_state_dict(model)}
+        for _ in range(2):
+            one_step(engine, model, optimizer)
+        run["stepped"] = engine.full_state_dict(model)
+        if meta:  # a round trip: save, step on, load back; the step after it must be the plain run's third
+            state = {"model": model, "optimizer": optimizer}
+            engine.save(Path(folder) / "step-2", state)
+            one_step(engine, model, optimizer)
+            engine.load(Path(folder) / "step-2", state)
+            run["reloaded"] = engine.full_state_dict(model)
+        one_step(engine, model, optimizer)
+        run["third"] = engine.full_state_dict(model)
+        runs[meta] = run
+    built, plain = runs[True], runs[False]
+    torch.manual_seed(SEED)
+    one_process = Net().state_dict() if dist.get_rank() == 0 else {}
+    return {
+        "checks": checks,
+        "growth": {meta: run["growth"] for meta, run in runs.items()},
+        "initial": differing(built["initial"], one_process) + differing(plain["initial"], one_process),
+        "stepped": differing(built["stepped"], plain["stepped"]),
+        "reloaded": differing(built["reloaded"], built["stepped"]),
+        "third": differing(built["third"], plain["third"]),
+        "untrained": [name for name in one_process if torch.equal(built["third"][name], one_process[name])],
+    }
+
+
+def test_zero3_under_init_module_partitions_while_building_and_trains_the_same(tmp_path: Path) -> None:
+    """deepspeed.zero.Init under engine.init_module: each rank holds its partition of the model and one layer while
+    building it, then setup, training and a checkpoint round trip are bitwise those of a plain build."""
+    ranks = run_in_processes(
+        "tests.strategies.test_deepspeed:zero3_under_init_module", 2, timeout=240, folder=str(tmp_path)
+    )
+    first = ranks[0]
+    expected = {"stage 3 partitions": True, "stage 2 builds whole": True, "bf16-mixed builds fp32": {torch.float32}}
+    assert first["checks"] == expected  # the Engine's bf16-mixed is autocast, so DeepSpeed keeps fp32 weights
+    # Bitwise: zero.Init broadcasts rank 0's values, which are the one-process build's (same seed, same order),
+    # and a plain build's are too; the same partitions then train, save and load the same.
+    assert first["initial"] == [], "initial weights differ from a one-process build"
+    for check in ("stepped", "reloaded", "third"):
+        assert first[check] == [], f"{check}: {first[check][:3]} differ"
+    assert first["untrained"] == [], f"{first['untrained'][:3]} never changed"
+    torch.manual_seed(SEED)
+    model_bytes = sum(t.numel() * t.element_size() for t in Net().state_dict().values())  # 128.4 MiB, fp32
+    layer_bytes = WIDTH * WIDTH * 4 + 2 * WIDTH * 4  # one block, the largest layer zero.Init builds whole
+    # Its partition of everything, one layer being built, and 8 MiB for the allocator and torch's own buffers
+    # (measured: 69 MiB on each rank, where a plain build grows by 128.4 MiB).
+    bound = model_bytes / 2 + layer_bytes + 8 * 2**20
+    for rank, result in enumerate(ranks):
+        (built, _), (plain, _) = result["growth"][True], result["growth"][False]
+        assert built <= bound, f"rank {rank} grew by {built / 2**20:.1f} MiB building, over {bound / 2**20:.1f} MiB"
+        # A plain build holds the whole model (so the bound above can fail); a few freed small blocks are reused.
+        assert plain >= model_bytes - 2**20, f"a plain build grew rank {rank} by only {plain / 2**20:.1f} MiB"

@@ -23,6 +23,7 @@ from torch.utils.data import Dataset
 from multigpu.core.data import Batch, DistributedLoader, gather_in_order
 from multigpu.core.env import DistEnv, all_reduce_value, collective_device, grouped
 from multigpu.core.errors import UsageError
+from multigpu.core.modules import on_meta
 from multigpu.core.precision import Precision
 from multigpu.core.schedule import SampleSchedule
 from multigpu.engine import checkpoint, start
@@ -30,9 +31,6 @@ from multigpu.engine.config import EngineConfig
 from multigpu.engine.observe import StepObserver, StepStats, new_observers, watched, watching
 from multigpu.strategies import Strategy
 
-STEP_BEFORE_BACKWARD = (
-    "engine.step() was called before engine.backward(loss) in this step; call engine.backward(loss) first."
-)
 COUNTERS = "multigpu.engine"  # the engine's own entry in every checkpoint it writes
 
 
@@ -59,11 +57,9 @@ class Engine:
         for observer in self.observers:  # bench and verify decide some settings, whatever the script asks for
             config = observer.configure(config)
         self.config = config = replace(config)  # checked again, as an observer may have changed it
-        configured = not isinstance(strategy, str) and config.strategy == strategy.name
-        spec = strategy if configured else config.strategy
         self.env = DistEnv.from_environ()
-        self._strategy = start.resolve(spec, self.env, config, self.print)
-        self._auto_pending = spec == "auto" and self.env.is_distributed
+        self._strategy = start.resolve(strategy, self.env, config, self.print)
+        self._auto_pending = config.strategy == "auto" and self.env.is_distributed
         self.precision = Precision(config.precision)
         self.device = self.env.device
         start.join(self.env, self._strategy, config)
@@ -78,6 +74,7 @@ class Engine:
         self.last_step_applied = True  # False after a step that fp16 loss scaling skipped
         self.skipped_steps = 0  # optimizer steps skipped so far for inf/nan gradients (fp16-mixed)
         self._pending_save: tuple[Future, Path] | None = None  # a background save and where it goes
+        self._init_rng: torch.Tensor | None = None  # the random stream where init_module's build began
         self._model: nn.Module | None = None
         self._set_up: list[nn.Module] = []  # what setup was given and returned, so a second setup is caught
         self._window = _Window(other_work=True)  # the first step also pays for lazy initialisation
@@ -110,7 +107,6 @@ class Engine:
     def is_main_process(self) -> bool:
         return self.env.rank == 0
 
-    # -- setup ------------------------------------------------------------------------------------------------
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
@@ -126,6 +122,8 @@ class Engine:
         if self._auto_pending:
             self._strategy = start.strategy_for(model, optimizer, self.env, self.config, self.print)
             self._auto_pending = False
+        if on_meta(model):
+            start.materialize_for(self._strategy, model, optimizer, self._init_rng)
         model = start.batchnorm(model, self._strategy, self.env, self.config.sync_batchnorm)
         if self.precision.name == "bf16-true":
             model.to(torch.bfloat16)
@@ -140,6 +138,15 @@ class Engine:
             observer.on_setup(model)
         self._mark = self._step_end = time.perf_counter()
         return model, optimizer
+
+    @contextlib.contextmanager
+    def init_module(self) -> Iterator[None]:
+        """Builds the model made inside it on the meta device where the strategy shards (zero2, zero3, undecided
+        auto; DeepSpeed ZeRO-3: in zero.Init): setup gives each rank its shards, a unit at a time, with a plain
+        build's values. A module holding parameters or buffers needs reset_parameters() (torch.nn's have it)."""
+        self._init_rng = torch.get_rng_state()
+        with torch.device("meta") if self._auto_pending else self._strategy.build_context(self.env, self.precision):
+            yield
 
     def dataloader(
         self,
@@ -175,7 +182,6 @@ class Engine:
         if self._train_loader is not None and loader is not self._train_loader:
             self.mark_untimed()  # an evaluation pass between two training steps
 
-    # -- the training step ------------------------------------------------------------------------------------
     def _syncs_now(self) -> bool:
         """Whether this micro-step ends the accumulation window (and so must synchronise gradients)."""
         if self._batch is not None:
@@ -228,7 +234,7 @@ class Engine:
             loss = self._scaler.scale(loss)
         for observer in self.observers:
             observer.on_backward_start()
-        with self._watching("backward"):
+        with watching(self.observers, "backward"):
             self._strategy.backward(self._model, loss, self._syncs_now())
         for observer in self.observers:
             observer.on_backward_end()
@@ -244,7 +250,9 @@ class Engine:
         schedule follows the updates that happened. `skipped_steps` counts such steps.
         """
         if not self._backward_ran:
-            raise UsageError(STEP_BEFORE_BACKWARD)
+            raise UsageError(
+                "engine.step() was called before engine.backward(loss) in this step; call engine.backward(loss) first."
+            )
         self._backward_ran = False
         syncs = self._syncs_now()
         self._batch = None
@@ -252,7 +260,7 @@ class Engine:
             self._micro_steps += 1
             return False
         self._micro_steps = 0
-        with self._watching("optimizer step"):
+        with watching(self.observers, "optimizer step"):
             count, loss = self._window_totals()
             outcome = self._strategy.optimizer_step(
                 self._model, optimizer, self._scaler, count, self.config.max_grad_norm
@@ -278,7 +286,7 @@ class Engine:
         totals = torch.stack([zero if t is None else t for t in (window.count, window.loss)])
         if grouped():
             totals = totals.to(collective_device(self.device))
-            with self._watching("step totals"):
+            with watching(self.observers, "step totals"):
                 dist.all_reduce(totals)
         count, loss = totals.tolist()
         if window.count is None:
@@ -305,7 +313,6 @@ class Engine:
         time is left out of the throughput figures."""
         self._window.other_work = True
 
-    # -- checkpoints ------------------------------------------------------------------------------------------
     def save(
         self, path: str | Path, state: dict[str, Any], async_save: bool = False, keep_last: int | None = None
     ) -> Path:
@@ -318,7 +325,7 @@ class Engine:
         self.wait_for_checkpoint()
         self.mark_untimed()
         path, state = Path(path), {**state, COUNTERS: {"steps": self._steps, "skipped_steps": self.skipped_steps}}
-        with self._watching("save"):
+        with watching(self.observers, "save"):
             if async_save:
                 self._pending_save = (checkpoint.save_async(path, state, self._strategy, keep_last), path)
             else:
@@ -350,7 +357,7 @@ class Engine:
         self.wait_for_checkpoint()
         self.mark_untimed()
         restored = {**state, COUNTERS: None}
-        with self._watching("load"):
+        with watching(self.observers, "load"):
             checkpoint.load(path, restored, self._strategy, optional=(COUNTERS,))
         state.update({key: restored[key] for key in state})  # plain values are replaced, not loaded in place
         if restored[COUNTERS] is not None:  # the counts carry on, for reports, logs and stuck-rank messages
@@ -358,10 +365,9 @@ class Engine:
             for observer in self.observers:
                 observer.on_resume(self._steps)
 
-    # -- collectives ------------------------------------------------------------------------------------------
     def reduce(self, value: float | torch.Tensor, op: str = "mean") -> float | torch.Tensor:
         """`value` combined over all ranks ("mean", "sum" or "max"), returned on every rank as the same type."""
-        with self._watching("reduce"):
+        with watching(self.observers, "reduce"):
             return all_reduce_value(value, op, self.device)
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -372,16 +378,13 @@ class Engine:
         """
         self.mark_untimed()  # evaluation, usually
         batches = self._loader.yielded if self._loader is not None else []
-        with self._watching("gather"):
+        with watching(self.observers, "gather"):
             return gather_in_order(tensor, batches, self.device)
 
     def barrier(self) -> None:
         if grouped():
-            with self._watching("barrier"):
+            with watching(self.observers, "barrier"):
                 dist.barrier()
-
-    def _watching(self, op: str) -> contextlib.AbstractContextManager[None]:
-        return watching(self.observers, op)
 
     def log(self, step: int, record: dict[str, Any]) -> None:
         """Hands `record` to the observers on the main process: the monitor writes it to log_dir's metrics.jsonl

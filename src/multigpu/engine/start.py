@@ -15,6 +15,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from multigpu.core.env import DistEnv, check_backend, init_process_group
+from multigpu.core.errors import UsageError
+from multigpu.core.modules import materialize, repoint
 from multigpu.core.precision import Precision
 from multigpu.engine.config import EngineConfig
 from multigpu.planner import choose_strategy
@@ -22,8 +24,10 @@ from multigpu.strategies import DataParallel, DeepSpeed, Strategy, resolve_strat
 from multigpu.strategies.deepspeed import DeepSpeedOptions
 
 
-def resolve(spec: str | Strategy, env: DistEnv, config: EngineConfig, say: Callable[[str], None]) -> Strategy:
-    """The strategy `config` asks for (`spec` may be a configured Strategy), or one sentence refusing it."""
+def resolve(given: str | Strategy, env: DistEnv, config: EngineConfig, say: Callable[[str], None]) -> Strategy:
+    """The strategy `config` names, or one sentence refusing it. `given` is what the script passed: a configured
+    Strategy is used as it is, unless an observer's configure renamed the strategy."""
+    spec = given if isinstance(given, Strategy) and given.name == config.strategy else config.strategy
     return resolve_strategy(
         spec,
         env,
@@ -94,6 +98,22 @@ def strategy_for(
         find_unused_parameters=config.find_unused_parameters,
         sync_batchnorm=config.sync_batchnorm,
     )
+
+
+def materialize_for(
+    strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer | None, rng: torch.Tensor | None
+) -> None:
+    """A model built under init_module, made real for `strategy`: the random stream goes back to where the build
+    began, so the values are a plain build's; a strategy that shards (builds_on_meta) then builds it unit by unit
+    in its setup, and any other gets the whole model here, on the CPU as a plain build."""
+    if optimizer is not None and optimizer.state:
+        raise UsageError("A model built under engine.init_module needs a fresh optimizer; call setup before stepping.")
+    if rng is not None:
+        torch.set_rng_state(rng)
+    if not strategy.builds_on_meta:
+        names = {id(p): name for name, p in model.named_parameters()}
+        materialize(model, "cpu")
+        repoint(optimizer, names, model)
 
 
 def batchnorm(model: nn.Module, strategy: Strategy, env: DistEnv, sync: bool) -> nn.Module:

@@ -38,6 +38,12 @@ def plan(model: Any, sample_input: Any = None, **options: Any) -> Plan:
     return plan_shape(shape, config)
 
 
+def _built_on_meta(model: Any) -> bool:
+    """A module built under engine.init_module() reaches engine.setup with its parameters on the meta device."""
+    parameters = model.parameters() if hasattr(model, "parameters") else ()
+    return any(p.is_meta for p in parameters)
+
+
 def choose_strategy(
     model: Any,
     optimizer: str,
@@ -50,7 +56,11 @@ def choose_strategy(
     unsharded_grad_accum: bool = False,
 ) -> tuple[str, str]:
     """`auto`: the fastest strategy whose model states and buffers fit (activations depend on the batch, unknown
-    here, so leave room for them). Returns the strategy name and the reason, for the user."""
+    here, so leave room for them). Returns the strategy name and the reason, for the user.
+
+    The choice is on training memory alone; the reason adds the setup warning where a model built whole would not
+    fit the strategy's setup, unless `model` already lies on the meta device (built under engine.init_module()).
+    """
     result = plan(
         model,
         gpus=gpus,
@@ -66,4 +76,6 @@ def choose_strategy(
     )
     if result.recommendation is None:
         raise UsageError(f"No strategy fits this model: {result.reason}.")
+    if result.setup_warning and not _built_on_meta(model):
+        return result.recommendation, f"{result.reason}; {result.setup_warning}"
     return result.recommendation, result.reason

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from multigpu.core.errors import UsageError
 from multigpu.core.precision import PRECISIONS
 from multigpu.planner.activations import transformer_activations
+from multigpu.planner.setup_memory import BUILD_BYTES, setup_bytes, setup_fits, setup_warning
 from multigpu.planner.shapes import ModelShape
 
 OPTIMIZERS = ("adamw", "sgd", "adamw8bit")
@@ -97,8 +98,11 @@ class StrategyMemory:
     overhead: float
     cpu: float = 0.0  # host memory per process (offload)
     total: float = 0.0
-    fits: bool = False
+    fits: bool = False  # training's peak fits the GPU (setup aside)
     max_batch_size: int = 0
+    setup: float = 0.0  # a rank's peak while the model is built whole (see setup_memory.py)
+    setup_init_module: float = 0.0  # the same when built under engine.init_module()
+    setup_fits: str = ""  # "yes" (plain build), "with init_module" or "no"
 
 
 @dataclass
@@ -110,6 +114,7 @@ class Plan:
     strategies: list[StrategyMemory] = field(default_factory=list)
     recommendation: str | None = None
     reason: str = ""
+    setup_warning: str = ""  # the recommended strategy fits in training but not with a plain build
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -140,6 +145,15 @@ def model_states(shape: ModelShape, config: PlanConfig) -> tuple[float, float, f
             base = shape.linear_params * (0.5 + 4 / 64) + frozen_16bit
         params = base + trainable * weight
     return params, trainable * weight, trainable * _optimizer_bytes(config.optimizer, config.precision), trainable
+
+
+def built_model(shape: ModelShape, config: PlanConfig) -> tuple[float, int]:
+    """Bytes and parameters of the whole model as built: fp32 (QLoRA: quantised as it loads), adapters included."""
+    params, _, _, trainable = model_states(shape, config)
+    if config.lora_r is None:
+        return shape.params * BUILD_BYTES, shape.params
+    built = params if config.qlora else (shape.params + trainable) * BUILD_BYTES
+    return built, shape.params + trainable
 
 
 def activations_per_gpu(shape: ModelShape, config: PlanConfig, batch: int) -> float:
@@ -214,6 +228,8 @@ def plan_shape(shape: ModelShape, config: PlanConfig) -> Plan:
     for name in REPORTED if config.world == 1 else (*ORDER, *DEEPSPEED):
         memory = strategy_memory(name, shape, config, config.batch_size)
         memory.max_batch_size = _max_batch(name, shape, config)
+        memory.setup, memory.setup_init_module = setup_bytes(name, shape, config.world, *built_model(shape, config))
+        memory.setup_fits = setup_fits(memory, config.gpu_bytes, FRAMEWORK_OVERHEAD)
         plan.strategies.append(memory)
     # One GPU: single unless only offload fits; several: the guides' order, fastest first.
     candidates = ("single", "zero3+offload") if config.world == 1 else ORDER
@@ -232,6 +248,9 @@ def plan_shape(shape: ModelShape, config: PlanConfig) -> Plan:
             f"{best.strategy} needs {best.total / 2**30:.2f} GiB of {config.gpu_bytes / 2**30:.2f} GiB per GPU"
             + (f"; {faster} would not fit" if faster else " and is the fastest choice")
         )
+        # The choice stays on training memory: whether the model is built whole is the user's choice, not the
+        # config's, and the warning says how to build it when it matters.
+        plan.setup_warning = setup_warning(best, config.gpu_bytes, config.precision)
     else:
         plan.reason = (
             f"nothing fits {config.gpu_bytes / 2**30:.2f} GiB per GPU at batch size {config.batch_size}: lower "

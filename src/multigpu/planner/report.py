@@ -5,11 +5,19 @@ from __future__ import annotations
 import json
 import sys
 
-from multigpu.planner.memory import Plan
+from multigpu.planner.memory import Plan, StrategyMemory
+from multigpu.planner.setup_memory import FITS, NO, WITH_INIT_MODULE
 
 
 def gib(value: float) -> str:
     return f"{value / 2**30:.2f}"
+
+
+def fits(m: StrategyMemory) -> str:
+    """Training and setup together: a strategy whose training fits may still need engine.init_module() to start."""
+    if not m.fits:
+        return "no"
+    return {FITS: "yes", WITH_INIT_MODULE: "init_module", NO: "no (setup)"}[m.setup_fits]
 
 
 def to_json(plan: Plan) -> str:
@@ -26,7 +34,11 @@ def print_table(plan: Plan) -> None:
         f"{c.world} GPU(s) of {c.gpu_bytes / 2**30:.0f} GiB, {c.precision}, {c.optimizer}, "
         f"batch {c.batch_size} x {c.seq_len} tokens{', activation checkpointing' if c.activation_checkpointing else ''}"
     )
-    table = Table(title=title, caption="GiB per GPU (cpu: host memory per process)")
+    table = Table(
+        title=title,
+        caption="GiB per GPU (cpu: host memory per process). setup: a rank's tensors while the model is built whole, "
+        "init_module: under engine.init_module() (blank: the same); zero3+offload sets up in host memory",
+    )
     for column in (
         "strategy",
         "params",
@@ -36,6 +48,8 @@ def print_table(plan: Plan) -> None:
         "temporary",
         "overhead",
         "total",
+        "setup",
+        "init_module",
         "fits",
         "max batch",
         "cpu",
@@ -51,7 +65,9 @@ def print_table(plan: Plan) -> None:
             gib(m.temporary),
             gib(m.overhead),
             gib(m.total),
-            "yes" if m.fits else "no",
+            gib(m.setup),
+            gib(m.setup_init_module) if m.setup_init_module != m.setup else "",
+            fits(m),
             str(m.max_batch_size),
             gib(m.cpu) if m.cpu else "",
         )
@@ -63,3 +79,5 @@ def print_table(plan: Plan) -> None:
             "or call multigpu.plan(module, sample_input=...) to measure them"
         )
     console.print(f"recommendation: {plan.recommendation or 'none'} ({plan.reason})")
+    if plan.setup_warning:
+        console.print(f"warning: {plan.setup_warning}")

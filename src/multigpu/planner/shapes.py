@@ -51,6 +51,10 @@ class Transformer:
     def layer_params(self) -> int:
         return sum(i * o for i, o in self.linears().values()) + 2 * self.hidden  # + two RMSNorm weights
 
+    def largest_matrix(self) -> int:
+        """Elements of the largest weight: the embedding (vocab x hidden) or the widest projection."""
+        return max(self.vocab * self.hidden, *(i * o for i, o in self.linears().values()))
+
     def total_params(self) -> int:
         embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
         return self.layers * self.layer_params() + embeddings + self.hidden
@@ -66,6 +70,7 @@ class ModelShape:
     lora_shapes: tuple[tuple[int, int], ...] = field(default=())  # (in, out) of every LoRA target, all layers
     trainable: int | None = None  # parameters that train; None: all (a module with frozen parts sets it)
     activation_bytes_per_sample: float = 0.0  # measured from a module's traced forward; 0: unknown
+    largest_tensor: int = 0  # elements of the largest single parameter; 0: unknown, taken as the largest unit
 
     def __post_init__(self) -> None:
         if self.params <= 0:
@@ -90,6 +95,7 @@ def from_transformer(t: Transformer, name: str) -> ModelShape:
         largest_unit=max(t.layer_params(), t.vocab * t.hidden),
         linear_params=t.layers * sum(i * o for i, o in t.linears().values()),
         lora_shapes=lora,
+        largest_tensor=t.largest_matrix(),
     )
 
 
@@ -139,6 +145,7 @@ def from_counts(
         largest_unit=t.layer_params(),
         linear_params=int(params) - 2 * vocab * hidden,
         lora_shapes=tuple(shape for _ in range(layers) for shape in t.linears().values()),
+        largest_tensor=t.largest_matrix(),
     )
 
 
@@ -189,4 +196,5 @@ def from_module(module: Any, sample_input: Any = None) -> ModelShape:
         lora_shapes=tuple((m.in_features, m.out_features) for m in linears),
         trainable=sum(p.numel() for p in module.parameters() if p.requires_grad),
         activation_bytes_per_sample=0.0 if sample_input is None else saved_activation_bytes(module, sample_input),
+        largest_tensor=max((p.numel() for p in module.parameters()), default=0),
     )

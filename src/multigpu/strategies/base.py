@@ -39,6 +39,9 @@ class Strategy(ABC):
     needs_process_group: bool = True
     #: Strategies that cast parameters themselves (FSDP's MixedPrecisionPolicy) turn the Engine's autocast off.
     uses_autocast: bool = True
+    #: Whether a model built under engine.init_module stays on the meta device until setup, which then gives each
+    #: rank only its shards (zero2/zero3); elsewhere every rank needs the whole model, built as usual.
+    builds_on_meta: bool = False
     #: Whether the micro-steps of an accumulation window run under `no_sync`, communicating only on the last.
     accumulates_unsynced: bool = True
     #: The mesh dimensions the strategy spreads its processes over (see mesh.py); its mesh has them even at
@@ -46,6 +49,11 @@ class Strategy(ABC):
     mesh_dims: tuple[str, ...] = ()
     #: Built by `build_mesh` in setup; None until then and for strategies without mesh_dims.
     mesh: DeviceMesh | None = None
+
+    def build_context(self, env: DistEnv, precision: Precision) -> contextlib.AbstractContextManager[None]:
+        """What engine.init_module builds the model inside: the meta device where setup shards it from there
+        (builds_on_meta), else nothing special."""
+        return torch.device("meta") if self.builds_on_meta else contextlib.nullcontext()
 
     def parallel_dims(self, world_size: int) -> ParallelDims | None:
         """How `world_size` processes are laid out, or None where the strategy builds no mesh. With one dimension

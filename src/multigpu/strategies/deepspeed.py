@@ -22,6 +22,7 @@ from torch import nn
 from multigpu.core.config import json_value, read_json
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError, require
+from multigpu.core.modules import give_back_freed_memory
 from multigpu.core.precision import Precision
 from multigpu.strategies.base import StepOutcome, Strategy, frozen_names
 
@@ -134,6 +135,20 @@ class DeepSpeed(Strategy):
             config["fp16"] = {"enabled": True, "auto_cast": True}
         return config
 
+    def build_context(self, env: DistEnv, precision: Precision) -> contextlib.AbstractContextManager[None]:
+        """ZeRO-3: deepspeed.zero.Init, which partitions each layer's parameters as soon as the layer is built, so
+        no rank holds the whole model; stages 1 and 2 keep whole weights on every rank, so a plain build is all.
+
+        The config is the one setup hands deepspeed.initialize, so both agree on the dtype (fp16 weights under
+        fp16-mixed; fp32 otherwise, as the Engine's bf16-mixed is autocast) and on where partitions live.
+        """
+        deepspeed = import_deepspeed(env)
+        config = self.config(precision, env.device)
+        if config["zero_optimization"]["stage"] != 3:
+            return contextlib.nullcontext()
+        init = _trimming_init(deepspeed) if env.device.type == "cpu" else deepspeed.zero.Init
+        return init(config_dict_or_path=config)
+
     @property
     def stage(self) -> int:
         return self._config["zero_optimization"]["stage"]
@@ -162,6 +177,12 @@ class DeepSpeed(Strategy):
             ]
         else:
             self._groups = [[name for name, p in model.named_parameters() if p.requires_grad]]
+        if any(hasattr(p, "ds_id") for p in model.parameters()):
+            # Built under zero.Init (init_module): initialize then leaves the module where it is, trusting zero.Init
+            # to have placed it, but buffers from factories zero.Init does not wrap (torch.rand, linspace) would stay
+            # on the CPU; a plain model's buffers go to the device with it.
+            for buffer in model.buffers():
+                buffer.data = buffer.data.to(env.device)
         engine, self._partitioned, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=self._config, dist_init_required=False
         )
@@ -323,6 +344,19 @@ class DeepSpeed(Strategy):
         if main:
             state.update({name: buffer.detach().to("cpu", copy=True) for name, buffer in _persistent_buffers(module)})
         return state
+
+
+@functools.cache
+def _trimming_init(deepspeed: Any) -> type:
+    """zero.Init for a build on the CPU: after each module's parameters are partitioned, the whole ones just freed
+    go back to the system (see give_back_freed_memory), or the heap would keep a hole per layer."""
+
+    class TrimmingInit(deepspeed.zero.Init):
+        def _post_init_method(self, module: nn.Module) -> None:
+            super()._post_init_method(module)
+            give_back_freed_memory()
+
+    return TrimmingInit
 
 
 def check_installed() -> None:

@@ -15,7 +15,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
-from multigpu.core.modules import default_units
+from multigpu.core.modules import default_units, give_back_freed_memory, materialize, on_meta, repoint
 from multigpu.core.precision import Precision
 from multigpu.strategies.base import Strategy, is_quantized
 
@@ -48,6 +48,7 @@ class FSDP(Strategy):
 
     uses_autocast = False
     mesh_dims = ("shard",)
+    builds_on_meta = True
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -59,14 +60,7 @@ class FSDP(Strategy):
         if optimizer is not None and optimizer.state:
             raise UsageError(f"{self.name} must shard a fresh optimizer; call engine.setup before the first step.")
         self.build_mesh(env)
-        if not self.cpu_offload:
-            model.to(env.device)
-        # fully_shard slices whatever each rank holds; unlike DDP it does not broadcast rank 0's weights. Every
-        # process starts from them, whichever mesh dimension it lies along.
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, src=0)
         names = {id(p): name for name, p in model.named_parameters()}
-
         common = {"mesh": self.sharding_mesh(), "reshard_after_forward": self.reshard_after_forward}
         if self.cpu_offload:
             common["offload_policy"] = CPUOffloadPolicy()
@@ -81,15 +75,34 @@ class FSDP(Strategy):
         # Packed 4-bit weights are bytes, not numbers: a cast to the compute dtype would scramble them. Their
         # layers are units of their own that gather the storage as it is; the layers dequantise it themselves.
         quantized = quantized_owners(model)
-        for unit in children_first(model, [*self.units(model), *quantized]):
-            fully_shard(unit, mp_policy=no_cast if any(unit is q for q in quantized) else unit_policy, **common)
-        fully_shard(model, mp_policy=root_policy, **common)
+        units = children_first(model, [*self.units(model), *quantized])
 
-        if optimizer is not None:
-            # fully_shard replaced every Parameter with a sharded DTensor one; point the optimizer at those.
-            sharded = dict(model.named_parameters())
-            for group in optimizer.param_groups:
-                group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        def shard(unit: nn.Module) -> None:
+            if not self.cpu_offload:
+                unit.to(env.device)
+            fully_shard(unit, mp_policy=no_cast if any(unit is q for q in quantized) else unit_policy, **common)
+            give_back_freed_memory()  # the whole unit just freed: see its doc
+
+        if on_meta(model):
+            # Built under engine.init_module: each unit gets its storage and initial values (on the CPU, from the
+            # random stream a plain build draws from, so on every rank alike) and is sharded before the next one
+            # is built: no rank holds more than its shards and one whole unit.
+            wanted = {id(unit) for unit in units}
+            materialize(model, "cpu", lambda module: shard(module) if id(module) in wanted else None)
+        else:
+            if not self.cpu_offload:
+                model.to(env.device)
+            # fully_shard slices whatever each rank holds; unlike DDP it does not broadcast rank 0's weights.
+            # Every process starts from them, whichever mesh dimension it lies along.
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
+            for unit in units:
+                shard(unit)
+        if not self.cpu_offload:
+            model.to(env.device)  # what no unit holds (embeddings, a head): the root's own
+        fully_shard(model, mp_policy=root_policy, **common)
+        # fully_shard replaced every Parameter with a sharded DTensor one; point the optimizer at those.
+        repoint(optimizer, names, model)
         return model, optimizer
 
     def sharding_mesh(self) -> DeviceMesh:

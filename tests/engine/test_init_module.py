@@ -1,0 +1,153 @@
+"""engine.init_module: a model built on the meta device comes out of setup with a plain build's values, each rank
+holding only its shards, and no rank's memory during setup above its shards and one unit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import multigpu as mg
+from multigpu.core.modules import materialize
+from tests.dist import run_in_processes
+
+SEED = 7
+WIDTH, BLOCKS = 1024, 32  # 32 units of 4 MiB each (fp32): 128 MiB of parameters in all, next to ~400 MiB of torch
+
+
+class Net(nn.Module):
+    """Blocks (the units zero2/zero3 shard) between an embedding and a head, with norms and a buffer-holding layer."""
+
+    def __init__(self, width: int = WIDTH, blocks: int = BLOCKS) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, width, padding_idx=0)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width, bias=False)) for _ in range(blocks)
+        )
+        self.norm = nn.BatchNorm1d(width)
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens).mean(dim=1)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(self.norm(x))
+
+
+def build_everything() -> nn.Module:
+    return nn.Sequential(
+        nn.Embedding(10, 8, padding_idx=0),
+        nn.Linear(8, 8),
+        nn.LayerNorm(8),
+        nn.BatchNorm1d(8),
+        nn.MultiheadAttention(8, 2, batch_first=True),
+        nn.Conv1d(8, 8, 3),
+    )
+
+
+def test_a_meta_build_materialises_to_the_plain_builds_values() -> None:
+    """Bitwise: the same initialisers run on the same CPU in the same order, from the same random stream."""
+    torch.manual_seed(SEED)
+    plain = build_everything()
+    after_plain = torch.get_rng_state()
+    torch.manual_seed(SEED)
+    with torch.device("meta"):
+        meta = build_everything()
+    torch.manual_seed(SEED)
+    materialize(meta, "cpu")
+    expected = plain.state_dict()
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in meta.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), after_plain)  # what the script draws next is unchanged too
+
+
+def test_a_module_without_reset_parameters_is_one_sentence() -> None:
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.factor = nn.Parameter(torch.ones(3))
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 3), Scale())
+    with pytest.raises(mg.UsageError, match=r"^Scale holds parameters or buffers but has no reset_parameters\(\)"):
+        materialize(model, "cpu")
+
+
+def test_tied_parameters_are_refused_in_one_sentence() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5, bias=False))
+    model[1].weight = model[0].weight
+    with pytest.raises(mg.UsageError, match=r"^0.weight and 1.weight share one parameter"):
+        materialize(model, "cpu")
+
+
+def rss_bytes(field: str) -> int:
+    """A figure from /proc/self/status, in bytes (VmRSS: now; VmHWM: the peak since the last reset)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+def setup_growth(engine: mg.Engine, meta: bool, **shape: int) -> tuple[nn.Module, torch.optim.Optimizer, int]:
+    """Builds Net (under init_module when `meta`), sets it up; returns it and the peak RSS growth meanwhile."""
+    Path("/proc/self/clear_refs").write_text("5")  # resets the peak (VmHWM) to what the process holds now
+    before = rss_bytes("VmRSS")
+    with engine.init_module() if meta else torch.no_grad():
+        model = Net(**shape)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, optimizer = engine.setup(model, optimizer)
+    return model, optimizer, rss_bytes("VmHWM") - before
+
+
+def one_step(engine: mg.Engine, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    tokens = torch.arange(8 * 6).reshape(8, 6) % 32
+    loss = model(tokens).square().mean()
+    engine.backward(loss)
+    engine.step(optimizer)
+
+
+def meta_and_plain(strategies: list[str]) -> dict:
+    """For each strategy: the weights after setup and after one step, meta build first, then a plain build; and
+    the setup's memory growth of the meta build (the first big allocation in the process: a small setup has paid
+    the one-time costs before)."""
+    setup_growth(mg.Engine(strategy=strategies[0]), meta=True, width=8, blocks=2)
+    out = {}
+    for strategy in strategies:
+        for meta in (True, False):
+            engine = mg.Engine(strategy=strategy, seed=SEED)
+            model, optimizer, growth = setup_growth(engine, meta)
+            assert not any(p.is_meta for p in model.parameters())
+            initial = {name: tensor.clone() for name, tensor in engine.full_state_dict(model).items()}
+            one_step(engine, model, optimizer)
+            out[(strategy, meta)] = {"initial": initial, "stepped": engine.full_state_dict(model), "growth": growth}
+    return out
+
+
+@pytest.mark.parametrize(
+    ("processes", "strategies"),
+    [(2, ["zero3", "zero2", "auto"]), (3, ["zero3", "zero2"])],  # auto: decided at setup, after a meta build
+)
+def test_zero2_and_zero3_under_init_module_start_from_the_one_process_build(
+    processes: int, strategies: list[str]
+) -> None:
+    ranks = run_in_processes(
+        "tests.engine.test_init_module:meta_and_plain", processes, timeout=300, strategies=strategies
+    )
+    torch.manual_seed(SEED)
+    expected = Net().state_dict()
+    model_bytes = sum(t.numel() * t.element_size() for t in expected.values())
+    unit_bytes = WIDTH * WIDTH * 4 + 2 * WIDTH * 4
+    for strategy in strategies:
+        built, plain = ranks[0][(strategy, True)], ranks[0][(strategy, False)]
+        # Bitwise: every rank ran the one-process build's initialisers, in its order, on the CPU.
+        assert all(torch.equal(built["initial"][name], tensor) for name, tensor in expected.items())
+        # The same shards train the same: one step after each build is bitwise the same.
+        assert all(torch.equal(built["stepped"][name], plain["stepped"][name]) for name in expected)
+    # The first big setup of each process, on ranks that read no checkpoint: its shard of everything, one whole
+    # unit being built, and 8 MiB for the allocator and torch's own buffers. (Made to fail by building every
+    # unit before sharding any: each rank then grows by the whole model, 128 MiB.)
+    bound = model_bytes / processes + unit_bytes + 8 * 2**20
+    first = ranks[1][("zero3", True)]["growth"]
+    assert first <= bound, f"rank 1 grew by {first / 2**20:.1f} MiB in setup, over {bound / 2**20:.1f} MiB"
