@@ -81,14 +81,19 @@ class FSDP(Strategy):
             if not self.cpu_offload:
                 unit.to(env.device)
             fully_shard(unit, mp_policy=no_cast if any(unit is q for q in quantized) else unit_policy, **common)
-            give_back_freed_memory()  # the whole unit just freed: see its doc
 
         if on_meta(model):
             # Built under engine.init_module: each unit gets its storage and initial values (on the CPU, from the
             # random stream a plain build draws from, so on every rank alike) and is sharded before the next one
             # is built: no rank holds more than its shards and one whole unit.
             wanted = {id(unit) for unit in units}
-            materialize(model, "cpu", lambda module: shard(module) if id(module) in wanted else None)
+
+            def built(module: nn.Module) -> None:
+                if id(module) in wanted:
+                    shard(module)
+                    give_back_freed_memory()  # the whole unit just freed: see its doc
+
+            materialize(model, "cpu", built)
         else:
             if not self.cpu_offload:
                 model.to(env.device)
