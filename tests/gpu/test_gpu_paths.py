@@ -193,23 +193,36 @@ def test_sync_batchnorm_converts_and_normalises_over_every_rank(nproc: int) -> N
 
 
 def zero3_built_on_meta() -> dict:
-    """zero3 under init_module on the GPU: each unit is initialised on the CPU (the plain build's random stream),
-    moved to the GPU and sharded; the weights come back as the plain build's."""
+    """zero3 under init_module on the GPU, with and without cpu_offload: where parameters and buffers end up, the
+    weights after setup, and one training step on them."""
     from tests.engine.test_init_module import SEED, Net
 
-    engine = mg.Engine(strategy="zero3", seed=SEED)
-    with engine.init_module():
-        model = Net(width=64, blocks=4)
-    model, _ = engine.setup(model)
-    devices = {str(p.device) for p in model.parameters()}
-    return {"devices": devices, "weights": engine.full_state_dict(model)}
+    out = {}
+    for offload in (False, True):
+        engine = mg.Engine(strategy="zero3", seed=SEED, cpu_offload=offload)
+        with engine.init_module():
+            model = Net(width=64, blocks=4)
+        model, optimizer = engine.setup(model, torch.optim.AdamW(model.parameters()))
+        out[offload] = {
+            "params": {str(p.device) for p in model.parameters()},
+            "buffers": {str(b.device) for b in model.buffers()},
+            "weights": engine.full_state_dict(model),
+        }
+        tokens = torch.arange(8 * 6, device=engine.device).reshape(8, 6) % 32
+        engine.backward(model(tokens).square().mean())
+        engine.step(optimizer)  # the shards train where they live, the layers compute on the GPU
+    return out
 
 
 def test_zero3_under_init_module_builds_on_the_cpu_and_shards_on_the_gpu() -> None:
+    """Rank 0 makes each unit on the CPU and scatters it over NCCL into shards on the GPU, or, with cpu_offload,
+    into shards in host memory through a GPU buffer; buffers go to the GPU either way."""
     from tests.engine.test_init_module import SEED, Net
 
     (result,) = run_in_processes("tests.gpu.test_gpu_paths:zero3_built_on_meta", 1, timeout=300)
-    assert all(device.startswith("cuda") for device in result["devices"]), result["devices"]
     torch.manual_seed(SEED)
     expected = Net(width=64, blocks=4).state_dict()
-    assert all(torch.equal(result["weights"][name].cpu(), tensor) for name, tensor in expected.items())
+    for offload, run in result.items():
+        assert run["params"] == ({"cpu"} if offload else {"cuda:0"}), run
+        assert run["buffers"] == {"cuda:0"}, run
+        assert all(torch.equal(run["weights"][name].cpu(), tensor) for name, tensor in expected.items())

@@ -29,16 +29,19 @@ def test_a_plain_build_holds_the_whole_fp32_model_on_every_rank(precision: str) 
     assert {name: m.setup for name, m in rows.items()} == {name: 28e9 * (9 / 8 if name in fsdp else 1) for name in rows}
     for name in ("ddp", "zero1", "deepspeed1", "deepspeed2"):  # every rank needs the whole model anyway
         assert rows[name].setup_init_module == 28e9
-    for name in ("zero2", "zero3", "zero3+offload", "deepspeed3"):
-        assert rows[name].setup_init_module == 28e9 / 8 + 2 * 7e8 * 4  # shard + one unit + one tensor
+    for name in ("zero2", "zero3", "zero3+offload"):  # shard + the tensor rank 0 scatters (units built on the host)
+        assert rows[name].setup_init_module == 28e9 / 8 + 7e8 * 4
+    assert rows["deepspeed3"].setup_init_module == 28e9 / 8 + 2 * 7e8 * 4  # zero.Init: + one unit + one tensor
 
 
-def test_init_module_holds_a_shard_one_layer_and_one_tensor() -> None:
-    """llama-2-7b: the largest unit is a decoder layer, the largest tensor the embedding (32000 x 4096)."""
+def test_init_module_holds_a_shard_and_one_tensor_or_a_layer() -> None:
+    """llama-2-7b: the largest unit is a decoder layer, the largest tensor the embedding (32000 x 4096). zero3's
+    rank 0 builds the layer in host memory and scatters the embedding from the GPU; zero.Init builds both there."""
     rows = by_strategy(plan("llama-2-7b", gpus=8))
     layer = 4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096
     assert rows["zero3"].setup == 26_953_662_464 * 9 / 8 and 26_953_662_464 == 6_738_415_616 * 4
-    assert rows["zero3"].setup_init_module == 26_953_662_464 / 8 + layer * 4 + 32000 * 4096 * 4 == 4_703_029_248
+    assert rows["zero3"].setup_init_module == 26_953_662_464 / 8 + 32000 * 4096 * 4 == 3_893_495_808
+    assert rows["deepspeed3"].setup_init_module == 26_953_662_464 / 8 + layer * 4 + 32000 * 4096 * 4
     assert rows["zero1"].setup_init_module == rows["zero1"].setup
 
 
@@ -101,7 +104,7 @@ def table(capsys: pytest.CaptureFixture, *extra: str) -> tuple[str, str]:
 def test_the_table_shows_setup_beside_training(capsys: pytest.CaptureFixture) -> None:
     out, zero3 = table(capsys)
     assert "setup" in out and "init_module" in out
-    assert f"{LLAMA_8B_FP32 * 9 / 8 / GIB:.2f}" in zero3 and "7.65" in zero3  # 3.74 shard + 1.96 unit + 1.96 tensor
+    assert f"{LLAMA_8B_FP32 * 9 / 8 / GIB:.2f}" in zero3 and "5.70" in zero3  # 3.74 shard + 1.96 (the embedding)
     assert "warning:" not in out  # nothing trains at batch 8, so nothing is recommended
     out, zero3 = table(capsys, "--batch-size", "1", "--activation-checkpointing")
     assert "init_module" in zero3.split("│")[-4]  # the fits column

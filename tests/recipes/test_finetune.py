@@ -1,6 +1,7 @@
 """multigpu finetune on a tiny random Llama: LoRA and QLoRA under ddp and zero3, adapters that reload, and the
 token-normalised loss that makes 1 x 8, 2 x 4 and 2 x 2 x 2 the same step."""
 
+import functools
 import json
 from pathlib import Path
 
@@ -153,3 +154,60 @@ def test_lora_under_deepspeed_zero3_writes_the_adapter_ddp_writes(tmp_path: Path
     for name, weight in adapters["ddp"].items():
         torch.testing.assert_close(adapters["deepspeed"][name], weight, atol=1e-5, rtol=1e-5)
     assert any(w.abs().sum() > 0 for name, w in adapters["ddp"].items() if "lora_B" in name)
+
+
+def first_steps(data: str, strategy: str, batch_size: int) -> dict:
+    """For full and LoRA finetuning: the first step's token-mean loss and the whole gradient of every trainable
+    parameter, with the model built from its config on the meta device and filled from its safetensors in setup."""
+    import multigpu as mg
+    from multigpu.recipes.finetune import FinetuneConfig, build, token_loss
+    from multigpu.recipes.lm_data import collate
+
+    out = {}
+    for method in ("full", "lora"):
+        engine = mg.Engine(strategy=strategy, seed=0)
+        config = FinetuneConfig(model="tiny", data=data, seq_len=48, batch_size=batch_size, method=method)
+        model, _, tokenizer, lm = build(config, engine)
+        collate_fn = functools.partial(collate, pad_id=tokenizer.pad_token_id)
+        loader = engine.dataloader(lm.train, batch_size=batch_size, collate_fn=collate_fn)
+        loss, count = token_loss(model, next(iter(loader)))
+        engine.backward(loss, count)
+        trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        out[method] = {
+            "loss": float(engine.reduce(loss.detach(), "sum") / engine.reduce(count.float(), "sum")),
+            "grads": {name: getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for name, p in trainable},
+            # Each rank held only its rows of every parameter from setup on, never the whole model.
+            "local_rows": {
+                name: p.to_local().shape[0] for name, p in model.named_parameters() if hasattr(p, "to_local")
+            },
+        }
+    return out
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_finetune_from_safetensors_under_zero3_takes_the_one_process_first_step(tmp_path: Path, processes: int) -> None:
+    """zero3 builds the model on the meta device and streams the checkpoint into the shards; the first step must
+    be the single process's: the same loss and gradients, full finetuning and LoRA alike. fp32: only the order
+    of the sums over ranks differs (the gradient's reduce-scatter, the loss's all-reduce), ~1e-7 relative."""
+    data = write_chat(tmp_path / "chat.jsonl")  # 9 training records; 6 per global batch either way
+    (one,) = run_in_processes(
+        "tests.recipes.test_finetune:first_steps", 1, timeout=180, data=data, strategy="single", batch_size=6
+    )
+    ranks = run_in_processes(
+        "tests.recipes.test_finetune:first_steps",
+        processes,
+        timeout=240,
+        data=data,
+        strategy="zero3",
+        batch_size=6 // processes,
+    )
+    for method in ("full", "lora"):
+        reference, sharded = one[method], ranks[0][method]
+        assert sharded["loss"] == pytest.approx(reference["loss"], rel=1e-6)
+        assert sharded["grads"].keys() == reference["grads"].keys()
+        for name, grad in reference["grads"].items():
+            torch.testing.assert_close(sharded["grads"][name], grad, atol=1e-5, rtol=1e-5, msg=name)
+        assert any(grad.abs().sum() > 0 for grad in reference["grads"].values())
+        # Rank 1 held only its rows of the 49152-token embedding from setup on.
+        embedding = {"full": "", "lora": "base_model.model."}[method] + "model.embed_tokens.weight"
+        assert ranks[1][method]["local_rows"][embedding] == -(-49152 // processes)

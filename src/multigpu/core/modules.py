@@ -3,8 +3,10 @@ a model built on the meta device gets its storage and its initial values."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -33,48 +35,121 @@ def default_units(model: nn.Module) -> list[nn.Module]:
 
 
 def on_meta(model: nn.Module) -> bool:
-    """Whether `model` was built on the meta device (engine.init_module): shapes without storage."""
+    """Whether `model` was built on the meta device (engine.init_module): parameters without storage."""
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
-def post_order(model: nn.Module) -> list[nn.Module]:
-    """Every module, children before their parent, siblings in registration order: the order in which a plain
-    build runs their initialisation (a child's __init__ ends before its parent's does)."""
-    ordered: list[nn.Module] = []
-    for child in model.children():
-        ordered += post_order(child)
-    return [*ordered, model]
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Builds every parameter registered inside it on the meta device, and buffers as usual.
+
+    Buffers stay real because a module computes some of them in __init__ with no way to redo it (rotary
+    frequencies): they are small, and every rank holds them whole anyway. A parameter's initialiser then runs on
+    the meta device and draws nothing from the random stream, so materialize() can draw exactly what it would have.
+    """
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and type(param) is nn.Parameter and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def post_order(model: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """Every module with its name, children before their parent, siblings in registration order: the order in which
+    a plain build runs their initialisation (a child's __init__ ends before its parent's does)."""
+    ordered: list[tuple[str, nn.Module]] = []
+    for name, child in model.named_children():
+        ordered += post_order(child, f"{prefix}{name}.")
+    return [*ordered, (prefix.rstrip("."), model)]
+
+
+#: Where pretrained values come from: the tensor stored under a parameter's or buffer's full name, or None.
+Reader = Callable[[str], "torch.Tensor | None"]
 
 
 def materialize(
-    model: nn.Module, device: torch.device | str, on_done: Callable[[nn.Module], None] | None = None
-) -> None:
-    """Gives a meta-built `model` storage on `device` and initialises it as a plain build would have: each
-    module's `reset_parameters()`, children before parents, from the random stream as it stands (the caller puts
-    it where the build began). `on_done(module)` runs once each module and everything under it is initialised,
-    so a caller can shard a unit before the next one takes memory."""
-    seen: dict[int, str] = {}
+    model: nn.Module,
+    device: torch.device | str,
+    on_done: Callable[[nn.Module], None] | None = None,
+    read: Reader | None = None,
+) -> list[str]:
+    """Gives a meta-built `model` storage on `device` and its values: `read(name)` where it has one, else what a
+    plain build would have drawn: each module's `reset_parameters()`, children before parents, from the random
+    stream as it stands (the caller puts it where the build began). `on_done(module)` runs once each module and
+    everything under it has its values, so a caller can shard or send a unit before the next one takes memory.
+    Returns the names of the tensors that were initialised rather than read."""
+    counts: dict[int, int] = {}
     for name, tensor in model.named_parameters(remove_duplicate=False):
-        if id(tensor) in seen:  # one module's to_empty would leave the other holding the old meta tensor
+        counts[id(tensor)] = counts.get(id(tensor), 0) + 1
+        if counts[id(tensor)] > 1 and read is None:  # a reset would run once per owner, on two copies
             raise UsageError(
-                f"{seen[id(tensor)]} and {name} share one parameter, which engine.init_module() cannot rebuild "
-                "shared yet; build this model outside init_module."
+                f"{name} shares its parameter with another module, which engine.init_module() cannot initialise "
+                "shared; build this model outside init_module, or give its values with engine.load_pretrained()."
             )
-        seen[id(tensor)] = name
-    for module in post_order(model):
-        if any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))):
-            # torch.nn's layers call this at the end of __init__; MultiheadAttention names it with an underscore.
-            reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
-            if reset is None:
-                raise UsageError(
-                    f"{type(module).__name__} holds parameters or buffers but has no reset_parameters(), so a "
-                    "model built under engine.init_module() cannot initialise it; give it a reset_parameters() "
-                    "that initialises its own parameters and buffers, or build the model outside init_module."
-                )
-            module.to_empty(device=device, recurse=False)
-            reset()
+    made: dict[int, torch.Tensor] = {}  # tied meta tensors already given storage, so that their owners share it
+    initialised: list[str] = []
+    for prefix, module in post_order(model):
+        values: dict[str, torch.Tensor] = {}
+        needs_reset = False
+        for slots, name, tensor in [(d, n, t) for d in (module._parameters, module._buffers) for n, t in d.items()]:
+            if tensor is None or id(tensor) in made:
+                if tensor is not None:
+                    slots[name] = made[id(tensor)]
+                continue
+            full = f"{prefix}.{name}" if prefix else name
+            value = read(full) if read is not None else None
+            if not tensor.is_meta:  # a buffer built for real (parameters_on_meta): the checkpoint's, if it has one
+                if value is not None:
+                    values[name] = value
+                continue
+            if value is None:
+                initialised.append(full)
+                needs_reset = True
+            else:
+                values[name] = value
+            slots[name] = _like(tensor, torch.empty_like(tensor, device=device))
+            if counts.get(id(tensor), 0) > 1:
+                made[id(tensor)] = slots[name]
+        if needs_reset:
+            _reset(module)
+        with torch.no_grad():
+            for name, value in values.items():
+                getattr(module, name).copy_(value)
         if on_done is not None:
             on_done(module)
+    return initialised
+
+
+def _like(old: torch.Tensor, storage: torch.Tensor) -> torch.Tensor:
+    """`storage` as what `old` was: a Parameter (keeping requires_grad) or a plain buffer tensor."""
+    return nn.Parameter(storage, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else storage
+
+
+def _reset(module: nn.Module) -> None:
+    # torch.nn's layers call this at the end of __init__; MultiheadAttention names it with an underscore.
+    reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+    if reset is None:
+        raise UsageError(
+            f"{type(module).__name__} holds parameters or buffers but has no reset_parameters(), so a model built "
+            "under engine.init_module() cannot initialise it; give it a reset_parameters() that initialises its own "
+            "parameters and buffers, load its values with engine.load_pretrained(), or build it outside init_module."
+        )
+    reset()
+
+
+def release(module: nn.Module) -> None:
+    """Puts `module`'s parameters and buffers back on the meta device, freeing their storage (its values were sent)."""
+    for slots in (m for sub in module.modules() for m in (sub._parameters, sub._buffers)):
+        for name, tensor in slots.items():
+            if tensor is not None and not tensor.is_meta:
+                slots[name] = _like(tensor, tensor.to("meta"))
 
 
 def repoint(optimizer: torch.optim.Optimizer | None, names: dict[int, str], model: nn.Module) -> None:
@@ -103,3 +178,19 @@ def _find_malloc_trim() -> Callable[[int], int] | None:
 
 
 _malloc_trim = _find_malloc_trim()
+
+
+@dataclass
+class MetaValues:
+    """Where the values of a model built on the meta device come from, on the rank that makes them: a copy of the
+    model as built (taken before setup changes it: casts, wrappers) and the pretrained checkpoint, if any.
+    Ranks that receive their shards instead hold `built=None`."""
+
+    built: nn.Module | None
+    read: Reader | None = None
+    initialised: list[str] = field(default_factory=list)
+
+    def make(self, on_done: Callable[[nn.Module], None]) -> None:
+        """Builds the copy's values on the CPU a module at a time, calling `on_done` after each (see materialize)."""
+        assert self.built is not None, "only the rank that makes the values builds them"
+        self.initialised = materialize(self.built, "cpu", on_done, self.read)

@@ -25,6 +25,7 @@ from multigpu.core.env import DistEnv, all_reduce_value, collective_device, grou
 from multigpu.core.errors import UsageError
 from multigpu.core.modules import on_meta
 from multigpu.core.precision import Precision
+from multigpu.core.pretrained import SafetensorsCheckpoint
 from multigpu.core.schedule import SampleSchedule
 from multigpu.engine import checkpoint, start
 from multigpu.engine.config import EngineConfig
@@ -75,6 +76,7 @@ class Engine:
         self.skipped_steps = 0  # optimizer steps skipped so far for inf/nan gradients (fp16-mixed)
         self._pending_save: tuple[Future, Path] | None = None  # a background save and where it goes
         self._init_rng: torch.Tensor | None = None  # the random stream where init_module's build began
+        self._pretrained: dict[int, SafetensorsCheckpoint] = {}  # load_pretrained's, by model, until setup
         self._model: nn.Module | None = None
         self._set_up: list[nn.Module] = []  # what setup was given and returned, so a second setup is caught
         self._window = _Window(other_work=True)  # the first step also pays for lazy initialisation
@@ -122,12 +124,10 @@ class Engine:
         if self._auto_pending:
             self._strategy = start.strategy_for(model, optimizer, self.env, self.config, self.print)
             self._auto_pending = False
-        if on_meta(model):
-            start.materialize_for(self._strategy, model, optimizer, self._init_rng)
-        model = start.batchnorm(model, self._strategy, self.env, self.config.sync_batchnorm)
-        if self.precision.name == "bf16-true":
-            model.to(torch.bfloat16)
-        model, optimizer = self._strategy.setup(model, optimizer, self.env, self.precision)
+        build = (self._init_rng, self._pretrained.pop(id(model), None))
+        model, optimizer = start.set_up(
+            self._strategy, model, optimizer, self.env, self.precision, self.config.sync_batchnorm, build, self.print
+        )
         forward = self.precision.wrap_forward(model.forward, self.device, self._strategy.uses_autocast)
         model.forward = watched(self.observers, "forward", forward)
         if self.precision.needs_grad_scaler:
@@ -140,13 +140,24 @@ class Engine:
         return model, optimizer
 
     @contextlib.contextmanager
-    def init_module(self) -> Iterator[None]:
-        """Builds the model made inside it on the meta device where the strategy shards (zero2, zero3, undecided
-        auto; DeepSpeed ZeRO-3: in zero.Init): setup gives each rank its shards, a unit at a time, with a plain
-        build's values. A module holding parameters or buffers needs reset_parameters() (torch.nn's have it)."""
+    def init_module(self, meta: bool | None = None) -> Iterator[None]:
+        """Builds the model made inside it with parameters on the meta device where the strategy shards (zero2,
+        zero3, auto; DeepSpeed ZeRO-3: zero.Init instead), or always with meta=True; setup gives each rank only
+        its shards, with a plain build's values or load_pretrained's (see docs/guide.md)."""
         self._init_rng = torch.get_rng_state()
-        with torch.device("meta") if self._auto_pending else self._strategy.build_context(self.env, self.precision):
+        with start.build_context(self._strategy, meta, self._auto_pending, self.env, self.precision):
             yield
+
+    def load_pretrained(self, model: nn.Module, path: str | Path) -> None:
+        """Gives `model`, built and not yet set up, a Hugging Face safetensors checkpoint's weights (a directory or a
+        file), by name, a tensor at a time. On the meta device, setup streams them from rank 0 into the shards."""
+        if any(model is known for known in self._set_up):
+            raise UsageError("engine.load_pretrained() fills a model before setup; call it before engine.setup().")
+        read = SafetensorsCheckpoint(path)
+        if on_meta(model):
+            self._pretrained[id(model)] = read
+        else:
+            self.print(read.summary(start.load_whole(model, read)))
 
     def dataloader(
         self,

@@ -3,6 +3,8 @@ sees the model), the process group it joins, the seeds, and what becomes of the 
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
 import random
 import warnings
@@ -16,8 +18,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from multigpu.core.env import DistEnv, check_backend, init_process_group
 from multigpu.core.errors import UsageError
-from multigpu.core.modules import materialize, repoint
+from multigpu.core.modules import MetaValues, materialize, on_meta, parameters_on_meta, repoint
 from multigpu.core.precision import Precision
+from multigpu.core.pretrained import SafetensorsCheckpoint
 from multigpu.engine.config import EngineConfig
 from multigpu.planner import choose_strategy
 from multigpu.strategies import DataParallel, DeepSpeed, Strategy, resolve_strategy
@@ -100,20 +103,86 @@ def strategy_for(
     )
 
 
-def materialize_for(
-    strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer | None, rng: torch.Tensor | None
-) -> None:
-    """A model built under init_module, made real for `strategy`: the random stream goes back to where the build
-    began, so the values are a plain build's; a strategy that shards (builds_on_meta) then builds it unit by unit
-    in its setup, and any other gets the whole model here, on the CPU as a plain build."""
+def build_context(
+    strategy: Strategy, meta: bool | None, auto_pending: bool, env: DistEnv, precision: Precision
+) -> contextlib.AbstractContextManager:
+    """What engine.init_module builds inside: parameters on the meta device when asked (meta=True) or while the
+    strategy is undecided (auto decides at setup), nothing special when asked not to, else the strategy's own."""
+    if meta or (meta is None and auto_pending):
+        return parameters_on_meta()
+    return strategy.build_context(env, precision) if meta is None else contextlib.nullcontext()
+
+
+def load_whole(model: nn.Module, read: SafetensorsCheckpoint) -> list[str]:
+    """Copies the checkpoint into a model that holds all its weights, a tensor at a time; returns the names it
+    does not hold (left as built)."""
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise UsageError(
+            "A model built in DeepSpeed's zero.Init is already partitioned; build it under "
+            "engine.init_module(meta=True) to load pretrained weights into it."
+        )
+    kept = []
+    with torch.no_grad():
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            value = read(name)
+            if value is None:
+                kept.append(name)
+            else:
+                tensor.copy_(value)
+    return kept
+
+
+def set_up(
+    strategy: Strategy,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    env: DistEnv,
+    precision: Precision,
+    sync_batchnorm: bool,
+    build: tuple[torch.Tensor | None, SafetensorsCheckpoint | None],
+    say: Callable[[str], None],
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """The model and optimizer set up for `strategy`, from a plain build or one on the meta device (init_module):
+    `build` is where the random stream stood when that build began, and the checkpoint load_pretrained gave it."""
+    values = meta_values(strategy, model, optimizer, env, *build, say)
+    model = batchnorm(model, strategy, env, sync_batchnorm)
+    if precision.name == "bf16-true":
+        model.to(torch.bfloat16)  # on the meta device, free; the values are cast as they arrive
+    if values is None:
+        return strategy.setup(model, optimizer, env, precision)
+    model, optimizer = strategy.setup_from_meta(model, optimizer, env, precision, values)
+    if values.read is not None:
+        say(values.read.summary(values.initialised))
+    return model, optimizer
+
+
+def meta_values(
+    strategy: Strategy,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    env: DistEnv,
+    rng: torch.Tensor | None,
+    read: SafetensorsCheckpoint | None,
+    say: Callable[[str], None],
+) -> MetaValues | None:
+    """For a model on the meta device: the random stream goes back to where its build began, so the values it is
+    given are a plain build's (or the checkpoint's). A strategy that shards (builds_on_meta) gets them from rank 0
+    a unit at a time in its setup; any other gets the whole model here, on the CPU. None: nothing left to make."""
+    if not on_meta(model):
+        return None
     if optimizer is not None and optimizer.state:
         raise UsageError("A model built under engine.init_module needs a fresh optimizer; call setup before stepping.")
     if rng is not None:
         torch.set_rng_state(rng)
-    if not strategy.builds_on_meta:
-        names = {id(p): name for name, p in model.named_parameters()}
-        materialize(model, "cpu")
-        repoint(optimizer, names, model)
+    if strategy.builds_on_meta:
+        # Only rank 0 makes the values, from a copy of the model as built (before casts and wrappers).
+        return MetaValues(copy.deepcopy(model), read) if env.rank == 0 else MetaValues(None)
+    names = {id(p): name for name, p in model.named_parameters()}
+    initialised = materialize(model, "cpu", read=read)
+    repoint(optimizer, names, model)
+    if read is not None:
+        say(read.summary(initialised))
+    return None
 
 
 def batchnorm(model: nn.Module, strategy: Strategy, env: DistEnv, sync: bool) -> nn.Module:

@@ -6,14 +6,15 @@ ZeRO-3 saves during training is spent, N times over, at setup:
                          building, so the fp32 build is its peak; QLoRA quantises as it loads, so its build is the
                          quantised model). zero2/zero3 hold this whole copy and, while fully_shard copies each
                          rank's slices out of it, the slices too: 1 + 1/N of the model (measured).
-  engine.init_module()   the model is built on the meta device and engine.setup materialises one sharding unit at
-                         a time: under zero2, zero3 (and zero3+offload, in host memory) and DeepSpeed ZeRO-3 (whose
-                         zero.Init partitions each parameter as it is created) a rank holds its shard of every
-                         parameter, one whole unit (the largest) being materialised, and on rank 0, which streams a
-                         pretrained checkpoint into the shards, one whole tensor (the largest parameter: a
-                         transformer's embedding or widest projection, a module's largest parameter, else the largest
-                         unit). The figure is rank 0's, the highest. Under single, dp, ddp, zero1 and DeepSpeed
-                         stages 1-2 every rank needs the whole model anyway: init_module builds it as the plain build.
+  engine.init_module()   the model's parameters are built on the meta device. Under zero2, zero3 and zero3+offload
+                         setup shards it there, gives each rank storage for its shards only, and fills them from
+                         rank 0, which makes one unit at a time in host memory (a plain build's values, or a
+                         pretrained checkpoint read a tensor at a time) and scatters each tensor's rows: on the
+                         device, a rank holds its shards, and rank 0 one whole tensor being scattered (the largest
+                         parameter: a transformer's embedding or widest projection). DeepSpeed ZeRO-3's zero.Init
+                         partitions each parameter as it is created: a rank holds its shard, one whole unit and
+                         one whole tensor. The figure is rank 0's, the highest. Under single, dp, ddp, zero1 and
+                         DeepSpeed stages 1-2 every rank needs the whole model anyway: the plain build's figure.
 Buffers are not counted (ModelShape has none; a Llama's are a few KB). The figures are tensors only: the fit check
 adds the framework's overhead, as training's total does. Where the model lies is the user's choice (host memory
 when built on the CPU); the planner takes the worst case, the build on the GPU, which zero2/zero3 reach anyway by
@@ -56,7 +57,8 @@ def setup_bytes(strategy: str, shape: ModelShape, world: int, built: float, buil
     width = built / built_params  # bytes per parameter, below 4 where QLoRA's weights are quantised
     unit = shape.largest_unit or shape.params // 10  # as training's gathered unit counts it
     tensor = shape.largest_tensor or unit
-    return plain, built / world + (unit + tensor) * width
+    whole_on_device = tensor if strategy in FSDP_BUILD else unit + tensor  # FSDP's rank 0 makes units on the host
+    return plain, built / world + whole_on_device * width
 
 
 def setup_fits(memory: StrategyMemory, gpu_bytes: float, overhead: float) -> str:

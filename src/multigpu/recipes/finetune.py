@@ -9,6 +9,7 @@ sequences, 2 x 4 and 2 x 2 x 2 accumulation give the same gradients.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import sys
@@ -112,14 +113,21 @@ def build(config: FinetuneConfig, engine: Engine) -> tuple[nn.Module, torch.opti
     """Tokenizer, data, model and optimizer, set up for the engine's strategy."""
     tokenizer = lm_models.load_tokenizer(config.model)
     data = lm_data.load(config.data, tokenizer, config.seq_len)
-    model = lm_models.load_model(
-        config.model,
-        config.method,
-        config.lora_r,
-        config.lora_alpha,
-        config.gradient_checkpointing,
-        precision=engine.precision.name,  # the engine's: bench and verify may run another than the config's
-    )
+    # Built from the config with its parameters on the meta device and filled from the checkpoint in setup, so
+    # that zero2/zero3 ranks never hold the whole model; qlora quantises as it reads, so it reads first.
+    skeleton = config.method != "qlora"
+    with engine.init_module(meta=True) if skeleton else contextlib.nullcontext():
+        model = lm_models.load_model(
+            config.model,
+            config.method,
+            config.lora_r,
+            config.lora_alpha,
+            config.gradient_checkpointing,
+            precision=engine.precision.name,  # the engine's: bench and verify may run another than the config's
+            skeleton=skeleton,
+        )
+    if skeleton:
+        engine.load_pretrained(model, lm_models.model_dir(config.model))
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
     model, optimizer = engine.setup(model, optimizer)

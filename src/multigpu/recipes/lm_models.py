@@ -8,7 +8,9 @@ DIR       any Hugging Face causal LM directory
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import math
 import os
 import shutil
 from pathlib import Path
@@ -153,12 +155,16 @@ def load_model(
     gradient_checkpointing: bool = False,
     adapter: str | None = None,
     precision: str = "32",
+    skeleton: bool = False,
 ) -> Any:
     """The model ready to train (or to generate with): full, or with LoRA adapters (on nf4 weights for qlora).
 
     `precision` sets the dtype the 4-bit layers compute in (qlora), so that they follow the run's precision.
+    `skeleton` builds it from its config without reading the weights (full and lora): built under
+    engine.init_module(meta=True), engine.load_pretrained(model, model_dir(name)) then fills it in setup, straight
+    into each rank's shards. Its LoRA adapters then get peft's initial values there, from the same random draws.
     """
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
     quiet_transformers()
     if method not in METHODS:
@@ -172,7 +178,12 @@ def load_model(
             bnb_4bit_quant_storage=QUANT_STORAGE,
         )
         options["device_map"] = {"": torch.cuda.current_device() if torch.cuda.is_available() else "cpu"}
-    model = AutoModelForCausalLM.from_pretrained(model_dir(name), **options)
+    if skeleton and (method == "qlora" or adapter is not None):
+        raise UsageError("Only full and lora models are built as skeletons; qlora quantises as it reads the weights.")
+    if skeleton:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir(name)), **options)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir(name), **options)
     if method == "qlora":
         keep_4bit_layout(model)
     if gradient_checkpointing:
@@ -190,7 +201,36 @@ def load_model(
     config = LoraConfig(
         r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules=lora_targets(model), task_type="CAUSAL_LM"
     )
-    return get_peft_model(model, config)
+    model = get_peft_model(model, config)
+    if skeleton:
+        initialise_lora_as_built(model)
+    return model
+
+
+def initialise_lora_as_built(model: torch.nn.Module) -> None:
+    """Makes the LoRA layers of a model built with its parameters on the meta device get, when they are made real,
+    the values peft gives them when built for real. peft draws lora_A's and lora_B's own nn.Linear initialisation,
+    then draws lora_A again (kaiming uniform, a=sqrt(5)) and zeroes lora_B. Each module's reset touches only its
+    own weight (sharding sends a module's values before the next one is made), so lora_A's reset makes all three
+    draws, lora_B's draw on a stand-in of its shape, and lora_B's reset zeroes it."""
+    from peft.tuners.lora import LoraLayer
+
+    for layer in model.modules():
+        if isinstance(layer, LoraLayer):
+            for adapter, down in layer.lora_A.items():
+                up = layer.lora_B[adapter]
+                down.reset_parameters = functools.partial(_reset_lora_down, down, up.weight.shape)
+                up.reset_parameters = functools.partial(_zero_weight, up)
+
+
+def _reset_lora_down(down: torch.nn.Linear, up_shape: torch.Size) -> None:
+    torch.nn.Linear.reset_parameters(down)
+    torch.nn.init.kaiming_uniform_(torch.empty(up_shape, dtype=down.weight.dtype), a=math.sqrt(5))
+    torch.nn.init.kaiming_uniform_(down.weight, a=math.sqrt(5))
+
+
+def _zero_weight(linear: torch.nn.Linear) -> None:
+    torch.nn.init.zeros_(linear.weight)
 
 
 def keep_4bit_layout(model: torch.nn.Module) -> None:

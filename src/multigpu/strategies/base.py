@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
+from multigpu.core.modules import MetaValues, parameters_on_meta
 from multigpu.core.precision import Precision
 from multigpu.strategies.mesh import ParallelDims
 
@@ -51,9 +52,9 @@ class Strategy(ABC):
     mesh: DeviceMesh | None = None
 
     def build_context(self, env: DistEnv, precision: Precision) -> contextlib.AbstractContextManager[None]:
-        """What engine.init_module builds the model inside: the meta device where setup shards it from there
-        (builds_on_meta), else nothing special."""
-        return torch.device("meta") if self.builds_on_meta else contextlib.nullcontext()
+        """What engine.init_module builds the model inside: parameters on the meta device where setup shards it
+        from there (builds_on_meta), else nothing special."""
+        return parameters_on_meta() if self.builds_on_meta else contextlib.nullcontext()
 
     def parallel_dims(self, world_size: int) -> ParallelDims | None:
         """How `world_size` processes are laid out, or None where the strategy builds no mesh. With one dimension
@@ -77,6 +78,18 @@ class Strategy(ABC):
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, precision: Precision
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         """Moves the model to its device and wraps model and optimizer; returns what the loop must use."""
+
+    def setup_from_meta(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        env: DistEnv,
+        precision: Precision,
+        values: MetaValues,
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """setup for a model still on the meta device (builds_on_meta strategies): each rank gets only its shards,
+        their values made by `values` on one rank."""
+        raise NotImplementedError(f"{self.name} builds whole models; the engine materialises them before setup")
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """A context in which backward accumulates local gradients without communicating."""

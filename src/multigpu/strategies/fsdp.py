@@ -15,9 +15,10 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
-from multigpu.core.modules import default_units, give_back_freed_memory, materialize, on_meta, repoint
+from multigpu.core.modules import MetaValues, default_units, on_meta, repoint
 from multigpu.core.precision import Precision
 from multigpu.strategies.base import Strategy, is_quantized
+from multigpu.strategies.fill import fill_shards
 
 UnitSelector = Callable[[nn.Module], list[nn.Module]]
 
@@ -57,10 +58,50 @@ class FSDP(Strategy):
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, precision: Precision
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        names = {id(p): name for name, p in model.named_parameters()}
+        units, shard = self._wrapping(model, optimizer, env, precision)
+        if not self.cpu_offload:
+            model.to(env.device)
+        # fully_shard slices whatever each rank holds; unlike DDP it does not broadcast rank 0's weights.
+        # Every process starts from them, whichever mesh dimension it lies along.
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+        for unit in [*units, model]:
+            shard(unit)
+        # fully_shard replaced every Parameter with a sharded DTensor one; point the optimizer at those.
+        repoint(optimizer, names, model)
+        return model, optimizer
+
+    def setup_from_meta(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        env: DistEnv,
+        precision: Precision,
+        values: MetaValues,
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """Shards `model` while it is still on the meta device, gives each rank storage for its shards only, and
+        fills them from the rank that makes the values (fill.py): no rank ever holds the whole model."""
+        names = {id(p): name for name, p in model.named_parameters()}
+        units, shard = self._wrapping(model, optimizer, env, precision)
+        wanted = {id(unit) for unit in units}
+        unit_names = {name for name, module in model.named_modules() if id(module) in wanted} | {""}
+        for unit in [*units, model]:
+            shard(unit)
+        model.to_empty(device="cpu" if self.cpu_offload else env.device)
+        for module in model.modules():  # offloaded or not, the layers compute on the device, buffers included
+            module._buffers.update({n: b.to(env.device) for n, b in module._buffers.items() if b is not None})
+        fill_shards(model, values, unit_names, self.sharding_mesh().get_group(), env.device)
+        repoint(optimizer, names, model)
+        return model, optimizer
+
+    def _wrapping(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, precision: Precision
+    ) -> tuple[list[nn.Module], Callable[[nn.Module], None]]:
+        """The units to shard, children first, and what shards one (the model itself last, as the root)."""
         if optimizer is not None and optimizer.state:
             raise UsageError(f"{self.name} must shard a fresh optimizer; call engine.setup before the first step.")
         self.build_mesh(env)
-        names = {id(p): name for name, p in model.named_parameters()}
         common = {"mesh": self.sharding_mesh(), "reshard_after_forward": self.reshard_after_forward}
         if self.cpu_offload:
             common["offload_policy"] = CPUOffloadPolicy()
@@ -75,40 +116,16 @@ class FSDP(Strategy):
         # Packed 4-bit weights are bytes, not numbers: a cast to the compute dtype would scramble them. Their
         # layers are units of their own that gather the storage as it is; the layers dequantise it themselves.
         quantized = quantized_owners(model)
-        units = children_first(model, [*self.units(model), *quantized])
 
         def shard(unit: nn.Module) -> None:
-            if not self.cpu_offload:
-                unit.to(env.device)
-            fully_shard(unit, mp_policy=no_cast if any(unit is q for q in quantized) else unit_policy, **common)
+            policy = no_cast if any(unit is q for q in quantized) else unit_policy
+            if unit is model:
+                policy = root_policy
+            if not self.cpu_offload and not on_meta(unit):
+                unit.to(env.device)  # for the root: what no unit holds (embeddings, a head)
+            fully_shard(unit, mp_policy=policy, **common)
 
-        if on_meta(model):
-            # Built under engine.init_module: each unit gets its storage and initial values (on the CPU, from the
-            # random stream a plain build draws from, so on every rank alike) and is sharded before the next one
-            # is built: no rank holds more than its shards and one whole unit.
-            wanted = {id(unit) for unit in units}
-
-            def built(module: nn.Module) -> None:
-                if id(module) in wanted:
-                    shard(module)
-                    give_back_freed_memory()  # the whole unit just freed: see its doc
-
-            materialize(model, "cpu", built)
-        else:
-            if not self.cpu_offload:
-                model.to(env.device)
-            # fully_shard slices whatever each rank holds; unlike DDP it does not broadcast rank 0's weights.
-            # Every process starts from them, whichever mesh dimension it lies along.
-            for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor.data, src=0)
-            for unit in units:
-                shard(unit)
-        if not self.cpu_offload:
-            model.to(env.device)  # what no unit holds (embeddings, a head): the root's own
-        fully_shard(model, mp_policy=root_policy, **common)
-        # fully_shard replaced every Parameter with a sharded DTensor one; point the optimizer at those.
-        repoint(optimizer, names, model)
-        return model, optimizer
+        return children_first(model, [*self.units(model), *quantized]), shard
 
     def sharding_mesh(self) -> DeviceMesh:
         """The mesh fully_shard lays parameters out on. It reads a 2-D ("replicate", "shard") mesh as HSDP (shards

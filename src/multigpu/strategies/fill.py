@@ -1,0 +1,128 @@
+"""Shards filled from one rank: a model sharded while still on the meta device gets its values from the rank that
+makes them (a plain build's initialisation, or a pretrained checkpoint read a tensor at a time), a unit at a time.
+The rank that makes them holds its shards and one whole unit; every other rank, its shards and one slice."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor, Shard
+
+from multigpu.core.modules import MetaValues, give_back_freed_memory, post_order, release
+
+
+def fill_shards(
+    model: nn.Module, values: MetaValues, unit_names: set[str], group: ProcessGroup, device: torch.device
+) -> None:
+    """Sends the values `values` makes into `model`'s shards (sharded DTensor parameters, whole buffers), the
+    tensors of each unit in `unit_names` (module names; "" is the root) as soon as that unit is made."""
+    groups = tensor_groups(model, unit_names)
+    if values.built is None:
+        for names in groups.values():
+            for name in names:
+                send(model, None, name, group, device)
+            keep_pace(group, device)
+            give_back_freed_memory()
+    else:
+        make(model, values, groups, group, device)
+    # Only the making rank drew the initial values from its random stream; every rank goes on from where that
+    # stream now stands, as every rank of a plain build would.
+    stream = torch.get_rng_state().to(device)
+    dist.broadcast(stream, src=dist.get_global_rank(group, 0), group=group)
+    torch.set_rng_state(stream.cpu())
+
+
+def make(
+    model: nn.Module, values: MetaValues, groups: dict[str, list[str]], group: ProcessGroup, device: torch.device
+) -> None:
+    built = values.built
+    assert built is not None
+    name_of = {id(module): name for name, module in built.named_modules()}
+
+    def made(module: nn.Module) -> None:
+        unit = name_of.get(id(module))
+        if unit not in groups:
+            return
+        for name in groups[unit]:
+            send(model, built, name, group, device)
+        keep_pace(group, device)
+        if unit:  # the root's tensors are the last; the copy goes when setup ends
+            release(module)
+            give_back_freed_memory()  # see its doc: without it the freed units' pages stay with this process
+
+    values.make(made)
+
+
+def keep_pace(group: ProcessGroup, device: torch.device) -> None:
+    """Waits until every rank has received the unit just sent. A transport that buffers what it sends (gloo over
+    TCP) would otherwise let the making rank run units ahead of slow receivers, holding copies of all of them."""
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
+
+
+def tensor_groups(model: nn.Module, unit_names: set[str]) -> dict[str, list[str]]:
+    """For each unit, children first, the full names of the parameters and buffers it holds that no unit inside it
+    holds; a tied parameter goes with the first unit that holds it."""
+    taken: set[int] = set()
+    groups: dict[str, list[str]] = {}
+    for name, module in post_order(model):
+        if name not in unit_names:
+            continue
+        prefix = f"{name}." if name else ""
+        tensors = [*module.named_parameters(prefix=prefix.rstrip(".")), *module.named_buffers(prefix.rstrip("."))]
+        groups[name] = [full for full, tensor in tensors if id(tensor) not in taken]
+        taken.update(id(tensor) for _, tensor in tensors)
+    return groups
+
+
+def send(model: nn.Module, built: nn.Module | None, name: str, group: ProcessGroup, device: torch.device) -> None:
+    """One tensor from the making rank (`built` is not None there) into every rank's `model`: a sharded parameter
+    scattered by rows, anything else broadcast whole."""
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    target = module._parameters[leaf] if leaf in module._parameters else module._buffers[leaf]
+    source = None
+    if built is not None:
+        owner = built.get_submodule(module_name)
+        source = owner._parameters[leaf] if leaf in owner._parameters else owner._buffers[leaf]
+    src = dist.get_global_rank(group, 0)
+    if isinstance(target, DTensor):
+        scatter_rows(target, source, group, src, device)
+        return
+    with torch.no_grad():
+        whole = target.data if target.device == device else torch.empty_like(target, device=device)
+        if source is not None:
+            whole.copy_(source)
+        dist.broadcast(whole, src=src, group=group)
+        target.data.copy_(whole)
+
+
+def scatter_rows(
+    target: DTensor, source: torch.Tensor | None, group: ProcessGroup, src: int, device: torch.device
+) -> None:
+    """Scatters `source`'s rows into `target`'s local shards, laid out as fully_shard lays them: torch.chunk
+    pieces along dim 0 (the last ones shorter or empty), padded here to one size for the collective."""
+    if target.placements != (Shard(0),) or target.dim() == 0:
+        raise NotImplementedError(f"filling a {target.placements} parameter of shape {tuple(target.shape)}")
+    size = dist.get_world_size(group)
+    rows = -(-target.shape[0] // size)
+    local = target.to_local()
+    direct = local.shape[0] == rows and local.is_contiguous() and local.device == device
+    received = local if direct else torch.empty((rows, *target.shape[1:]), dtype=target.dtype, device=device)
+    pieces = None
+    if source is not None:
+        whole = source.detach().to(device=device, dtype=target.dtype)
+        pieces = [_padded(whole[i * rows : (i + 1) * rows], rows) for i in range(size)]
+    with torch.no_grad():
+        dist.scatter(received, pieces, src=src, group=group)
+        if not direct:
+            local.copy_(received[: local.shape[0]])
+
+
+def _padded(piece: torch.Tensor, rows: int) -> torch.Tensor:
+    if piece.shape[0] == rows:
+        return piece.contiguous()
+    padded = piece.new_zeros((rows, *piece.shape[1:]))
+    padded[: piece.shape[0]] = piece
+    return padded
