@@ -9,6 +9,7 @@ import os
 import random
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 
 import numpy as np
@@ -92,15 +93,14 @@ def strategy_for(
         unsharded_grad_accum=config.unsharded_grad_accum,
     )
     say(f"strategy auto -> {name}: {reason}")
-    fsdp = name.startswith("zero2") or name.startswith("zero3")
-    return resolve_strategy(
-        "zero3" if name == "zero3+offload" else name,
-        env,
-        name == "zero3+offload",
-        unsharded_grad_accum=fsdp and config.unsharded_grad_accum,
-        find_unused_parameters=config.find_unused_parameters,
-        sync_batchnorm=config.sync_batchnorm,
+    offload = name == "zero3+offload"
+    chosen = replace(
+        config,
+        strategy="zero3" if offload else name,
+        cpu_offload=offload,
+        unsharded_grad_accum=name.startswith(("zero2", "zero3")) and config.unsharded_grad_accum,
     )
+    return resolve(chosen.strategy, env, chosen, say)
 
 
 def build_context(
