@@ -51,6 +51,7 @@ class Case:
     lr: float = 1e-2
     async_save: bool = False
     zero_stage: int | None = None  # strategy deepspeed only
+    replicate: int | None = None  # strategy hsdp only
 
 
 @dataclass
@@ -90,6 +91,7 @@ def train_engine(
         max_grad_norm=case.max_grad_norm,
         seed=0,
         zero_stage=case.zero_stage,
+        replicate=case.replicate,
     )
     model = TinyNet()
     optimizer = torch.optim.AdamW(model.parameters(), lr=case.lr)

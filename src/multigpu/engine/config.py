@@ -19,6 +19,7 @@ PEAK_TFLOPS_HELP = "the device's dense peak TFLOPS for MFU (default: looked up b
 FIND_UNUSED_HELP = (
     "ddp/zero1: let some parameters get no gradient in a step (costs a pass over the autograd graph every step)"
 )
+REPLICATE_HELP = "hsdp: whole model replicas, each sharded over its processes (default: one per node)"
 SYNC_BATCHNORM_HELP = (
     "convert BatchNorm to SyncBatchNorm, so every process normalises with the global batch's statistics "
     "(process-group strategies on GPUs; one process has nothing to synchronise)"
@@ -35,6 +36,7 @@ class EngineConfig(DeepSpeedOptions):
     max_grad_norm: float | None = field(default=None, metadata={"help": "clip the global gradient norm to this"})
     seed: int = field(default=0, metadata={"help": "seed for model init and data order (the same on every rank)"})
     cpu_offload: bool = field(default=False, metadata={"help": "keep zero3's sharded parameters in CPU memory"})
+    replicate: int | None = field(default=None, metadata={"help": REPLICATE_HELP})
     unsharded_grad_accum: bool = field(default=False, metadata={"help": UNSHARDED_GRAD_ACCUM_HELP})
     find_unused_parameters: bool = field(default=False, metadata={"help": FIND_UNUSED_HELP})
     sync_batchnorm: bool = field(default=False, metadata={"help": SYNC_BATCHNORM_HELP})

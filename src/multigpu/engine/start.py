@@ -42,6 +42,7 @@ def resolve(given: str | Strategy, env: DistEnv, config: EngineConfig, say: Call
         unsharded_grad_accum=config.unsharded_grad_accum,
         find_unused_parameters=config.find_unused_parameters,
         sync_batchnorm=config.sync_batchnorm,
+        replicate=config.replicate,
     )
 
 
@@ -49,6 +50,7 @@ def check(config: EngineConfig, nproc: int) -> None:
     """Refuses, before any process starts, what the Engine would refuse in each of `nproc` workers."""
     env = DistEnv(world_size=nproc, local_world_size=nproc)
     strategy = resolve(config.strategy, env, config, lambda _: None)
+    strategy.parallel_dims(nproc)  # a layout that does not fit the processes is refused here
     if isinstance(strategy, DeepSpeed):
         strategy.config(Precision(config.precision), env.device)
     if config.backend is not None:

@@ -45,6 +45,7 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
         strategy=config.multi_gpu,
         precision=config.precision,
         unsharded_grad_accum=config.unsharded_grad_accum,
+        replicate=config.replicate,
         **options,
     )
     start.check(engine_config, nproc)
@@ -88,6 +89,7 @@ def recipe_engine(config: Any, **settings: Any) -> Engine:
         precision=config.precision,
         grad_accum_steps=config.grad_accum_steps,
         unsharded_grad_accum=config.unsharded_grad_accum,
+        replicate=config.replicate,
         seed=config.seed,
         timeout_s=config.timeout_s,
         log_every=config.log_every,

@@ -25,7 +25,7 @@ from multigpu.core.config import Parser, add_config_arguments, config_from_args
 from multigpu.core.errors import exit_on_usage_error, require
 from multigpu.core.precision import PRECISIONS
 from multigpu.core.schedule import SampleSchedule
-from multigpu.engine.config import PEAK_TFLOPS_HELP, UNSHARDED_GRAD_ACCUM_HELP
+from multigpu.engine.config import PEAK_TFLOPS_HELP, REPLICATE_HELP, UNSHARDED_GRAD_ACCUM_HELP
 from multigpu.engine.engine import Engine
 from multigpu.recipes import lm_data, lm_models
 from multigpu.recipes.common import (
@@ -56,6 +56,7 @@ class FinetuneConfig(DeepSpeedOptions):
     batch_size: int = field(default=4, metadata={"help": "sequences per device per micro-batch"})
     grad_accum_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     unsharded_grad_accum: bool = field(default=False, metadata={"help": UNSHARDED_GRAD_ACCUM_HELP})
+    replicate: int | None = field(default=None, metadata={"help": REPLICATE_HELP})
     lr: float = field(default=2e-4, metadata={"help": "peak learning rate (AdamW)"})
     epochs: int = field(default=1, metadata={"help": "passes over the data (unless --max-steps stops sooner)"})
     max_steps: int | None = field(

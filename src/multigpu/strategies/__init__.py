@@ -13,6 +13,7 @@ from multigpu.strategies.ddp import DDP
 from multigpu.strategies.deepspeed import DeepSpeed, DeepSpeedOptions, check_installed
 from multigpu.strategies.dp import DataParallel
 from multigpu.strategies.fsdp import FSDP
+from multigpu.strategies.hsdp import HSDP
 from multigpu.strategies.single import Single
 from multigpu.strategies.zero1 import Zero1
 
@@ -24,6 +25,7 @@ _FACTORIES: dict[str, Callable[[], Strategy]] = {
     "zero2": lambda: FSDP(reshard_after_forward=False),
     "zero3": FSDP,
     "fsdp": FSDP,
+    "hsdp": HSDP,
     "deepspeed": DeepSpeed,
 }
 STRATEGIES = ("auto", *_FACTORIES)
@@ -31,6 +33,7 @@ STRATEGIES = ("auto", *_FACTORIES)
 __all__ = [
     "DDP",
     "FSDP",
+    "HSDP",
     "STRATEGIES",
     "DataParallel",
     "DeepSpeed",
@@ -52,6 +55,7 @@ def resolve_strategy(
     unsharded_grad_accum: bool = False,
     find_unused_parameters: bool = False,
     sync_batchnorm: bool = False,
+    replicate: int | None = None,
 ) -> Strategy:
     """Turns a strategy name (or a configured Strategy) into the Strategy that will run, or refuses."""
     deepspeed = deepspeed or DeepSpeedOptions()
@@ -99,6 +103,11 @@ def resolve_strategy(
     if find_unused_parameters and isinstance(strategy, DDP):
         # Other strategies take parameters without gradients as they come, so the option asks nothing of them.
         strategy.find_unused_parameters = True
+    if replicate is not None and not isinstance(strategy, HSDP):
+        raise UsageError(f"replicate is hsdp's number of replicas; drop it or use strategy hsdp, not {strategy.name}.")
+    if isinstance(strategy, HSDP) and strategy.replicate is None:
+        # By default one replica per node: each node shards the model over its own fast links.
+        strategy.replicate = replicate or max(1, env.world_size // env.local_world_size)
     check_sync_batchnorm(sync_batchnorm, strategy, env)
     if not strategy.needs_process_group and env.is_distributed:
         raise UsageError(

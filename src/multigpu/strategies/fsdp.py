@@ -91,7 +91,7 @@ class FSDP(Strategy):
         model.to_empty(device="cpu" if self.cpu_offload else env.device)
         for module in model.modules():  # offloaded or not, the layers compute on the device, buffers included
             module._buffers.update({n: b.to(env.device) for n, b in module._buffers.items() if b is not None})
-        fill_shards(model, values, unit_names, self.sharding_mesh().get_group(), env.device)
+        fill_shards(model, values, unit_names, self.sharding_mesh(), env.device)
         repoint(optimizer, names, model)
         return model, optimizer
 
