@@ -99,9 +99,10 @@ def materialize(
         values: dict[str, torch.Tensor] = {}
         needs_reset = False
         for slots, name, tensor in [(d, n, t) for d in (module._parameters, module._buffers) for n, t in d.items()]:
-            if tensor is None or id(tensor) in made:
-                if tensor is not None:
-                    slots[name] = made[id(tensor)]
+            if tensor is None:
+                continue
+            if id(tensor) in made:  # tied to a tensor an earlier module has made already
+                slots[name] = made[id(tensor)]
                 continue
             full = f"{prefix}.{name}" if prefix else name
             value = read(full) if read is not None else None

@@ -40,8 +40,9 @@ def plan(model: Any, sample_input: Any = None, **options: Any) -> Plan:
 
 def _built_on_meta(model: Any) -> bool:
     """A module built under engine.init_module() reaches engine.setup with its parameters on the meta device."""
-    parameters = model.parameters() if hasattr(model, "parameters") else ()
-    return any(p.is_meta for p in parameters)
+    from multigpu.core.modules import on_meta  # torch, only when a module is given
+
+    return hasattr(model, "parameters") and on_meta(model)
 
 
 def choose_strategy(

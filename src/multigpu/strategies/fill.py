@@ -101,13 +101,8 @@ def tensor_groups(model: nn.Module, unit_names: set[str]) -> dict[str, list[str]
 def send(model: nn.Module, built: nn.Module | None, name: str, route: Route) -> None:
     """One tensor from global rank 0 (where `built` is not None) into every rank's `model`: a sharded parameter
     scattered by rows, anything else broadcast whole."""
-    module_name, _, leaf = name.rpartition(".")
-    module = model.get_submodule(module_name)
-    target = module._parameters[leaf] if leaf in module._parameters else module._buffers[leaf]
-    source = None
-    if built is not None:
-        owner = built.get_submodule(module_name)
-        source = owner._parameters[leaf] if leaf in owner._parameters else owner._buffers[leaf]
+    target = _tensor(model, name)
+    source = None if built is None else _tensor(built, name)
     with torch.no_grad():
         if isinstance(target, DTensor):
             local = target.to_local()
@@ -143,6 +138,13 @@ def scatter_rows(target: DTensor, source: torch.Tensor | None, route: Route) -> 
     dist.scatter(received, pieces, src=dist.get_global_rank(route.shard, 0), group=route.shard)
     if not direct:
         local.copy_(received[: local.shape[0]])
+
+
+def _tensor(model: nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer `name` as its module holds it (a sharded DTensor parameter stays one)."""
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    return module._parameters[leaf] if leaf in module._parameters else module._buffers[leaf]
 
 
 def _padded(piece: torch.Tensor, rows: int) -> torch.Tensor:

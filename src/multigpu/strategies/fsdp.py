@@ -15,7 +15,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
-from multigpu.core.modules import MetaValues, default_units, on_meta, repoint
+from multigpu.core.modules import MetaValues, default_units, repoint
 from multigpu.core.precision import Precision
 from multigpu.strategies.base import Strategy, is_quantized
 from multigpu.strategies.fill import fill_shards
@@ -121,8 +121,6 @@ class FSDP(Strategy):
             policy = no_cast if any(unit is q for q in quantized) else unit_policy
             if unit is model:
                 policy = root_policy
-            if not self.cpu_offload and not on_meta(unit):
-                unit.to(env.device)  # for the root: what no unit holds (embeddings, a head)
             fully_shard(unit, mp_policy=policy, **common)
 
         return children_first(model, [*self.units(model), *quantized]), shard
