@@ -90,8 +90,12 @@ def gather_in_order(tensor: torch.Tensor, batches: list[Batch], device: torch.de
     real = torch.tensor([is_real for _, is_real in owned], dtype=torch.bool)
     if grouped():
         tensor, indices, real = (all_gather_rows(t, device) for t in (tensor, indices, real))
-    order = torch.argsort(indices[real.to(indices.device)])
-    return tensor[real.to(tensor.device)][order.to(tensor.device)]
+    indices = indices[real.to(indices.device)]
+    order = torch.argsort(indices, stable=True)
+    # The ranks of one replica (tensor parallelism) read the same samples: each sample's rows count once.
+    first = torch.ones(len(order), dtype=torch.bool)
+    first[1:] = indices[order][1:] != indices[order][:-1]
+    return tensor[real.to(tensor.device)][order[first].to(tensor.device)]
 
 
 class DistributedLoader:

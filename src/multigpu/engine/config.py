@@ -20,6 +20,10 @@ FIND_UNUSED_HELP = (
     "ddp/zero1: let some parameters get no gradient in a step (costs a pass over the autograd graph every step)"
 )
 REPLICATE_HELP = "hsdp: whole model replicas, each sharded over its processes (default: one per node)"
+TP_SIZE_HELP = (
+    "tensor parallel degree: each layer of the model's tp_plan split over this many processes, which read the "
+    "same batch (strategy tp: every process; zero2, zero3, hsdp: inside their data parallelism)"
+)
 SYNC_BATCHNORM_HELP = (
     "convert BatchNorm to SyncBatchNorm, so every process normalises with the global batch's statistics "
     "(process-group strategies on GPUs; one process has nothing to synchronise)"
@@ -37,6 +41,7 @@ class EngineConfig(DeepSpeedOptions):
     seed: int = field(default=0, metadata={"help": "seed for model init and data order (the same on every rank)"})
     cpu_offload: bool = field(default=False, metadata={"help": "keep zero3's sharded parameters in CPU memory"})
     replicate: int | None = field(default=None, metadata={"help": REPLICATE_HELP})
+    tp_size: int | None = field(default=None, metadata={"help": TP_SIZE_HELP})
     unsharded_grad_accum: bool = field(default=False, metadata={"help": UNSHARDED_GRAD_ACCUM_HELP})
     find_unused_parameters: bool = field(default=False, metadata={"help": FIND_UNUSED_HELP})
     sync_batchnorm: bool = field(default=False, metadata={"help": SYNC_BATCHNORM_HELP})
@@ -59,6 +64,8 @@ class EngineConfig(DeepSpeedOptions):
             raise UsageError(f"grad_accum_steps must be 1 or more (got {self.grad_accum_steps}).")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise UsageError(f"max_grad_norm must be positive (got {self.max_grad_norm}); leave it unset for none.")
+        if self.tp_size is not None and self.tp_size < 1:
+            raise UsageError(f"tp_size must be 1 or more (got {self.tp_size}); leave it unset for none.")
         if self.timeout_s <= 0:
             raise UsageError(f"timeout_s must be positive (got {self.timeout_s}).")
         if self.log_every < 0:

@@ -61,6 +61,8 @@ class Engine:
         self.env = DistEnv.from_environ()
         self._strategy = start.resolve(strategy, self.env, config, self.print)
         self._auto_pending = config.strategy == "auto" and self.env.is_distributed
+        # Which batch this rank reads, among how many: tensor-parallel ranks of one replica read the same one.
+        self._data_rank, self._data_world = self._strategy.data_parallel(self.env.rank, self.env.world_size)
         self.precision = Precision(config.precision)
         self.device = self.env.device
         start.join(self.env, self._strategy, config)
@@ -104,6 +106,12 @@ class Engine:
     @property
     def world_size(self) -> int:
         return self.env.world_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many different batches one micro-step trains on (world_size over the tensor-parallel degree): the
+        loader's batch_size is per data-parallel rank, so the global batch is batch_size x this x accumulation."""
+        return self._data_world
 
     @property
     def is_main_process(self) -> bool:
@@ -176,8 +184,8 @@ class Engine:
             drop_last=drop_last,
             num_workers=num_workers,
             collate_fn=collate_fn,
-            rank=self.rank,
-            world_size=self.world_size,
+            rank=self._data_rank,
+            world_size=self._data_world,
             grad_accum_steps=self.config.grad_accum_steps,
             seed=self.config.seed,
             device=self.device,
@@ -185,7 +193,10 @@ class Engine:
         )
         if not self._printed_batch_size:
             self._printed_batch_size = True
-            self.print(loader.batch_size_line())
+            shared = self.world_size // self._data_world
+            # Under tensor parallelism "processes" counts the data-parallel ranks; say who reads the same batch.
+            together = f" (each read by the {shared} tensor-parallel processes of a replica)" if shared > 1 else ""
+            self.print(loader.batch_size_line() + together)
         return loader
 
     def _on_batch(self, loader: DistributedLoader, batch: Batch) -> None:
@@ -232,12 +243,12 @@ class Engine:
         if summed:
             count = torch.as_tensor(count, dtype=torch.float64, device=self.device).detach()
             self._window.count = count if self._window.count is None else self._window.count + count
-            # DDP and FSDP average gradients over ranks; the world factor turns that back into a sum.
-            weight = float(self.world_size)
+            # DDP and FSDP average gradients over the data-parallel ranks; this factor turns that into a sum.
+            weight = float(self._data_world)
             share = loss.detach().double()
         else:
             weight = self._batch.weight if self._batch is not None else 1.0 / self.config.grad_accum_steps
-            share = loss.detach().double() * weight / self.world_size
+            share = loss.detach().double() * weight / self._data_world
         if self._wants_loss:
             self._window.loss = share if self._window.loss is None else self._window.loss + share
         loss = loss * weight
@@ -299,6 +310,7 @@ class Engine:
             totals = totals.to(collective_device(self.device))
             with watching(self.observers, "step totals"):
                 dist.all_reduce(totals)
+            totals /= self.world_size // self._data_world  # the ranks of one replica all hold its totals
         count, loss = totals.tolist()
         if window.count is None:
             return None, loss

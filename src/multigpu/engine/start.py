@@ -43,6 +43,7 @@ def resolve(given: str | Strategy, env: DistEnv, config: EngineConfig, say: Call
         find_unused_parameters=config.find_unused_parameters,
         sync_batchnorm=config.sync_batchnorm,
         replicate=config.replicate,
+        tp_size=config.tp_size,
     )
 
 

@@ -46,6 +46,7 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
         precision=config.precision,
         unsharded_grad_accum=config.unsharded_grad_accum,
         replicate=config.replicate,
+        tp_size=config.tp_size,
         **options,
     )
     start.check(engine_config, nproc)
@@ -90,6 +91,7 @@ def recipe_engine(config: Any, **settings: Any) -> Engine:
         grad_accum_steps=config.grad_accum_steps,
         unsharded_grad_accum=config.unsharded_grad_accum,
         replicate=config.replicate,
+        tp_size=config.tp_size,
         seed=config.seed,
         timeout_s=config.timeout_s,
         log_every=config.log_every,

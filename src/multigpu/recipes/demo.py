@@ -42,6 +42,9 @@ def spiral(samples: int, classes: int = 3, seed: int = 1234) -> TensorDataset:
 def train(engine: Engine, config: DemoConfig) -> float:
     """Trains and returns the validation accuracy, computed over the whole validation set."""
     model = nn.Sequential(nn.Linear(2, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 3))
+    # Under tensor parallelism: the first layer's outputs split, the GELU works on each slice, the second layer
+    # sums the slices' contributions (strategies/tp.py).
+    model.tp_plan = {"0": "colwise", "2": "rowwise"}
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     model, optimizer = engine.setup(model, optimizer)
     engine.print(f"strategy {engine.strategy}, precision {engine.precision.name}, {engine.world_size} process(es)")

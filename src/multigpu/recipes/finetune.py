@@ -25,7 +25,7 @@ from multigpu.core.config import Parser, add_config_arguments, config_from_args
 from multigpu.core.errors import exit_on_usage_error, require
 from multigpu.core.precision import PRECISIONS
 from multigpu.core.schedule import SampleSchedule
-from multigpu.engine.config import PEAK_TFLOPS_HELP, REPLICATE_HELP, UNSHARDED_GRAD_ACCUM_HELP
+from multigpu.engine.config import PEAK_TFLOPS_HELP, REPLICATE_HELP, TP_SIZE_HELP, UNSHARDED_GRAD_ACCUM_HELP
 from multigpu.engine.engine import Engine
 from multigpu.recipes import lm_data, lm_models
 from multigpu.recipes.common import (
@@ -57,6 +57,7 @@ class FinetuneConfig(DeepSpeedOptions):
     grad_accum_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     unsharded_grad_accum: bool = field(default=False, metadata={"help": UNSHARDED_GRAD_ACCUM_HELP})
     replicate: int | None = field(default=None, metadata={"help": REPLICATE_HELP})
+    tp_size: int | None = field(default=None, metadata={"help": TP_SIZE_HELP})
     lr: float = field(default=2e-4, metadata={"help": "peak learning rate (AdamW)"})
     epochs: int = field(default=1, metadata={"help": "passes over the data (unless --max-steps stops sooner)"})
     max_steps: int | None = field(
@@ -207,7 +208,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     if resume_from is not None:
         engine.load(resume_from, state)
         engine.print(f"resumed from {resume_from} at step {state['step']} ({scheduler.seen} samples done)")
-    global_batch = config.batch_size * engine.world_size * config.grad_accum_steps
+    global_batch = config.batch_size * engine.data_parallel_size * config.grad_accum_steps
     total = state["step"] + math.ceil((scheduler.total_samples - scheduler.seen) / global_batch)  # for the bar
     # ZeRO-3 under DeepSpeed leaves each parameter empty outside forward; ds_numel is its real size.
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in unwrap(model).parameters() if p.requires_grad)
@@ -227,7 +228,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
             with engine.accumulate(model):
                 loss, count = token_loss(model, batch)
                 engine.backward(loss, count=count)
-            tokens += float(count) * engine.world_size
+            tokens += float(count) * engine.data_parallel_size
             if engine.step(optimizer, scheduler):
                 state["step"] += 1
                 rate = tokens / (time.perf_counter() - start)

@@ -21,7 +21,7 @@ from multigpu.core.config import Parser, add_config_arguments, config_from_args
 from multigpu.core.errors import exit_on_usage_error, require
 from multigpu.core.precision import PRECISIONS
 from multigpu.core.schedule import SampleSchedule
-from multigpu.engine.config import PEAK_TFLOPS_HELP, REPLICATE_HELP, UNSHARDED_GRAD_ACCUM_HELP
+from multigpu.engine.config import PEAK_TFLOPS_HELP, REPLICATE_HELP, TP_SIZE_HELP, UNSHARDED_GRAD_ACCUM_HELP
 from multigpu.engine.engine import Engine
 from multigpu.recipes import activity_data, activity_models
 from multigpu.recipes.activity_models import MODES
@@ -59,6 +59,7 @@ class TrainConfig(DeepSpeedOptions):
     grad_accum_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     unsharded_grad_accum: bool = field(default=False, metadata={"help": UNSHARDED_GRAD_ACCUM_HELP})
     replicate: int | None = field(default=None, metadata={"help": REPLICATE_HELP})
+    tp_size: int | None = field(default=None, metadata={"help": TP_SIZE_HELP})
     max_grad_norm: float | None = field(default=None, metadata={"help": "clip the global gradient norm"})
     num_workers: int = field(default=0, metadata={"help": "data-loading processes per rank (the data is in memory)"})
     precision: str = field(default="32", metadata={"help": "number format", "choices": PRECISIONS})
@@ -122,7 +123,7 @@ def train(config: TrainConfig) -> dict:
     spec = activity_models.layer_spec(config.mode, data.channels, data.window, len(data.labels))
     model = activity_models.build(spec)
     parameters = sum(p.numel() for p in model.parameters())
-    lr = scaled_lr(config, engine.world_size)
+    lr = scaled_lr(config, engine.data_parallel_size)
     if config.lr_scaling != "none":
         engine.print(f"lr {config.lr:g} x {lr / config.lr:g} ({config.lr_scaling} scaling) = {lr:g}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=config.weight_decay)

@@ -15,6 +15,7 @@ from multigpu.strategies.dp import DataParallel
 from multigpu.strategies.fsdp import FSDP
 from multigpu.strategies.hsdp import HSDP
 from multigpu.strategies.single import Single
+from multigpu.strategies.tp import TensorParallel
 from multigpu.strategies.zero1 import Zero1
 
 _FACTORIES: dict[str, Callable[[], Strategy]] = {
@@ -26,6 +27,7 @@ _FACTORIES: dict[str, Callable[[], Strategy]] = {
     "zero3": FSDP,
     "fsdp": FSDP,
     "hsdp": HSDP,
+    "tp": TensorParallel,
     "deepspeed": DeepSpeed,
 }
 STRATEGIES = ("auto", *_FACTORIES)
@@ -40,6 +42,7 @@ __all__ = [
     "DeepSpeedOptions",
     "Single",
     "Strategy",
+    "TensorParallel",
     "Zero1",
     "resolve_strategy",
 ]
@@ -56,6 +59,7 @@ def resolve_strategy(
     find_unused_parameters: bool = False,
     sync_batchnorm: bool = False,
     replicate: int | None = None,
+    tp_size: int | None = None,
 ) -> Strategy:
     """Turns a strategy name (or a configured Strategy) into the Strategy that will run, or refuses."""
     deepspeed = deepspeed or DeepSpeedOptions()
@@ -68,6 +72,11 @@ def resolve_strategy(
         strategy = spec
     elif spec not in STRATEGIES:
         raise UsageError(f"Unknown strategy {spec!r}; choose one of {', '.join(STRATEGIES)}.")
+    elif spec == "auto" and tp_size not in (None, 1):
+        raise UsageError(
+            "Strategy auto does not choose tensor parallelism; name the strategy to run it with (tp, ddp, zero2, "
+            "zero3 or hsdp) beside tp_size."
+        )
     elif spec == "auto" and env.is_distributed:
         strategy = DDP()  # joins the process group now; Engine.setup asks the planner once it sees the model
     elif spec == "auto":
@@ -108,6 +117,7 @@ def resolve_strategy(
     if isinstance(strategy, HSDP) and strategy.replicate is None:
         # By default one replica per node: each node shards the model over its own fast links.
         strategy.replicate = replicate or max(1, env.world_size // env.local_world_size)
+    set_tp(strategy, tp_size, env)
     check_sync_batchnorm(sync_batchnorm, strategy, env)
     if not strategy.needs_process_group and env.is_distributed:
         raise UsageError(
@@ -115,6 +125,23 @@ def resolve_strategy(
             "train alone; launch one process, or use ddp/zero1/zero2/zero3."
         )
     return strategy
+
+
+def set_tp(strategy: Strategy, tp_size: int | None, env: DistEnv) -> None:
+    """Gives `strategy` its tensor-parallel degree (tp: every process unless told), or refuses one it cannot run."""
+    if isinstance(strategy, TensorParallel):
+        strategy.tp = tp_size or env.world_size
+        return
+    if tp_size is None or tp_size == 1:
+        return
+    if not strategy.composes_with_tp:
+        # ddp's replicas inside tensor parallelism are hsdp's with one process per shard (FSDP2 takes DTensors).
+        raise UsageError(
+            f"tp_size splits layers alone (strategy tp) or inside the data parallelism of zero2, zero3 or hsdp, not "
+            f"{strategy.name}; choose one of those (ddp's whole replicas: hsdp with --replicate processes/tp_size) "
+            "or drop tp_size."
+        )
+    strategy.tp = tp_size
 
 
 def check_sync_batchnorm(sync_batchnorm: bool, strategy: Strategy, env: DistEnv) -> None:

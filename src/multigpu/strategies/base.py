@@ -4,12 +4,14 @@ the gradient norm."""
 from __future__ import annotations
 
 import contextlib
+import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -21,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from multigpu.core.env import DistEnv
+from multigpu.core.env import DistEnv, grouped
 from multigpu.core.errors import UsageError
 from multigpu.core.modules import MetaValues, parameters_on_meta
 from multigpu.core.precision import Precision
@@ -50,6 +52,11 @@ class Strategy(ABC):
     mesh_dims: tuple[str, ...] = ()
     #: Built by `build_mesh` in setup; None until then and for strategies without mesh_dims.
     mesh: DeviceMesh | None = None
+    #: Whether the strategy can run inside tensor parallelism (tp.py), as the data-parallel dimension outside it.
+    composes_with_tp: bool = False
+    #: The tensor-parallel degree (resolve_strategy sets it from tp_size): each planned layer split over this many
+    #: neighbouring processes, which all read the same batch.
+    tp: int = 1
 
     def build_context(self, env: DistEnv, precision: Precision) -> contextlib.AbstractContextManager[None]:
         """What engine.init_module builds the model inside: parameters on the meta device where setup shards it
@@ -63,7 +70,25 @@ class Strategy(ABC):
             return None
         if len(self.mesh_dims) > 1:
             raise NotImplementedError(f"{type(self).__name__} uses {self.mesh_dims}: override parallel_dims.")
-        return ParallelDims(**{self.mesh_dims[0]: world_size})
+        return ParallelDims(**{self.mesh_dims[0]: self.outside_tp(world_size)}, tp=self.tp)
+
+    def outside_tp(self, world_size: int) -> int:
+        """How many groups of tp processes `world_size` makes, or one sentence refusing a tp_size that does not
+        divide it."""
+        if world_size % self.tp:
+            raise UsageError(
+                f"{self.name} x tp {self.tp} needs a multiple of {self.tp} processes, but {world_size} were launched; "
+                f"launch a multiple of {self.tp} or choose a tp_size that divides {world_size}."
+            )
+        return world_size // self.tp
+
+    def data_parallel(self, rank: int, world_size: int) -> tuple[int, int]:
+        """(this rank's index among the data-parallel ranks, their number): the processes that read different
+        batches. The tensor- and pipeline-parallel processes of one replica read the same one."""
+        dims = self.parallel_dims(world_size)
+        if dims is None:
+            return rank, world_size
+        return dims.data_parallel_rank(rank), dims.data_parallel_size
 
     def build_mesh(self, env: DistEnv) -> DeviceMesh | None:
         """The strategy's mesh, built on the first call (setup's) and the same object after that."""
@@ -128,7 +153,8 @@ class Strategy(ABC):
         norm = None
         if max_grad_norm is not None:
             norm = self.total_grad_norm(params)
-            torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm)
+            for group in by_mesh(params, lambda p: p.grad).values():
+                torch.nn.utils.clip_grads_with_norm_(group, max_grad_norm, norm)
         applied = True
         if scaler is not None:
             scale = scaler.get_scale()
@@ -144,9 +170,22 @@ class Strategy(ABC):
     def total_grad_norm(self, parameters: Iterable[nn.Parameter]) -> torch.Tensor:
         """The 2-norm of all gradients of the *whole* model, the same on every rank."""
         grads = [p.grad for p in parameters if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        # Sharded gradients give a DTensor whose local value is this rank's partial norm.
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        if not grads:
+            return torch.zeros(())
+        # Each rank adds up the squares of what it holds, each divided by the number of ranks that hold the same
+        # elements (DTensors' replicated mesh dimensions; whole tensors are the same on every rank), and one
+        # all-reduce sums them. One sum, so every rank gets the same norm bitwise, whatever mix of plain tensors
+        # and DTensors on different meshes tensor parallelism and zero3 make.
+        by_copies: dict[int, list[torch.Tensor]] = {}
+        for grad in grads:
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            by_copies.setdefault(holders(grad), []).append(local)
+        square = sum(
+            torch.nn.utils.get_total_norm(group, 2.0).double() ** 2 / copies for copies, group in by_copies.items()
+        )
+        if grouped():
+            dist.all_reduce(square)
+        return square.sqrt().float()
 
     # State dicts keyed by parameter names, sharded as the strategy holds them (DTensors under FSDP), so that
     # torch.distributed.checkpoint can reshard them for any other world size or strategy on load. Frozen
@@ -191,6 +230,27 @@ class Strategy(ABC):
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
         set_optimizer_state_dict(model, optimizer, state)
+
+
+def holders(tensor: torch.Tensor) -> int:
+    """How many ranks hold each element of `tensor`: a DTensor's replicated mesh dimensions, all ranks for a
+    whole tensor."""
+    if not isinstance(tensor, DTensor):
+        return dist.get_world_size() if grouped() else 1
+    placements = zip(tensor.placements, tensor.device_mesh.shape, strict=True)
+    return math.prod(size for placement, size in placements if placement.is_replicate())
+
+
+def by_mesh(items: list, tensor_of: Callable[[Any], Any]) -> dict[object, list]:
+    """`items` grouped by the mesh of their tensor (None: plain tensors). torch's norm and foreach calls take one
+    kind at a time, and tensor parallelism mixes them: whole tensors (layers left whole) and DTensors on two meshes
+    (tp's splits, and zero3's shards of those on shard x tp)."""
+    groups: dict[object, list] = {}
+    for item in items:
+        tensor = tensor_of(item)
+        if tensor is not None:
+            groups.setdefault(tensor.device_mesh if isinstance(tensor, DTensor) else None, []).append(item)
+    return groups
 
 
 def frozen_names(model: nn.Module) -> set[str]:

@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -19,6 +18,7 @@ from multigpu.core.modules import MetaValues, default_units, repoint
 from multigpu.core.precision import Precision
 from multigpu.strategies.base import Strategy, is_quantized
 from multigpu.strategies.fill import fill_shards
+from multigpu.strategies.tp import start_alike, tensor_parallelize
 
 UnitSelector = Callable[[nn.Module], list[nn.Module]]
 
@@ -49,7 +49,12 @@ class FSDP(Strategy):
 
     uses_autocast = False
     mesh_dims = ("shard",)
-    builds_on_meta = True
+    composes_with_tp = True
+
+    @property
+    def builds_on_meta(self) -> bool:  # type: ignore[override]
+        # Filling shards from one rank (fill.py) knows the rows of one sharded dimension, not tp's splits as well.
+        return self.tp == 1
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -63,9 +68,9 @@ class FSDP(Strategy):
         if not self.cpu_offload:
             model.to(env.device)
         # fully_shard slices whatever each rank holds; unlike DDP it does not broadcast rank 0's weights.
-        # Every process starts from them, whichever mesh dimension it lies along.
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, src=0)
+        start_alike(model)
+        if self.tp > 1:  # tp splits the layers first; fully_shard then shards each slice over the shard dimension
+            tensor_parallelize(model, self.mesh["tp"])
         for unit in [*units, model]:
             shard(unit)
         # fully_shard replaced every Parameter with a sharded DTensor one; point the optimizer at those.

@@ -28,14 +28,15 @@ class HSDP(FSDP):
         return "hsdp"
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
-        replicate = self.replicate or 1
-        if world_size % replicate:
-            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        replicate, groups = self.replicate or 1, self.outside_tp(world_size)
+        if groups % replicate:
+            divisors = [d for d in range(1, groups + 1) if groups % d == 0]
+            of_tp = f" groups of tp {self.tp}" if self.tp > 1 else " processes"
             raise UsageError(
-                f"hsdp cannot split {world_size} processes into {replicate} equal replicas; choose a replicate "
-                f"degree that divides {world_size} ({', '.join(map(str, divisors))})."
+                f"hsdp cannot split {groups}{of_tp} into {replicate} equal replicas; choose a replicate "
+                f"degree that divides {groups} ({', '.join(map(str, divisors))})."
             )
-        return ParallelDims(replicate=replicate, shard=world_size // replicate)
+        return ParallelDims(replicate=replicate, shard=groups // replicate, tp=self.tp)
 
     def sharding_mesh(self) -> DeviceMesh:
-        return self.mesh  # fully_shard reads a 2-D (replicate, shard) mesh as HSDP
+        return self.mesh["replicate", "shard"]  # fully_shard reads a 2-D (replicate, shard) mesh as HSDP

@@ -47,6 +47,11 @@ class ParallelDims:
         """How many different batches one step trains on: replicas and shards each read their own."""
         return self.replicate * self.shard
 
+    def data_parallel_rank(self, rank: int) -> int:
+        """Which of the data-parallel ranks global `rank` is: its index over (replicate, shard), as the mesh lays
+        ranks out (MESH_ORDER, tp innermost, pp outermost)."""
+        return (rank // self.tp) % self.data_parallel_size
+
     def layout(self, keep: Sequence[str] = ()) -> tuple[tuple[str, int], ...]:
         """(name, degree) of the mesh's dimensions, outermost first: those of degree above 1, and those in `keep`
         whatever their degree (a strategy keeps its own, so that `mesh["shard"]` works in a one-process run)."""

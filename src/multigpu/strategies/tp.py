@@ -1,0 +1,172 @@
+"""Tensor parallelism: the planned layers' weight matrices split across the processes of the mesh's "tp" dimension.
+
+The plan is the model's: Hugging Face models carry one (`model.tp_plan`, e.g. Llama's q/k/v/gate/up projections
+split by output columns, o/down by input rows, the embedding by vocabulary rows); a model of one's own declares a
+`tp_plan` attribute the same way, module-name patterns ("blocks.*.up", `*` one name in the path) -> a style below.
+The `tp` strategy is tensor parallelism alone (every process one slice of every planned layer); zero2, zero3 and
+hsdp compose with it through `tp_size` (their data-parallel dimensions outside, tp inside a node; hsdp with one
+process per shard is ddp's whole replicas).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from multigpu.core.env import DistEnv
+from multigpu.core.errors import UsageError
+from multigpu.core.modules import repoint
+from multigpu.core.precision import Precision
+from multigpu.strategies.base import Strategy, move_to_device
+from multigpu.strategies.mesh import ParallelDims
+
+#: The styles a plan may name (Hugging Face's names), and what each splits. A column split leaves each process a
+#: slice of the layer's outputs (the next rowwise layer takes exactly that slice); a row split sums the partial
+#: outputs of every process, so its output is whole again.
+STYLES: dict[str, Callable[[], ParallelStyle]] = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    # The output head: split by vocabulary, the logits gathered whole so that any loss function works on them.
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    # An embedding split by vocabulary rows: each process looks up the tokens in its rows, the sum is whole.
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+}
+
+
+def model_plan(model: nn.Module) -> dict[str, str]:
+    """The model's tensor-parallel plan (its `tp_plan`), or one sentence saying how to give one."""
+    plan = getattr(model, "tp_plan", None)
+    if not plan:
+        raise UsageError(
+            f"{type(model).__name__} has no tensor-parallel plan; give the model a tp_plan attribute mapping "
+            "module-name patterns to colwise/rowwise (e.g. {'blocks.*.up': 'colwise', 'blocks.*.down': 'rowwise'}), "
+            "or drop tp_size."
+        )
+    unknown = sorted({style for style in plan.values() if style not in STYLES})
+    if unknown:
+        raise UsageError(
+            f"The tensor-parallel plan of {type(model).__name__} names style(s) {', '.join(map(str, unknown))}, which "
+            f"multigpu does not apply; use {', '.join(STYLES)}."
+        )
+    return dict(plan)
+
+
+def planned_modules(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Module name -> style for every module a pattern of `plan` matches; a pattern that matches none is refused."""
+    names = [name for name, _ in model.named_modules() if name]
+    found: dict[str, str] = {}
+    for pattern, style in plan.items():
+        regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
+        matched = [name for name in names if regex.fullmatch(name)]
+        if not matched:
+            raise UsageError(
+                f"The tensor-parallel plan's pattern {pattern!r} matches no module of {type(model).__name__}; "
+                "correct the pattern (names as model.named_modules() gives them) or remove it."
+            )
+        found.update(dict.fromkeys(matched, style))
+    return found
+
+
+def check_divisible(model: nn.Module, modules: dict[str, str], degree: int) -> None:
+    """Refuses a split that does not come out even: the features each style splits, and a Hugging Face model's
+    attention heads (each process must get whole heads)."""
+    config = getattr(model, "config", None)
+    for heads in ("num_attention_heads", "num_key_value_heads"):
+        count = getattr(config, heads, None)
+        if isinstance(count, int) and count % degree:
+            raise UsageError(
+                f"tp_size {degree} does not divide the model's {count} {heads.replace('num_', '').replace('_', ' ')}; "
+                "choose a tp_size that divides it."
+            )
+    for name, style in modules.items():
+        module = model.get_submodule(name)
+        if not isinstance(module, nn.Linear | nn.Embedding):
+            raise UsageError(
+                f"The tensor-parallel plan splits {name}, a {type(module).__name__}; only Linear and Embedding "
+                "layers can be split: point the pattern at the layers inside it."
+            )
+        # A column split cuts the output features (rows of the weight), a row split the input features.
+        rows, columns = module.weight.shape
+        size = rows if style.startswith("colwise") or isinstance(module, nn.Embedding) else columns
+        if size % degree:
+            raise UsageError(
+                f"tp_size {degree} does not divide the {size} features {name} splits ({style}); choose a tp_size "
+                "that divides it."
+            )
+
+
+def tensor_parallelize(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Splits `model`'s planned layers over `mesh` (one dimension) in place: their weights become DTensors sharded
+    over it; the other parameters stay whole on every process, where they get the same gradient everywhere."""
+    modules = planned_modules(model, model_plan(model))
+    check_divisible(model, modules, mesh.size())
+    ties = _ties(model)
+    parallelize_module(model, mesh, {name: STYLES[style]() for name, style in modules.items()})
+    # Splitting replaces each Parameter with a new one, so a weight shared by two layers (a head tied to the
+    # embeddings) would become two; both are split the same way, so the second name gets the first one's back.
+    for (owner, attribute), (source, source_attribute) in ties:
+        setattr(owner, attribute, getattr(source, source_attribute))
+
+
+def _ties(model: nn.Module) -> list[tuple[tuple[nn.Module, str], tuple[nn.Module, str]]]:
+    """(module, attribute) pairs that hold a parameter already held under an earlier name, with that first place."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    ties = []
+    for module in model.modules():
+        for attribute, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) in first:
+                ties.append(((module, attribute), first[id(param)]))
+            else:
+                first[id(param)] = (module, attribute)
+    return ties
+
+
+@dataclass
+class TensorParallel(Strategy):
+    """Tensor parallelism over every process: one slice of each planned layer per process, one batch for all."""
+
+    name = "tp"
+    mesh_dims = ("tp",)
+
+    def parallel_dims(self, world_size: int) -> ParallelDims:
+        if self.tp not in (1, world_size):
+            raise UsageError(
+                f"Strategy tp splits each layer over every process, so tp_size {self.tp} needs {self.tp} processes, "
+                f"but {world_size} were launched; launch {self.tp}, or add data parallelism with strategy zero2, zero3 "
+                f"or hsdp and tp_size {self.tp}."
+            )
+        return ParallelDims(tp=world_size)
+
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, precision: Precision
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        mesh = self.build_mesh(env)
+        names = {id(p): name for name, p in model.named_parameters()}
+        model = move_to_device(model, env)
+        start_alike(model)
+        tensor_parallelize(model, mesh["tp"])
+        repoint(optimizer, names, model)
+        return model, optimizer
+
+    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        # Split gradients are DTensors: an overflow found in one process's slice must skip the step everywhere.
+        return ShardedGradScaler(device=device.type)
+
+
+def start_alike(model: nn.Module) -> None:
+    """Gives every process rank 0's weights and buffers: the split layers take their slices from them, and the
+    layers that stay whole must be the same everywhere."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(tensor.data, src=0)

@@ -1,0 +1,130 @@
+"""Tensor parallelism, alone and inside data parallelism, on a tiny Llama's full fine-tune (Llama's own tp_plan):
+every layout lands on the one-process validation loss of the same global batch, a checkpoint moves between
+layouts, and layouts that do not fit are refused before anything starts.
+
+Three launches (4, 2 and 1 processes) run every cell one after another; the 4-process launch saves a checkpoint
+that the 2-process one resumes, whose own checkpoint the 1-process one resumes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.dist import multigpu, run_in_processes
+from tests.recipes.test_finetune import write_text
+
+GLOBAL_BATCH, STEPS = 4, 4
+# fp32: the split layers sum their partial products in another order, and the loss's all-reduce too: ~1e-7
+# relative per step, far inside 1e-4, while a sample dropped or a gradient scaled by the tp degree moves the loss
+# by 1e-2 or more. bf16-mixed rounds each product to 8 bits where the split groups them differently: the bound the
+# recipe matrix uses (tests/recipes/test_matrix.py).
+TOLERANCE = {"32": 1e-4, "bf16-mixed": 2e-2}
+
+# name -> (processes, settings); batch_size is per data-parallel rank, so that every global batch is 4.
+CELLS: dict[str, tuple[int, dict]] = {
+    "single-32": (1, {"multi_gpu": "single"}),
+    "single-bf16-mixed": (1, {"multi_gpu": "single", "precision": "bf16-mixed"}),
+    "tp-32": (2, {"multi_gpu": "tp"}),
+    "tp-bf16-mixed": (2, {"multi_gpu": "tp", "precision": "bf16-mixed"}),
+    "tp-accumulate-2": (2, {"multi_gpu": "tp", "batch_size": 2, "grad_accum_steps": 2}),
+    "replicas-x-tp": (4, {"multi_gpu": "hsdp", "replicate": 2, "tp_size": 2, "batch_size": 2}),  # ddp x tp
+    "zero3-x-tp": (4, {"multi_gpu": "zero3", "tp_size": 2, "batch_size": 2}),
+    "zero2-x-tp-bf16-mixed": (4, {"multi_gpu": "zero2", "tp_size": 2, "batch_size": 2, "precision": "bf16-mixed"}),
+    "hsdp-2x2": (4, {"multi_gpu": "hsdp", "replicate": 2, "batch_size": 1}),
+}
+# A run under one layout saves a checkpoint at step 2; another layout resumes it: (processes, settings) of each.
+MOVES: dict[str, list[tuple[int, dict]]] = {
+    "zero3-x-tp-then-tp": [(4, CELLS["zero3-x-tp"][1]), (2, CELLS["tp-32"][1])],
+    "tp-then-single": [(2, CELLS["tp-32"][1]), (1, CELLS["single-32"][1])],
+}
+
+
+def run_cells(workdir: str, runs: list[tuple[str, dict]]) -> dict:
+    """Fine-tunes the tiny Llama (full) for each (name, settings) in turn, in save directory `name`: the validation
+    losses, and how many rows of a split layer rank 0 holds."""
+    from torch.distributed.tensor import DTensor
+
+    from multigpu.recipes.finetune import FinetuneConfig, finetune
+
+    out = {}
+    for name, settings in runs:
+        options = {"batch_size": GLOBAL_BATCH, "max_steps": STEPS, "resume": "none", **settings}
+        if options["resume"] != "none":
+            options["resume"] = str(Path(workdir) / options["resume"])
+        config = FinetuneConfig(
+            model="tiny", data=str(Path(workdir) / "text.txt"), method="full", seq_len=32, lr=3e-3, log_every=0,
+            save_dir=str(Path(workdir) / name), **options,
+        )  # fmt: skip
+        result = finetune(config)
+        query = result["model"].get_submodule("model.layers.0.self_attn.q_proj").weight
+        local = query.to_local() if isinstance(query, DTensor) else query
+        out[name] = {"val_loss": [h["val_loss"] for h in result["history"]], "query_rows": local.shape[0]}
+    return out
+
+
+def runs_on(processes: int) -> list[tuple[str, dict]]:
+    """The cells and moves of one launch: a move's first run saves every 2 steps, its second resumes step 2."""
+    runs = [(name, settings) for name, (n, settings) in CELLS.items() if n == processes]
+    for name, (first, second) in MOVES.items():
+        if first[0] == processes:
+            runs.append((f"{name}-first", {**first[1], "save_every": STEPS // 2}))
+        if second[0] == processes:
+            runs.append((f"{name}-second", {**second[1], "resume": f"{name}-first/checkpoints/step-00000002"}))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    workdir = tmp_path_factory.mktemp("tp")
+    write_text(workdir / "text.txt")
+    found: dict = {}
+    for processes in (4, 2, 1):  # the order the checkpoints of MOVES are written and read
+        ranks = run_in_processes(
+            "tests.strategies.test_tp:run_cells", processes, timeout=420, workdir=str(workdir), runs=runs_on(processes)
+        )
+        assert all(rank.keys() == ranks[0].keys() for rank in ranks)
+        found.update(ranks[0])
+    return found
+
+
+@pytest.mark.parametrize("name", [name for name, (n, _) in CELLS.items() if n > 1])
+def test_each_layout_reaches_the_one_process_validation_loss(results: dict, name: str) -> None:
+    precision = CELLS[name][1].get("precision", "32")
+    reference, found = results[f"single-{precision}"], results[name]
+    assert found["val_loss"][0] == pytest.approx(reference["val_loss"][0], rel=TOLERANCE[precision])
+    assert found["val_loss"][1] == pytest.approx(reference["val_loss"][1], rel=TOLERANCE[precision])
+    assert reference["val_loss"][1] < reference["val_loss"][0] - 0.05  # the steps changed the model
+    # Llama's plan splits q_proj by output rows over tp (64 rows, 4 heads of 16): each rank holds half of them,
+    # halved again where zero shards the slice.
+    split = {"tp-32": 32, "tp-bf16-mixed": 32, "tp-accumulate-2": 32, "replicas-x-tp": 32, "hsdp-2x2": 32}
+    assert found["query_rows"] == split.get(name, 16)
+
+
+@pytest.mark.parametrize("name", MOVES)
+def test_a_checkpoint_moves_between_layouts_and_lands_where_one_process_does(results: dict, name: str) -> None:
+    """Steps 3 and 4 resumed under another layout (weights, optimizer state, data position and schedule from the
+    checkpoint) end where one process's 4 uninterrupted steps end; fp32, the bound of the layouts' own cells."""
+    first, second = results[f"{name}-first"]["val_loss"], results[f"{name}-second"]["val_loss"]
+    reference = results["single-32"]["val_loss"]
+    assert first[1] == pytest.approx(reference[1], rel=1e-4)
+    # Evaluated right after the resume: the model of step 2, which lies between the start and the end.
+    assert reference[1] + 0.05 < second[0] < reference[0] - 0.05
+    assert second[1] == pytest.approx(reference[1], rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("args", "sentence"),
+    [
+        (["--nproc", "3", "--strategy", "zero3", "--tp-size", "2"], "zero3 x tp 2 needs a multiple of 2 processes, "),
+        (["--nproc", "4", "--strategy", "tp", "--tp-size", "2"], "Strategy tp splits each layer over every process"),
+        (["--nproc", "4", "--strategy", "ddp", "--tp-size", "2"], "tp_size splits layers alone (strategy tp) or "),
+        (["--nproc", "2", "--tp-size", "2"], "Strategy auto does not choose tensor parallelism; "),
+        (["--nproc", "8", "--strategy", "hsdp", "--tp-size", "2", "--replicate", "3"], "hsdp cannot split 4 groups"),
+    ],
+)
+def test_a_layout_that_does_not_fit_is_refused_before_anything_starts(args: list[str], sentence: str) -> None:
+    result = multigpu("demo", *args)
+    assert result.returncode == 2, result.stdout
+    assert result.stdout.count(sentence) == 1 and result.stdout.count("\n") == 1, result.stdout
