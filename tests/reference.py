@@ -52,6 +52,7 @@ class Case:
     async_save: bool = False
     zero_stage: int | None = None  # strategy deepspeed only
     replicate: int | None = None  # strategy hsdp only
+    two_calls: bool = False  # forward + engine.backward as two calls, instead of engine.forward_backward
 
 
 @dataclass
@@ -107,8 +108,11 @@ def train_engine(
         for x, y in loader:
             batch = loader.yielded[-1]
             seen.append((epoch, batch.indices[: batch.real]))
-            with engine.accumulate(model):
-                engine.backward(nn.functional.cross_entropy(model(x), y))
+            if case.two_calls:
+                with engine.accumulate(model):
+                    engine.backward(nn.functional.cross_entropy(model(x), y))
+            else:
+                engine.forward_backward(model, x, y, nn.functional.cross_entropy)
             if engine.step(optimizer):
                 scheduler.step()
                 norms.append(engine.last_grad_norm)

@@ -7,6 +7,7 @@ token-mean  the loss averaged over each rank's own tokens, then averaged over ra
 """
 
 import argparse
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -49,6 +50,9 @@ def collate(samples: list[dict]) -> dict:
 
 
 class NextToken(nn.Module):
+    # Under tensor parallelism: hidden's outputs split, tanh on each slice, out sums the slices' contributions.
+    tp_plan: ClassVar[dict[str, str]] = {"hidden": "colwise", "out": "rowwise"}
+
     def __init__(self, dropout: float) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, 24)

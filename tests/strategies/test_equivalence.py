@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -15,6 +16,12 @@ MATRIX = [
     Case(strategy, precision, accum)
     for strategy, precision, accum in itertools.product(STRATEGIES, ("32", "bf16-mixed"), (1, 4))
 ] + [Case(strategy, precision, 2) for strategy, precision in itertools.product(STRATEGIES, ("fp16-mixed", "bf16-true"))]
+# The same cases with forward and engine.backward as two calls (the loop above uses engine.forward_backward).
+TWO_CALLS = {
+    index: dataclasses.replace(MATRIX[index], two_calls=True)
+    for index, case in enumerate(MATRIX)
+    if case.precision in ("32", "fp16-mixed") and case.grad_accum_steps > 1
+}
 
 
 def train_cases(cases: list[Case]) -> list[Outcome]:
@@ -37,7 +44,8 @@ def assert_matches(case: Case, got: Outcome, want: Outcome) -> None:
 
 @pytest.fixture(scope="module")
 def two_process_outcomes() -> list[list[Outcome]]:
-    return run_in_processes("tests.strategies.test_equivalence:train_cases", 2, timeout=300, cases=MATRIX)
+    cases = MATRIX + list(TWO_CALLS.values())
+    return run_in_processes("tests.strategies.test_equivalence:train_cases", 2, timeout=300, cases=cases)
 
 
 @pytest.mark.parametrize(
@@ -49,6 +57,20 @@ def test_two_processes_match_one(two_process_outcomes: list[list[Outcome]], inde
     for name in rank0.params:  # every rank ends with the same model
         assert torch.equal(rank0.params[name], rank1.params[name])
     assert_matches(case, rank0, train_reference(case, world_size=2))
+
+
+@pytest.mark.parametrize("index", TWO_CALLS, ids=[f"{MATRIX[i].strategy}-{MATRIX[i].precision}" for i in TWO_CALLS])
+def test_forward_backward_is_the_two_calls_it_replaces(two_process_outcomes: list[list[Outcome]], index: int) -> None:
+    """engine.forward_backward runs the very operations of `with accumulate: backward(loss_fn(model(x), y))`, in
+    the same order: the weights agree bitwise, over accumulation windows, clipping and fp16 loss scaling."""
+    one_call, two_calls = (
+        two_process_outcomes[0][index],
+        two_process_outcomes[0][len(MATRIX) + list(TWO_CALLS).index(index)],
+    )
+    assert one_call.params.keys() == two_calls.params.keys()
+    for name, param in one_call.params.items():
+        assert torch.equal(param, two_calls.params[name]), name
+    assert one_call.grad_norms == two_calls.grad_norms
 
 
 THREE_PROCESS = [

@@ -186,3 +186,11 @@ def test_one_process_keeps_the_strategy_dimension() -> None:
         }
         assert_matches(CASE, outcome, want)
     assert report["kept"]["shape"] == (1, 1)
+
+
+def test_the_data_parallel_rank_skips_the_tensor_parallel_ranks_of_a_replica() -> None:
+    """tp innermost, pp outermost: the tp ranks of one replica read one batch, each pipeline stage counts alike."""
+    assert [ParallelDims(shard=2, tp=2).data_parallel_rank(rank) for rank in range(4)] == [0, 0, 1, 1]
+    dims = ParallelDims(pp=2, replicate=2, shard=1, tp=2)
+    assert [dims.data_parallel_rank(rank) for rank in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [ParallelDims(replicate=3).data_parallel_rank(rank) for rank in range(3)] == [0, 1, 2]

@@ -263,6 +263,30 @@ class Engine:
         self._mark = time.perf_counter()
         self._backward_ran = True
 
+    def forward_backward(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor | tuple[torch.Tensor, int | torch.Tensor]],
+    ) -> torch.Tensor:
+        """One micro-step in one call: `model(inputs)` (a dict is passed as keywords, a tuple as arguments), then
+        `loss_fn(output, targets)`, then backward inside the accumulation window; returns the loss, detached.
+
+        `loss_fn` returns the mean loss over the batch, or (sum, count) for a loss normalised by the count over the
+        whole global batch (tokens), as engine.backward's `count`. The same call serves every strategy, so a loop
+        written with it needs no change where forward and backward cannot be two separate calls (a pipeline).
+        """
+        with self.accumulate(model):
+            if isinstance(inputs, dict):
+                output = model(**inputs)
+            else:
+                output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+            result = loss_fn(output, targets)
+            loss, count = result if isinstance(result, tuple) else (result, None)
+            self.backward(loss, count=count)
+        return loss.detach()
+
     def step(self, optimizer: torch.optim.Optimizer, scheduler: LRScheduler | None = None) -> bool:
         """On the last micro-step of a window: unscale, clip, step, zero the gradients, advance `scheduler` and
         return True; on the others, return False.

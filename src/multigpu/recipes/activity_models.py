@@ -40,5 +40,11 @@ def layer_spec(mode: str, channels: int, window: int, classes: int) -> list[list
     raise ValueError(f"unknown mode {mode!r}")
 
 
+def tp_plan(mode: str) -> dict[str, str]:
+    """Under tensor parallelism the MLP's first hidden layer is split by outputs, the second sums the slices (the
+    ReLU between works on each slice); the CNN has no plan."""
+    return {"1": "colwise", "3": "rowwise"} if mode == "flatten" else {}
+
+
 def build(spec: list[list]) -> nn.Sequential:
     return nn.Sequential(*[getattr(nn, name)(*args) for name, *args in spec])

@@ -56,9 +56,7 @@ def train(engine: Engine, config: DemoConfig) -> float:
         start, total, batches = time.perf_counter(), 0.0, 0
         model.train()
         for points, label in train_loader:
-            with engine.accumulate(model):
-                loss = loss_fn(model(points), label)
-                engine.backward(loss)
+            loss = engine.forward_backward(model, points, label, loss_fn)
             engine.step(optimizer)
             total, batches = total + loss.item(), batches + 1
         model.eval()

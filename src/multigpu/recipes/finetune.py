@@ -3,7 +3,7 @@
     python -m multigpu.recipes.finetune --model smollm2 --data shakespeare --method lora ...
 
 The loss of each step is the mean over the target tokens of its whole global batch: every micro-batch backs
-up its *summed* token loss with its token count (`engine.backward(loss_sum, count=tokens)`), so 1 process x 8
+up its *summed* token loss with its token count (`loss_fn` returns both to `engine.forward_backward`), so 1 process x 8
 sequences, 2 x 4 and 2 x 2 x 2 accumulation give the same gradients.
 """
 
@@ -97,14 +97,27 @@ class FinetuneConfig(DeepSpeedOptions):
             (self.lora_r >= 1 and self.lora_alpha >= 1, "--lora-r and --lora-alpha must be 1 or more."),
             (self.method in lm_models.METHODS, f"Unknown --method {self.method!r}; choose full, lora or qlora."),
             (not self.merge or self.method != "full", "--merge merges an adapter; drop it for --method full."),
+            (
+                self.method == "full" or (self.multi_gpu != "tp" and (self.tp_size or 1) == 1),
+                f"--method {self.method} does not run under tensor parallelism yet (its adapters are not split with "
+                "the layers); use --method full, or drop --tp-size and --multi-gpu tp.",
+            ),
         ]
         require(*checks)
 
 
 def token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed cross-entropy over the target tokens, their number); labels are already aligned with inputs."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    labels = batch["labels"]
+    return summed_token_loss(model(**model_inputs(batch)), batch["labels"])
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
+def summed_token_loss(output: Any, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed cross-entropy of `output`'s logits over the target tokens, their number)."""
+    logits = output.logits
     loss = nn.functional.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
     )
@@ -225,9 +238,8 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     start, tokens = time.perf_counter(), 0.0
     while not scheduler.done:
         for batch in train_loader:
-            with engine.accumulate(model):
-                loss, count = token_loss(model, batch)
-                engine.backward(loss, count=count)
+            loss = engine.forward_backward(model, model_inputs(batch), batch["labels"], summed_token_loss)
+            count = (batch["labels"] != -100).sum()
             tokens += float(count) * engine.data_parallel_size
             if engine.step(optimizer, scheduler):
                 state["step"] += 1

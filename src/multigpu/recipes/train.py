@@ -86,6 +86,11 @@ class TrainConfig(DeepSpeedOptions):
             (self.keep_last >= 1, f"--keep-last must be 1 or more (got {self.keep_last})."),
             (self.save_every >= 0, f"--save-every must be 0 or more (got {self.save_every})."),
             (self.mode in MODES, f"Unknown --mode {self.mode!r}; choose one of {', '.join(MODES)}."),
+            (
+                self.mode == "flatten" or (self.multi_gpu != "tp" and (self.tp_size or 1) == 1),
+                "--mode conv has no layers tensor parallelism can split (convolutions); use --mode flatten under "
+                "--multi-gpu tp or --tp-size.",
+            ),
         ]
         require(*checks)
 
@@ -122,6 +127,7 @@ def train(config: TrainConfig) -> dict:
     data = activity_data.load(config.data)
     spec = activity_models.layer_spec(config.mode, data.channels, data.window, len(data.labels))
     model = activity_models.build(spec)
+    model.tp_plan = activity_models.tp_plan(config.mode)
     parameters = sum(p.numel() for p in model.parameters())
     lr = scaled_lr(config, engine.data_parallel_size)
     if config.lr_scaling != "none":
@@ -182,10 +188,8 @@ def train(config: TrainConfig) -> dict:
         state["epoch_loss"] = [0.0, 0.0]
         for x, y in train_loader:
             real = train_loader.yielded[-1].real
-            with engine.accumulate(model):
-                loss = nn.functional.cross_entropy(model(x), y)
-                engine.backward(loss)
-            epoch_loss += torch.stack([loss.detach().double() * real, epoch_loss.new_tensor(float(real))])
+            loss = engine.forward_backward(model, x, y, nn.functional.cross_entropy)
+            epoch_loss += torch.stack([loss.double() * real, epoch_loss.new_tensor(float(real))])
             samples += train_loader.yielded[-1].global_size
             update_lr = optimizer.param_groups[0]["lr"]  # of this update: the schedule gives the next one on its step
             if engine.step(optimizer, scheduler):

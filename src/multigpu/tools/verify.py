@@ -41,6 +41,9 @@ class VerifyConfig:
     precision: str | None = field(
         default=None, metadata={"help": "precision for both runs (default: the script's own)", "choices": PRECISIONS}
     )
+    tp_size: int | None = field(
+        default=None, metadata={"help": "tensor-parallel degree of the N-process run (with --strategy zero3, ...)"}
+    )
     steps: int = field(default=20, metadata={"help": "optimizer steps to compare"})
     loss_tolerance: float | None = field(
         default=None, metadata={"help": "allowed relative loss difference per step (default: by precision)"}
@@ -59,6 +62,11 @@ class VerifyConfig:
             raise UsageError(
                 "--nproc 1 compares one process with itself; pass --strategy (e.g. zero3) to check that strategy "
                 "in one process, or --nproc 2 or more."
+            )
+        if self.tp_size is not None and (self.strategy is None or self.nproc % self.tp_size):
+            raise UsageError(
+                f"--tp-size {self.tp_size} needs --strategy (tp, zero2, zero3 or hsdp) and a --nproc it divides "
+                f"(got {self.nproc}); give both."
             )
         if self.steps < 1:
             raise UsageError(f"--steps must be 1 or more (got {self.steps}).")
@@ -91,9 +99,11 @@ def verify(config: VerifyConfig, target: list[str], module: bool = False) -> Ver
         one.mkdir()
         many.mkdir()
         common = {"precision": config.precision, "steps": config.steps, "record_loss": True, "dump_params": True}
-        reference = harness.Harness(str(one), strategy="single", grad_accum_factor=config.nproc, **common)
+        # One process stands in for the N-process run's data-parallel ranks (tensor-parallel ones share a batch).
+        tp = config.tp_size or (config.nproc if config.strategy == "tp" else 1)
+        reference = harness.Harness(str(one), strategy="single", grad_accum_factor=config.nproc // tp, **common)
         ref = harness.run(target, module, 1, reference)[0]
-        under_test = harness.Harness(str(many), strategy=config.strategy, **common)
+        under_test = harness.Harness(str(many), strategy=config.strategy, tp_size=config.tp_size, **common)
         dist = harness.run(target, module, config.nproc, under_test)[0]
         return compare(config, ref, dist, _params(one), _params(many))
 
