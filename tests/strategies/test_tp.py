@@ -1,6 +1,6 @@
-"""Tensor parallelism, alone and inside data parallelism, on a tiny Llama's full fine-tune (Llama's own tp_plan):
-every layout lands on the one-process validation loss of the same global batch, a checkpoint moves between
-layouts, and layouts that do not fit are refused before anything starts.
+"""Tensor parallelism, alone and inside data parallelism, on a tiny Llama's fine-tune (full and LoRA, by Llama's
+own tp_plan): every layout lands on the one-process validation loss of the same global batch, a checkpoint moves
+between layouts, and layouts that do not fit are refused before anything starts.
 
 Three launches (4, 2 and 1 processes) run every cell one after another; the 4-process launch saves a checkpoint
 that the 2-process one resumes, whose own checkpoint the 1-process one resumes.
@@ -33,6 +33,9 @@ CELLS: dict[str, tuple[int, dict]] = {
     "zero3-x-tp": (4, {"multi_gpu": "zero3", "tp_size": 2, "batch_size": 2}),
     "zero2-x-tp-bf16-mixed": (4, {"multi_gpu": "zero2", "tp_size": 2, "batch_size": 2, "precision": "bf16-mixed"}),
     "hsdp-2x2": (4, {"multi_gpu": "hsdp", "replicate": 2, "batch_size": 1}),
+    "single-lora": (1, {"multi_gpu": "single", "method": "lora"}),
+    "tp-lora": (2, {"multi_gpu": "tp", "method": "lora"}),
+    "zero3-x-tp-lora": (4, {"multi_gpu": "zero3", "tp_size": 2, "batch_size": 2, "method": "lora"}),
 }
 # A run under one layout saves a checkpoint at step 2; another layout resumes it: (processes, settings) of each.
 MOVES: dict[str, list[tuple[int, dict]]] = {
@@ -50,15 +53,16 @@ def run_cells(workdir: str, runs: list[tuple[str, dict]]) -> dict:
 
     out = {}
     for name, settings in runs:
-        options = {"batch_size": GLOBAL_BATCH, "max_steps": STEPS, "resume": "none", **settings}
+        options = {"batch_size": GLOBAL_BATCH, "max_steps": STEPS, "resume": "none", "method": "full", **settings}
         if options["resume"] != "none":
             options["resume"] = str(Path(workdir) / options["resume"])
         config = FinetuneConfig(
-            model="tiny", data=str(Path(workdir) / "text.txt"), method="full", seq_len=32, lr=3e-3, log_every=0,
+            model="tiny", data=str(Path(workdir) / "text.txt"), seq_len=32, lr=3e-3, log_every=0,
             save_dir=str(Path(workdir) / name), **options,
         )  # fmt: skip
         result = finetune(config)
-        query = result["model"].get_submodule("model.layers.0.self_attn.q_proj").weight
+        inner = "model." if options["method"] == "full" else "base_model.model.model."
+        query = result["model"].get_submodule(f"{inner}layers.0.self_attn.q_proj").weight
         local = query.to_local() if isinstance(query, DTensor) else query
         out[name] = {"val_loss": [h["val_loss"] for h in result["history"]], "query_rows": local.shape[0]}
     return out
@@ -92,13 +96,21 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.mark.parametrize("name", [name for name, (n, _) in CELLS.items() if n > 1])
 def test_each_layout_reaches_the_one_process_validation_loss(results: dict, name: str) -> None:
     precision = CELLS[name][1].get("precision", "32")
-    reference, found = results[f"single-{precision}"], results[name]
+    lora = CELLS[name][1].get("method") == "lora"
+    reference, found = results["single-lora" if lora else f"single-{precision}"], results[name]
     assert found["val_loss"][0] == pytest.approx(reference["val_loss"][0], rel=TOLERANCE[precision])
     assert found["val_loss"][1] == pytest.approx(reference["val_loss"][1], rel=TOLERANCE[precision])
     assert reference["val_loss"][1] < reference["val_loss"][0] - 0.05  # the steps changed the model
     # Llama's plan splits q_proj by output rows over tp (64 rows, 4 heads of 16): each rank holds half of them,
     # halved again where zero shards the slice.
-    split = {"tp-32": 32, "tp-bf16-mixed": 32, "tp-accumulate-2": 32, "replicas-x-tp": 32, "hsdp-2x2": 32}
+    split = {
+        "tp-32": 32,
+        "tp-bf16-mixed": 32,
+        "tp-accumulate-2": 32,
+        "replicas-x-tp": 32,
+        "hsdp-2x2": 32,
+        "tp-lora": 32,
+    }
     assert found["query_rows"] == split.get(name, 16)
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import json
 import math
+import re
 
 import pytest
 
@@ -14,6 +15,7 @@ from multigpu.planner.shapes import load_shape
 from multigpu.tools.simulate import (
     INTERCONNECTS,
     Link,
+    Prediction,
     SimulateConfig,
     all_gather,
     all_reduce,
@@ -416,3 +418,75 @@ def test_a_directory_given_as_a_json_file_is_named_as_one(tmp_path, capsys: pyte
         main(["simulate", "--params", "1e8", *timing, flag, str(tmp_path)])
     assert exit_info.value.code == 2
     assert f"{flag} {tmp_path} is a directory, but a" in capsys.readouterr().err
+
+
+# -- tensor and pipeline parallelism ---------------------------------------------------------------------------
+LAYOUT = {
+    "params": 8_000_000_000,
+    "layers": 32,
+    "compute_s": 8.0,
+    "units_per_step": 8 * 4096,
+    "unit": "tokens",
+    "hidden": 4096,
+    "strategy": "fsdp",
+}
+
+
+def predict(**changes: object) -> Prediction:
+    (prediction,) = simulate(SimulateConfig(**{**LAYOUT, **changes}))
+    return prediction
+
+
+def test_tp_and_pp_of_one_change_nothing() -> None:
+    plain = SimulateConfig(**{**LAYOUT, "gpus": (8, 64)})
+    layout = SimulateConfig(**{**LAYOUT, "gpus": (8, 64), "tp_size": 1, "pp_size": 1, "microbatches": 4})
+    assert simulate(plain) == simulate(layout)
+
+
+def test_gpipe_bubble_is_three_sevenths_with_four_stages_and_four_micro_batches() -> None:
+    p = predict(gpus=(4,), pp_size=4, microbatches=4, pp_schedule="gpipe")
+    assert p.compute_s == pytest.approx(LAYOUT["compute_s"] / 4)
+    assert p.bubble_s / (p.compute_s + p.bubble_s) == pytest.approx(3 / 7)
+    interleaved = predict(gpus=(4,), pp_size=4, microbatches=4, pp_schedule="interleaved", pp_stages_per_rank=2)
+    assert interleaved.bubble_s / (interleaved.compute_s + interleaved.bubble_s) == pytest.approx(3 / 11)
+
+
+def test_tp_adds_four_all_reduces_per_layer_on_the_intra_node_link() -> None:
+    p = predict(gpus=(8,), tp_size=8)
+    activations = LAYOUT["units_per_step"] * LAYOUT["hidden"] * 2
+    expected = 4 * LAYOUT["layers"] * all_reduce(8, activations, INTERCONNECTS["nvlink"])
+    assert p.comm_s == pytest.approx(expected) and p.exposed_comm_s == pytest.approx(expected)
+    recomputed = predict(gpus=(8,), tp_size=8, activation_checkpointing=True)
+    assert recomputed.comm_s == pytest.approx(expected * 6 / 4)
+    hidden = predict(gpus=(8,), tp_size=8, tp_overlap=True)
+    assert hidden.exposed_comm_s == 0.0 and hidden.step_s == pytest.approx(p.compute_s)
+
+
+def test_throughput_counts_replicas_not_gpus() -> None:
+    p = predict(gpus=(16,), tp_size=8, overlap=False)
+    assert p.per_gpu_throughput == pytest.approx(2 * LAYOUT["units_per_step"] / p.step_s / 16)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"gpus": (4, 8), "tp_size": 8}, "--gpus 4 cannot be split into tp 8 x pp 1 groups; list multiples of 8."),
+        ({"gpus": (8,), "tp_size": 8, "hidden": 0}, "tp and pp move activations, so they need the model's width"),
+        ({"gpus": (8,), "pp_size": 2, "pp_stages_per_rank": 2}, "--pp-stages-per-rank 2 needs --pp-schedule"),
+    ],
+)
+def test_bad_layouts_are_usage_errors(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(UsageError, match=f"^{re.escape(message)}"):
+        SimulateConfig(**{**LAYOUT, **changes})
+
+
+def test_cli_takes_the_layout(capsys: pytest.CaptureFixture) -> None:
+    from multigpu.cli import main
+
+    args = ["simulate", "--model", "llama-3.1-70b", "--strategy", "fsdp", "--tp-size", "8", "--tflops", "989"]
+    assert main([*args, "--json"]) == 0
+    gpus = [p["gpus"] for p in json.loads(capsys.readouterr().out)]
+    assert gpus == [8, 16, 32, 64, 128]  # the default list, kept to the counts tp 8 divides
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", "--params", "7e9", "--tp-size", "2", "--tflops", "989", "--gpus", "2"])
+    assert exit_info.value.code == 2 and "give --model" in capsys.readouterr().err

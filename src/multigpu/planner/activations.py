@@ -12,6 +12,7 @@ Outside the layers: token ids and labels (16T), the final norm and lm_head's inp
 the vocabulary (4*T*V), which dominates small models with large vocabularies.
 With activation checkpointing a layer keeps only its input (T*h*r); backward recomputes one layer at a time,
 so one layer's full activations come on top at the peak.
+Tensor and pipeline parallelism divide these per rank: see transformer_parts and layout.py.
 """
 
 from __future__ import annotations
@@ -27,23 +28,34 @@ class Activations:
     peak: int  # saved + what recomputation adds during backward
 
 
-def transformer_activations(t: Transformer, batch: int, seq: int, precision: str, checkpointing: bool) -> Activations:
+@dataclass(frozen=True)
+class ActivationParts:
+    """One micro-batch's bytes, in the pieces a model-parallel layout divides differently."""
+
+    layer: int  # one decoder layer without checkpointing
+    layer_input: int  # one decoder layer's input: all that checkpointing keeps of it
+    outside: int  # token ids, labels, the final norm, the head's input and the log-softmax
+
+
+def transformer_parts(t: Transformer, batch: int, seq: int, precision: str, tp: int = 1) -> ActivationParts:
+    """`tp` divides what Megatron-style tensor parallelism splits: attention by heads and the MLP by its width.
+    Without sequence parallelism the norms, the residual stream and each split linear's input stay whole on every
+    rank, and the head's logits are gathered whole, so the log-softmax is whole too."""
     tokens = batch * seq
     compute = 4 if precision == "32" else 2
     residual = 2 if precision == "bf16-true" else 4
     mixed = precision in ("bf16-mixed", "fp16-mixed")
     h, kv, i = t.hidden, t.kv_hidden, t.intermediate
-    layer = (
-        2 * tokens * h * (4 + residual)
-        + 8 * tokens
-        + (5 if mixed else 2) * tokens * h * compute
-        + tokens * compute * (3 * h + 2 * kv)
-        + 4 * batch * t.heads * seq
-        + 4 * tokens * i * compute
-    )
+    whole = 2 * tokens * h * (4 + residual) + 8 * tokens + (5 if mixed else 2) * tokens * h * compute
+    split = tokens * compute * (3 * h + 2 * kv) + 4 * batch * t.heads * seq + 4 * tokens * i * compute
     outside = 16 * tokens + tokens * h * (4 + residual) + 4 * tokens + tokens * h * compute + 4 * tokens * t.vocab
+    return ActivationParts(whole + -(-split // tp), tokens * h * residual, outside)
+
+
+def transformer_activations(t: Transformer, batch: int, seq: int, precision: str, checkpointing: bool) -> Activations:
+    parts = transformer_parts(t, batch, seq, precision)
     if not checkpointing:
-        saved = t.layers * layer + outside
+        saved = t.layers * parts.layer + parts.outside
         return Activations(saved, saved)
-    saved = t.layers * tokens * h * residual + outside
-    return Activations(saved, saved + layer)
+    saved = t.layers * parts.layer_input + parts.outside
+    return Activations(saved, saved + parts.layer)

@@ -2,89 +2,24 @@
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import asdict, dataclass, field
 
 from multigpu.core.errors import UsageError
-from multigpu.core.precision import PRECISIONS
 from multigpu.planner.activations import transformer_activations
+from multigpu.planner.config import OPTIMIZERS, PlanConfig, parse_bytes  # noqa: F401  (importers of this module)
+from multigpu.planner.layout import Stage, held_shape, pipeline_stages, stage_activations
 from multigpu.planner.setup_memory import BUILD_BYTES, setup_bytes, setup_fits, setup_warning
 from multigpu.planner.shapes import ModelShape
 
-OPTIMIZERS = ("adamw", "sgd", "adamw8bit")
 #: From fastest to most frugal: the planner recommends the first that fits (the guides' decision tree).
 ORDER = ("ddp", "zero1", "zero2", "zero3", "zero3+offload")
 #: Shown too, for one GPU and for the guides' simple mode; dp's GPU 0 holds the whole model and optimizer.
 REPORTED = ("single", "dp", *ORDER)
+#: With tp_size or pp_size: the data-parallel strategies that compose with them, fastest first (hsdp shards
+#: inside a node and replicates across nodes, between zero2's and zero3's traffic).
+COMPOSED = ("zero2", "hsdp", "zero3")
 DEEPSPEED = ("deepspeed1", "deepspeed2", "deepspeed3")  # reported, never recommended: DeepSpeed is optional
 FRAMEWORK_OVERHEAD = 1 << 30  # CUDA context, kernels, allocator slack: about 1 GiB that no tensor accounts for
-
-
-def parse_bytes(text: str | float, flag: str = "--gpu-memory") -> float:
-    """'80GB', '80GiB', '24g', '1.5e10' -> bytes (GB here means GiB, as GPU spec sheets use it).
-
-    A bare number is bytes; below 1 GiB it is refused, since no GPU is that small and `80` meant 80GB.
-    """
-    if isinstance(text, bool) or not isinstance(text, (str, int, float)):
-        raise UsageError(f"{flag} must be a size such as 80GB or 24GiB (got {text!r}).")
-    match = re.fullmatch(r"\s*(.*?)\s*([kmgt](?:i?b)?|b)?\s*", str(text).lower(), flags=re.DOTALL)
-    number, unit = match.group(1), match.group(2)
-    try:
-        value = float(number)
-    except ValueError:
-        raise UsageError(f"Cannot read the size {text!r}; write it like 80GB or 24GiB.") from None
-    if not math.isfinite(value) or value <= 0:
-        raise UsageError(f"{flag} must be positive and finite (got {text}); write it like 80GB or 24GiB.")
-    if unit is None and value < 2**30:
-        raise UsageError(
-            f"{flag} {text} has no unit, so it would mean {number} bytes; write {number}GB or {number}GiB."
-        )
-    return value * 1024 ** "bkmgt".index((unit or "b")[0])
-
-
-@dataclass
-class PlanConfig:
-    gpus: int = field(default=1, metadata={"help": "GPUs per node"})
-    nodes: int = field(default=1, metadata={"help": "machines"})
-    gpu_memory: str = field(default="80GB", metadata={"help": "memory of one GPU, e.g. 80GB or 24GiB"})
-    precision: str = field(default="bf16-mixed", metadata={"help": "training precision", "choices": PRECISIONS})
-    optimizer: str = field(default="adamw", metadata={"help": "optimizer states to count", "choices": OPTIMIZERS})
-    batch_size: int = field(default=8, metadata={"help": "sequences per GPU per micro-batch"})
-    seq_len: int = field(default=2048, metadata={"help": "tokens per sequence"})
-    grad_accum_steps: int = field(
-        default=1, metadata={"help": "micro-batches per step (memory only with --unsharded-grad-accum)"}
-    )
-    unsharded_grad_accum: bool = field(
-        default=False,
-        metadata={"help": "zero2/zero3 accumulate whole gradients between reduce-scatters (as the Engine option)"},
-    )
-    activation_checkpointing: bool = field(default=False, metadata={"help": "keep layer inputs only, recompute"})
-    lora_r: int | None = field(default=None, metadata={"help": "LoRA rank: train adapters on every projection"})
-    qlora: bool = field(default=False, metadata={"help": "4-bit (nf4) frozen base under LoRA adapters"})
-    cpu_offload: bool = field(default=False, metadata={"help": "allow zero3 with parameters offloaded to CPU"})
-
-    def __post_init__(self) -> None:
-        for name in ("gpus", "nodes", "batch_size", "seq_len", "grad_accum_steps"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be 1 or more (got {getattr(self, name)}).")
-        parse_bytes(self.gpu_memory)  # refuses what cannot be a GPU's memory, before anything is planned
-        if self.precision not in PRECISIONS:
-            raise UsageError(f"Unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}.")
-        if self.optimizer not in OPTIMIZERS:
-            raise UsageError(f"Unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}.")
-        if self.lora_r is not None and self.lora_r < 1:
-            raise UsageError(f"--lora-r must be 1 or more (got {self.lora_r}).")
-        if self.qlora and self.lora_r is None:
-            self.lora_r = 16  # QLoRA trains LoRA adapters on the quantised base; 16 is peft's usual rank
-
-    @property
-    def gpu_bytes(self) -> float:
-        return parse_bytes(self.gpu_memory)
-
-    @property
-    def world(self) -> int:
-        return self.gpus * self.nodes
 
 
 @dataclass
@@ -103,6 +38,7 @@ class StrategyMemory:
     setup: float = 0.0  # a rank's peak while the model is built whole (see setup_memory.py)
     setup_init_module: float = 0.0  # the same when built under engine.init_module()
     setup_fits: str = ""  # "yes" (plain build), "with init_module" or "no"
+    pp_rank: int = 0  # with pp_size: the pipeline rank reported, the one whose total binds
 
 
 @dataclass
@@ -174,19 +110,43 @@ def _accumulates_unsharded(config: PlanConfig) -> bool:
     return config.unsharded_grad_accum and config.grad_accum_steps > 1
 
 
-def _fsdp_grads(grads: float, config: PlanConfig) -> float:
+def _fsdp_grads(grads: float, n: int, config: PlanConfig) -> float:
     """FSDP's gradients per rank: a shard, or whole while micro-steps defer their reduce-scatter."""
-    return grads if _accumulates_unsharded(config) else grads / config.world
+    return grads if _accumulates_unsharded(config) else grads / n
+
+
+def model_parallel_name(config: PlanConfig) -> str:
+    """The row's name when tp x pp takes every GPU, leaving no data parallelism."""
+    return "+".join(name for name, size in (("tp", config.tp_size), ("pp", config.pp_size)) if size > 1)
 
 
 def strategy_memory(name: str, shape: ModelShape, config: PlanConfig, batch: int) -> StrategyMemory:
+    """Per GPU; under pp, the pipeline rank with the largest total (the others fit if it does)."""
+    stages = _stages(shape, config)
+    return max((_stage_memory(name, shape, config, batch, stage) for stage in stages), key=lambda m: m.total)
+
+
+def _stages(shape: ModelShape, config: PlanConfig) -> list[Stage]:
+    layers = shape.transformer.layers if shape.transformer else 0
+    return pipeline_stages(
+        layers, config.pp_size, config.pp_stages_per_rank, config.pp_schedule, config.microbatches or 1
+    )
+
+
+def _stage_memory(name: str, whole: ModelShape, config: PlanConfig, batch: int, stage: Stage) -> StrategyMemory:
+    shape = held_shape(whole, config.tp_size, config.pp_size, stage)
     params, grads, optim, _ = model_states(shape, config)
-    n = config.world
+    n = config.hsdp_shard if name == "hsdp" else config.data_parallel
     compute = 4 if config.precision == "32" else 2
     unit = (shape.largest_unit or shape.params // 10) * compute
-    activations = activations_per_gpu(shape, config, batch)
-    memory = StrategyMemory(name, params, grads, optim, activations, 0.0, FRAMEWORK_OVERHEAD)
-    if name in ("single", "dp"):
+    if config.model_parallel:
+        activations = stage_activations(
+            shape, stage, config.tp_size, batch, config.seq_len, config.precision, config.activation_checkpointing
+        )
+    else:
+        activations = activations_per_gpu(shape, config, batch)
+    memory = StrategyMemory(name, params, grads, optim, activations, 0.0, FRAMEWORK_OVERHEAD, pp_rank=stage.rank)
+    if name in ("single", "dp") or (config.model_parallel and name == model_parallel_name(config)):
         memory.temporary = autocast_weights_bytes(shape, config)
     autocast_weights = autocast_weights_bytes(shape, config)
     if name == "ddp":
@@ -195,10 +155,10 @@ def strategy_memory(name: str, shape: ModelShape, config: PlanConfig, batch: int
         memory.optimizer = optim / n
         memory.temporary = grads + autocast_weights
     elif name == "zero2":
-        memory.params, memory.grads, memory.optimizer = params / n, _fsdp_grads(grads, config), optim / n
+        memory.params, memory.grads, memory.optimizer = params / n, _fsdp_grads(grads, n, config), optim / n
         memory.temporary = shape.params * compute  # parameters stay gathered from forward to backward
-    elif name == "zero3":
-        memory.params, memory.grads, memory.optimizer = params / n, _fsdp_grads(grads, config), optim / n
+    elif name in ("zero3", "hsdp"):
+        memory.params, memory.grads, memory.optimizer = params / n, _fsdp_grads(grads, n, config), optim / n
         memory.temporary = 2 * unit  # the unit in use and the next one, prefetched
     elif name in DEEPSPEED:
         # DeepSpeed keeps an fp32 master copy of this rank's partition of the trainable weights beside the
@@ -225,14 +185,15 @@ def strategy_memory(name: str, shape: ModelShape, config: PlanConfig, batch: int
 def plan_shape(shape: ModelShape, config: PlanConfig) -> Plan:
     _, _, _, trainable = model_states(shape, config)
     plan = Plan(shape.name, shape.params, trainable, config)
-    for name in REPORTED if config.world == 1 else (*ORDER, *DEEPSPEED):
+    _check_tp_divides_heads(shape, config.tp_size)
+    for name in _rows(config):
         memory = strategy_memory(name, shape, config, config.batch_size)
         memory.max_batch_size = _max_batch(name, shape, config)
-        memory.setup, memory.setup_init_module = setup_bytes(name, shape, config.world, *built_model(shape, config))
+        memory.setup, memory.setup_init_module = _setup(name, shape, config, memory.pp_rank)
         memory.setup_fits = setup_fits(memory, config.gpu_bytes, FRAMEWORK_OVERHEAD)
         plan.strategies.append(memory)
     # One GPU: single unless only offload fits; several: the guides' order, fastest first.
-    candidates = ("single", "zero3+offload") if config.world == 1 else ORDER
+    candidates = ("single", "zero3+offload") if config.world == 1 else _rows(config) if config.model_parallel else ORDER
     fitting = [
         m
         for m in plan.strategies
@@ -254,10 +215,42 @@ def plan_shape(shape: ModelShape, config: PlanConfig) -> Plan:
     else:
         plan.reason = (
             f"nothing fits {config.gpu_bytes / 2**30:.2f} GiB per GPU at batch size {config.batch_size}: lower "
-            "--batch-size or --seq-len, add --activation-checkpointing, more GPUs, LoRA/QLoRA"
+            "--batch-size or --seq-len, add --activation-checkpointing, more GPUs or --tp-size/--pp-size, LoRA/QLoRA"
             + ("" if config.cpu_offload else ", or allow --cpu-offload")
         )
     return plan
+
+
+def _rows(config: PlanConfig) -> tuple[str, ...]:
+    if not config.model_parallel:
+        return REPORTED if config.world == 1 else (*ORDER, *DEEPSPEED)
+    if config.data_parallel == 1:
+        return (model_parallel_name(config),)
+    # hsdp is a row of its own only where it replicates; with one node's worth of shards it is zero3.
+    return tuple(name for name in COMPOSED if name != "hsdp" or config.hsdp_shard < config.data_parallel)
+
+
+def _check_tp_divides_heads(shape: ModelShape, tp: int) -> None:
+    t = shape.transformer
+    if t is None or tp == 1:
+        return
+    for count, what in ((t.heads, "attention heads"), (t.kv_heads, "key/value heads")):
+        if count % tp:
+            raise UsageError(f"--tp-size {tp} does not divide the model's {count} {what}; choose one that does.")
+
+
+def _setup(name: str, shape: ModelShape, config: PlanConfig, pp_rank: int) -> tuple[float, float]:
+    """(plain build, under engine.init_module()). A plain build makes the whole model on every rank before tp/pp
+    slice it; under init_module a rank materialises its own slice, sharded over the data-parallel ranks."""
+    if not config.model_parallel:
+        return setup_bytes(name, shape, config.world, *built_model(shape, config))
+    stage = _stages(shape, config)[pp_rank]
+    held = held_shape(shape, config.tp_size, config.pp_size, stage)
+    n = config.hsdp_shard if name == "hsdp" else config.data_parallel
+    slices, init_module = setup_bytes(name, held, n, *built_model(held, config))
+    whole, _ = built_model(shape, config)
+    held_bytes, _ = built_model(held, config)
+    return whole + slices - held_bytes, init_module
 
 
 def _max_batch(name: str, shape: ModelShape, config: PlanConfig) -> int:

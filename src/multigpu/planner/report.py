@@ -24,6 +24,18 @@ def to_json(plan: Plan) -> str:
     return json.dumps(plan.to_dict(), indent=2)
 
 
+def layout(plan: Plan) -> str:
+    """The model-parallel layout for the title; empty without one."""
+    c = plan.config
+    if not c.model_parallel:
+        return ""
+    parts = [f"tp {c.tp_size}"] if c.tp_size > 1 else []
+    if c.pp_size > 1:
+        chunks = f", {c.pp_stages_per_rank} stages per rank" if c.pp_stages_per_rank > 1 else ""
+        parts.append(f"pp {c.pp_size} ({c.pp_schedule}, {c.microbatches} micro-batches{chunks})")
+    return f"; {' x '.join(parts)}, data parallel {c.data_parallel}"
+
+
 def print_table(plan: Plan) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -33,6 +45,7 @@ def print_table(plan: Plan) -> None:
         f"{plan.model}: {plan.params / 1e9:.3g}B parameters ({plan.trainable / 1e6:,.1f}M trainable), "
         f"{c.world} GPU(s) of {c.gpu_bytes / 2**30:.0f} GiB, {c.precision}, {c.optimizer}, "
         f"batch {c.batch_size} x {c.seq_len} tokens{', activation checkpointing' if c.activation_checkpointing else ''}"
+        + layout(plan)
     )
     table = Table(
         title=title,
@@ -73,6 +86,9 @@ def print_table(plan: Plan) -> None:
         )
     console = Console(width=None if sys.stdout.isatty() else 150)  # a log or a pipe gets the whole table
     console.print(table)
+    if plan.config.pp_size > 1:
+        ranks = ", ".join(f"{m.strategy} {m.pp_rank}" for m in plan.strategies)
+        console.print(f"pipeline rank shown (the one whose total binds): {ranks}")
     if not any(m.activations for m in plan.strategies):
         console.print(
             "activations not estimated: give --model (or --layers --hidden --heads --vocab with --params), "

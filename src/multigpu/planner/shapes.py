@@ -81,6 +81,8 @@ BUILTIN = {
     # Published configurations (config.json values), so `--model NAME` needs no file.
     "llama-2-7b": Transformer(32, 4096, 32, 32, 11008, 32000),
     "llama-3.1-8b": Transformer(32, 4096, 32, 8, 14336, 128256),
+    "llama-3.1-70b": Transformer(80, 8192, 64, 8, 28672, 128256),
+    "llama-3.1-405b": Transformer(126, 16384, 128, 8, 53248, 128256),
     "smollm2-135m": Transformer(30, 576, 9, 3, 1536, 49152, tied_embeddings=True),
     "qwen2.5-0.5b": Transformer(24, 896, 14, 2, 4864, 151936, tied_embeddings=True),
 }

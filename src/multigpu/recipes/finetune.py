@@ -98,9 +98,9 @@ class FinetuneConfig(DeepSpeedOptions):
             (self.method in lm_models.METHODS, f"Unknown --method {self.method!r}; choose full, lora or qlora."),
             (not self.merge or self.method != "full", "--merge merges an adapter; drop it for --method full."),
             (
-                self.method == "full" or (self.multi_gpu != "tp" and (self.tp_size or 1) == 1),
-                f"--method {self.method} does not run under tensor parallelism yet (its adapters are not split with "
-                "the layers); use --method full, or drop --tp-size and --multi-gpu tp.",
+                self.method != "qlora" or (self.multi_gpu != "tp" and (self.tp_size or 1) == 1),
+                "--method qlora's 4-bit weights cannot be split by tensor parallelism; use --method lora or full "
+                "under --multi-gpu tp and --tp-size, or drop them.",
             ),
         ]
         require(*checks)

@@ -60,19 +60,46 @@ def model_plan(model: nn.Module) -> dict[str, str]:
 
 
 def planned_modules(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
-    """Module name -> style for every module a pattern of `plan` matches; a pattern that matches none is refused."""
-    names = [name for name, _ in model.named_modules() if name]
+    """Module name -> style for every module a pattern of `plan` matches; a pattern that matches none is refused.
+
+    The patterns are relative to the module that declares the plan: a wrapper that passes the inner model's
+    attributes through (peft's PeftModel) puts the inner model's name in front of them. A LoRA layer in the place of
+    a split layer gets its adapter split to match (lora_adapter_styles)."""
+    modules = dict(model.named_modules())
+    owner = max((name for name, module in modules.items() if getattr(module, "tp_plan", None) == plan), key=len)
+    prefix = f"{owner}." if owner else ""
     found: dict[str, str] = {}
     for pattern, style in plan.items():
-        regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
-        matched = [name for name in names if regex.fullmatch(name)]
+        regex = re.compile(re.escape(prefix + pattern).replace(r"\*", r"[^.]+"))
+        matched = [name for name in modules if regex.fullmatch(name)]
         if not matched:
             raise UsageError(
                 f"The tensor-parallel plan's pattern {pattern!r} matches no module of {type(model).__name__}; "
                 "correct the pattern (names as model.named_modules() gives them) or remove it."
             )
-        found.update(dict.fromkeys(matched, style))
+        for name in matched:
+            found.update(lora_adapter_styles(name, modules[name], style))
     return found
+
+
+def lora_adapter_styles(name: str, module: nn.Module, style: str) -> dict[str, str]:
+    """{name: style} for a plain layer; for a LoRA layer (peft: base_layer + lora_A/lora_B), the splits that keep
+    its adapter's output in step with the split base layer's. Column split: the base's outputs are sliced, so are
+    lora_B's (lora_A, whole, sees the whole input). Row split: the base takes a slice of the input, so does lora_A,
+    whose outputs are then summed whole for lora_B. Gathered outputs are whole, so the adapter stays whole."""
+    if not hasattr(module, "base_layer") or not isinstance(getattr(module, "lora_A", None), nn.ModuleDict):
+        return {name: style}
+    split = {"colwise": "lora_B", "rowwise": "lora_A", "colwise_gather_output": None}
+    if style not in split:
+        raise UsageError(
+            f"{name} is a LoRA layer and its plan says {style}; LoRA adapters are split along colwise, rowwise and "
+            "colwise_gather_output layers only: leave the adapter off this layer or the layer whole."
+        )
+    styles = {f"{name}.base_layer": style}
+    if split[style] is not None:
+        adapters = getattr(module, split[style])
+        styles.update({f"{name}.{split[style]}.{adapter}": style for adapter in adapters})
+    return styles
 
 
 def check_divisible(model: nn.Module, modules: dict[str, str], degree: int) -> None:

@@ -14,6 +14,7 @@ every hop (pessimistic: in NCCL's rings only the hops that leave a node pay it).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import json
@@ -26,6 +27,7 @@ import numpy as np
 
 from multigpu.core.config import json_value, parse_list, read_json
 from multigpu.core.errors import UsageError
+from multigpu.planner.layout import PP_SCHEDULES, bubble_fraction
 
 if TYPE_CHECKING:
     from multigpu.planner.shapes import ModelShape
@@ -139,9 +141,24 @@ class SimulateConfig:
     # A CPU host: processes on a node share its cores, so with more processes per node than slots each one's
     # compute stretches by processes / slots. None: every process has its own device.
     compute_slots_per_node: int | None = None
+    # Model parallelism (tp inside a node, pp outermost, as the mesh lays them out). With either above 1,
+    # compute_s and units_per_step are one data-parallel rank's: its batch, timed as if one device ran it all.
+    tp_size: int = 1
+    pp_size: int = 1
+    pp_schedule: str = "1f1b"
+    pp_stages_per_rank: int = 1
+    microbatches: int | None = None  # pipeline micro-batches per step; None: pp_size
+    hidden: int = 0  # the model's width: tp's all-reduces and pp's sends move tokens x hidden activations
+    tokens_per_unit: float = 1.0  # seq_len where the unit is samples
+    activation_bytes: int = 2
+    activation_checkpointing: bool = False  # the recomputed forward repeats its tp all-reduces
+    tp_overlap: bool = False  # async tp: each all-reduce runs under the matmul it feeds, hidden up to the compute
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gpus", tuple(self.gpus))  # a list from the CLI would leave the config unhashable
+        if self.microbatches is None:
+            object.__setattr__(self, "microbatches", self.pp_size)
+        self._check_layout()
         positive = {"--params": self.params, "--compute-s": self.compute_s, "--units-per-step": self.units_per_step}
         for flag, value in positive.items():
             if not 0 < value < math.inf:
@@ -169,6 +186,37 @@ class SimulateConfig:
         if not 0 < self.backward_fraction < 1:
             raise UsageError(f"--backward-fraction must lie between 0 and 1 (got {self.backward_fraction:g}).")
 
+    @property
+    def model_parallel(self) -> int:
+        """GPUs one model replica spans: tp x pp."""
+        return self.tp_size * self.pp_size
+
+    def _check_layout(self) -> None:
+        for flag, value in (
+            ("--tp-size", self.tp_size),
+            ("--pp-size", self.pp_size),
+            ("--microbatches", self.microbatches),
+        ):
+            if not value >= 1:
+                raise UsageError(f"{flag} must be 1 or more (got {value}).")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise UsageError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)} (got {self.pp_schedule!r}).")
+        if self.pp_stages_per_rank < 1 or (self.pp_stages_per_rank > 1) != (self.pp_schedule == "interleaved"):
+            raise UsageError(
+                f"--pp-stages-per-rank {self.pp_stages_per_rank} needs --pp-schedule interleaved with 2 or more "
+                "stages per rank (gpipe and 1f1b hold 1); set them together."
+            )
+        if self.model_parallel == 1:
+            return
+        if self.hidden < 1 or not self.tokens_per_unit > 0:
+            raise UsageError("tp and pp move activations, so they need the model's width: give --model.")
+        uneven = [n for n in self.gpus if n % self.model_parallel]
+        if uneven:
+            raise UsageError(
+                f"--gpus {','.join(map(str, uneven))} cannot be split into tp {self.tp_size} x pp {self.pp_size} "
+                f"groups; list multiples of {self.model_parallel}."
+            )
+
 
 @dataclass(frozen=True)
 class Prediction:
@@ -183,6 +231,7 @@ class Prediction:
     speedup: float  # throughput over one GPU's
     efficiency: float  # speedup / gpus
     unit: str = "samples"
+    bubble_s: float = 0.0  # the pipeline's fill and drain: time each rank waits
 
 
 def overlapped(times: list[float], backward_s: float, overlap: bool) -> tuple[float, float]:
@@ -234,9 +283,14 @@ def simulate(
         per_node = min(n, config.gpus_per_node)
         slots = config.compute_slots_per_node
         compute = config.compute_s * (per_node / slots if slots and per_node > slots else 1.0)
-        comm, exposed = strategy_comm(config, n, span_links(n, config.gpus_per_node, intra, inter), compute)
-        step = compute + exposed
-        speedup = n * single / step
+        bubble, replicas = 0.0, n // config.model_parallel
+        if config.model_parallel == 1:
+            comm, exposed = strategy_comm(config, n, span_links(n, config.gpus_per_node, intra, inter), compute)
+        else:
+            compute /= config.model_parallel
+            comm, exposed, bubble = layout_step(config, n, intra, inter, compute)
+        step = compute + exposed + bubble
+        speedup = replicas * single / step
         predictions.append(
             Prediction(
                 gpus=n,
@@ -245,14 +299,68 @@ def simulate(
                 compute_s=compute,
                 comm_s=comm,
                 exposed_comm_s=exposed,
-                throughput=n * config.units_per_step / step,
-                per_gpu_throughput=config.units_per_step / step,
+                throughput=replicas * config.units_per_step / step,
+                per_gpu_throughput=replicas * config.units_per_step / step / n,
                 speedup=speedup,
                 efficiency=speedup / n,
                 unit=config.unit,
+                bubble_s=bubble,
             )
         )
     return predictions
+
+
+def shared_link(link: Link, share: int) -> Link:
+    """`link` when `share` concurrent groups divide its bandwidth (each gets its own NICs' worth)."""
+    return Link(link.alpha_s, link.bandwidth_Bps / max(1, share))
+
+
+def layout_step(config: SimulateConfig, n: int, intra: Links, inter: Links, compute: float) -> tuple[float, ...]:
+    """(comm, exposed comm, bubble) seconds of one step of one GPU under tp x pp x data parallel, `compute` being
+    that GPU's share of the replica's compute.
+
+    tp: per layer, 2 all-reduces of a micro-batch's tokens x hidden activations in forward and 2 in backward (2 more
+    when checkpointing recomputes the forward), on the critical path unless tp_overlap.
+    pp: a micro-batch's activations go forward and its gradients back once per stage; sends overlap the next
+    micro-batch's compute, except on the fill and drain, where each boundary waits for them. The bubble is
+    (pp - 1) / (v m + pp - 1) of the pipelined time (planner.layout.bubble_fraction).
+    dp: the data-parallel strategy's collectives over n / (tp x pp) ranks on the rank's own parameters. Every tp
+    rank runs its own dp (and pp) traffic at once, so across nodes each gets 1/tp of the node's NICs.
+    """
+    tp, pp, gpn = config.tp_size, config.pp_size, config.gpus_per_node
+    dp, m, v = n // config.model_parallel, config.microbatches or 1, config.pp_stages_per_rank
+    micro_batch = config.units_per_step * config.tokens_per_unit / m * config.hidden * config.activation_bytes
+    layers = config.layers / pp
+    tp_link = span_link(tp, gpn, intra["all_reduce"], inter["all_reduce"])
+    per_layer = 6 if config.activation_checkpointing else 4
+    tp_comm = per_layer * layers * m * all_reduce(tp, micro_batch, tp_link)
+    tp_exposed = max(0.0, tp_comm - compute) if config.tp_overlap else tp_comm
+    pp_comm = pp_exposed = 0.0
+    if pp > 1:
+        crosses = tp * dp >= gpn  # the next stage's ranks lie on another node
+        link = shared_link(inter["all_reduce"], gpn) if crosses else intra["all_reduce"]
+        send = link.alpha_s + micro_batch / link.bandwidth_Bps
+        pp_comm, pp_exposed = 2 * v * m * send, 2 * (v * pp - 1) * send
+    busy = compute + tp_exposed
+    fraction = bubble_fraction(pp, m, v)
+    bubble = busy * fraction / (1 - fraction)
+    dp_comm = dp_exposed = 0.0
+    if dp > 1:
+        rank = dataclasses.replace(
+            config,
+            params=math.ceil(config.params / config.model_parallel),
+            layers=max(1, math.ceil(layers)),
+            gpus=(dp,),
+            tp_size=1,
+            pp_size=1,
+            pp_schedule="1f1b",
+            pp_stages_per_rank=1,
+            microbatches=None,
+        )
+        share = min(tp, gpn)
+        dp_links = {op: span_link(dp, max(1, gpn // tp), intra[op], shared_link(inter[op], share)) for op in OPS}
+        dp_comm, dp_exposed = strategy_comm(rank, dp, dp_links, compute)
+    return tp_comm + pp_comm + dp_comm, tp_exposed + pp_exposed + dp_exposed, bubble
 
 
 def flops_per_token(shape: ModelShape, seq_len: int) -> float:
@@ -341,11 +449,13 @@ def format_table(predictions: list[Prediction], title: str | None = None) -> str
 
     unit = predictions[0].unit if predictions else "samples"
     table = Table(title=title)
-    columns = ("GPUs", "nodes", "step s", "compute s", "comm s", "exposed s", f"{unit}/s", f"{unit}/s/GPU")
-    for column in (*columns, "speedup", "efficiency"):
+    pipelined = any(p.bubble_s for p in predictions)
+    times = ("step s", "compute s", "comm s", "exposed s", *(("bubble s",) if pipelined else ()))
+    for column in ("GPUs", "nodes", *times, f"{unit}/s", f"{unit}/s/GPU", "speedup", "efficiency"):
         table.add_column(column, justify="right")
     for p in predictions:
-        times = (f"{t:.4f}" for t in (p.step_s, p.compute_s, p.comm_s, p.exposed_comm_s))
+        seconds = (p.step_s, p.compute_s, p.comm_s, p.exposed_comm_s, *((p.bubble_s,) if pipelined else ()))
+        times = (f"{t:.4f}" for t in seconds)
         rates = (f"{p.throughput:,.1f}", f"{p.per_gpu_throughput:,.1f}", f"{p.speedup:.2f}", f"{p.efficiency:.1%}")
         table.add_row(str(p.gpus), str(p.nodes), *times, *rates)
     console = Console(file=io.StringIO(), width=150, color_system=None)
@@ -374,8 +484,10 @@ class SimulateRequest:
     )
     tflops: float | None = field(default=None, metadata={"help": "device peak TFLOPS, to derive the compute time"})
     mfu: float = field(default=0.4, metadata={"help": "with --tflops: the utilisation assumed"})
-    seq_len: int = field(default=2048, metadata={"help": "with --tflops: tokens per sample"})
-    batch_size: int = field(default=1, metadata={"help": "with --tflops: samples per device per step"})
+    seq_len: int = field(default=2048, metadata={"help": "tokens per sample (--tflops; tp/pp's activations)"})
+    batch_size: int = field(
+        default=1, metadata={"help": "with --tflops: samples per device per step (with tp/pp: per replica)"}
+    )
     grad_bytes: int = field(default=4, metadata={"help": "bytes per gradient element reduced (4: fp32, 2: bf16)"})
     param_bytes: int = field(default=2, metadata={"help": "bytes per parameter all-gathered (2: bf16 compute)"})
     bucket_mb: float = field(default=25.0, metadata={"help": "DDP bucket size, MiB"})
@@ -389,6 +501,18 @@ class SimulateRequest:
     inter_calibration: str | None = field(
         default=None, metadata={"help": "a bench --collectives JSON taken across nodes: replaces the inter-node link"}
     )
+    tp_size: int = field(default=1, metadata={"help": "tensor-parallel degree, inside a node"})
+    pp_size: int = field(default=1, metadata={"help": "pipeline-parallel degree, across nodes"})
+    pp_schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule", "choices": PP_SCHEDULES})
+    pp_stages_per_rank: int = field(default=1, metadata={"help": "with --pp-schedule interleaved: stages per GPU"})
+    microbatches: int | None = field(
+        default=None, metadata={"help": "pipeline micro-batches per step (default: --pp-size)"}
+    )
+    activation_checkpointing: bool = field(
+        default=False,
+        metadata={"help": "full recompute: a third more compute with --tflops, and tp's forward all-reduces again"},
+    )
+    tp_overlap: bool = field(default=False, metadata={"help": "async tp: hide tp's all-reduces under the matmuls"})
 
 
 def resolve(request: SimulateRequest) -> tuple[SimulateConfig, Link | None, Link | None]:
@@ -405,6 +529,12 @@ def resolve(request: SimulateRequest) -> tuple[SimulateConfig, Link | None, Link
     if sum(sources) != 1:
         raise UsageError("Give the compute time one way: --compute-s (with --units-per-step), --bench or --tflops.")
     unit = "samples"
+    mp = request.tp_size * request.pp_size
+    if mp > 1 and shape.transformer is None:
+        raise UsageError("--tp-size and --pp-size move activations, so they need the model's width: give --model.")
+    gpus = tuple(parse_list(request.gpus, "--gpus", int))
+    if mp > 1 and request.gpus == SimulateRequest.gpus:  # the default list: keep the counts the layout divides
+        gpus = tuple(n for n in gpus if n % mp == 0) or (mp,)
     if request.compute_s is not None:
         if request.units_per_step is None:
             raise UsageError("--compute-s needs --units-per-step, the samples one device trains per step.")
@@ -414,13 +544,15 @@ def resolve(request: SimulateRequest) -> tuple[SimulateConfig, Link | None, Link
     else:
         units, unit = request.batch_size * request.seq_len, "tokens"
         compute = compute_time(flops_per_token(shape, request.seq_len), units, request.tflops, request.mfu)
+        if request.activation_checkpointing:
+            compute *= 4 / 3  # the forward (a third of the FLOPs) runs again in backward
     config = SimulateConfig(
         params=shape.params,
         compute_s=compute,
         units_per_step=units,
         layers=layers,
         unit=unit,
-        gpus=tuple(parse_list(request.gpus, "--gpus", int)),
+        gpus=gpus,
         gpus_per_node=request.gpus_per_node,
         interconnect=request.interconnect,
         intra=request.intra,
@@ -430,6 +562,15 @@ def resolve(request: SimulateRequest) -> tuple[SimulateConfig, Link | None, Link
         bucket_mb=request.bucket_mb,
         overlap=request.overlap,
         compute_slots_per_node=request.compute_slots_per_node,
+        tp_size=request.tp_size,
+        pp_size=request.pp_size,
+        pp_schedule=request.pp_schedule,
+        pp_stages_per_rank=request.pp_stages_per_rank,
+        microbatches=request.microbatches,
+        hidden=shape.transformer.hidden if shape.transformer else 0,
+        tokens_per_unit=1.0 if unit == "tokens" else float(request.seq_len),
+        activation_checkpointing=request.activation_checkpointing,
+        tp_overlap=request.tp_overlap,
     )
     intra = load_calibration(request.calibration) if request.calibration else None
     inter = load_calibration(request.inter_calibration, "--inter-calibration") if request.inter_calibration else None
@@ -462,5 +603,9 @@ def run(request: SimulateRequest, as_json: bool) -> int:
         print(to_json(predictions))
     else:
         title = f"{config.strategy}, {config.intra} in a node, {config.interconnect} between nodes"
+        if config.tp_size > 1:
+            title += f"; tp {config.tp_size}"
+        if config.pp_size > 1:
+            title += f"; pp {config.pp_size} ({config.pp_schedule}, {config.microbatches} micro-batches)"
         print(format_table(predictions, title=title), end="")
     return 0

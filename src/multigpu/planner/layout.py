@@ -1,0 +1,137 @@
+"""What one GPU holds under tensor and pipeline parallelism: its slice of the weights and of the activations.
+
+The layout is the mesh's (strategies/mesh.py): pp outermost, then the data-parallel dimensions, tp innermost.
+  tp   Megatron-style: q/k/v and MLP gate/up split by output columns, o/down by input rows, the embedding and the
+       output head by vocabulary; norms stay whole (no sequence parallelism), so their weights and the residual
+       stream's activations are whole on every tp rank.
+  pp   consecutive layers on consecutive ranks, the embedding on the first, the final norm and head on the last.
+       With `stages_per_rank` v above 1 (interleaved) the layers form pp x v stages and rank r holds stages
+       r, r + pp, ... The ranks differ, so the planner reports the one whose total binds.
+A pipeline rank holds the activations of every micro-batch whose backward has not run yet:
+  gpipe        all forwards before any backward: every micro-batch of the step, on every rank;
+  1f1b         rank r runs pp - r forwards before its first backward, so min(microbatches, pp - r);
+  interleaved  Megatron's warm-up: 2 (pp - r - 1) + (v - 1) pp + 1 stage-sized chunks, at most microbatches x v,
+               i.e. about pp + (pp - 1) / v micro-batches of a whole rank's layers on the first rank.
+Pure arithmetic on a ModelShape; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from multigpu.core.errors import UsageError
+from multigpu.planner.activations import transformer_parts
+from multigpu.planner.shapes import ModelShape, Transformer
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+COLUMN_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # the rest (o_proj, down_proj) split rows
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline rank: the decoder layers it holds, whether it holds the embedding (first) or the final norm
+    and head (last), and how many micro-batches of its layers' activations it keeps at its peak."""
+
+    rank: int
+    layers: int
+    first: bool
+    last: bool
+    in_flight: float
+
+
+def micro_batches_in_flight(schedule: str, pp: int, rank: int, stages_per_rank: int, microbatches: int) -> float:
+    if pp == 1:
+        return 1.0  # no pipeline: gradient accumulation finishes each micro-batch's backward before the next
+    if schedule == "gpipe":
+        return float(microbatches)
+    if schedule == "1f1b":
+        return float(min(microbatches, pp - rank))
+    v = stages_per_rank
+    chunks = min(microbatches * v, 2 * (pp - rank - 1) + (v - 1) * pp + 1)
+    return chunks / v
+
+
+def pipeline_stages(layers: int, pp: int, stages_per_rank: int, schedule: str, microbatches: int) -> list[Stage]:
+    """Every pipeline rank's share. `layers` 0 (a model without known layers) splits nothing but the in-flight
+    count; the caller divides its parameters evenly instead."""
+    count = pp * stages_per_rank
+    if layers and count > layers:
+        raise UsageError(
+            f"pp_size {pp} x {stages_per_rank} stage(s) per rank makes {count} pipeline stages for the model's "
+            f"{layers} layers; choose a pp_size (and pp_stages_per_rank) whose product is at most {layers}."
+        )
+    base, extra = divmod(layers, count)
+    per_stage = [base + (1 if stage < extra else 0) for stage in range(count)]
+    return [
+        Stage(
+            rank=rank,
+            layers=sum(per_stage[rank::pp]),
+            first=rank == 0,
+            last=rank == pp - 1,
+            in_flight=micro_batches_in_flight(schedule, pp, rank, stages_per_rank, microbatches),
+        )
+        for rank in range(pp)
+    ]
+
+
+def bubble_fraction(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """The share of a pipelined step each rank sits idle: (pp - 1) / (v m + pp - 1). GPipe and 1F1B fill and
+    drain alike (1F1B saves memory, not time); interleaving v stages per rank shortens the fill v-fold."""
+    if pp <= 1:
+        return 0.0
+    return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
+
+
+def _split_lora(t: Transformer, tp: int) -> tuple[tuple[int, int], ...]:
+    """A layer's LoRA (in, out) pairs as one tp rank holds them: the split side of each projection divided."""
+    return tuple((i, o // tp) if name in COLUMN_SPLIT else (i // tp, o) for name, (i, o) in t.linears().items())
+
+
+def held_shape(shape: ModelShape, tp: int, pp: int, stage: Stage) -> ModelShape:
+    """The part of the model one rank holds, as a ModelShape the memory arithmetic reads like a whole model."""
+    if tp == 1 and pp == 1:
+        return shape
+    t = shape.transformer
+    if t is None:
+        # Without a layer structure the weights are taken as evenly divisible over tp x pp.
+        share = 1 / (tp * pp)
+        return replace(
+            shape,
+            params=max(1, math.ceil(shape.params * share)),
+            linear_params=math.ceil(shape.linear_params * share),
+            largest_unit=math.ceil((shape.largest_unit or shape.params // 10) / tp),
+            largest_tensor=math.ceil(shape.largest_tensor / tp),
+            trainable=None if shape.trainable is None else math.ceil(shape.trainable * share),
+            lora_shapes=shape.lora_shapes[: math.ceil(len(shape.lora_shapes) / pp)],
+            activation_bytes_per_sample=shape.activation_bytes_per_sample / pp,
+        )
+    linear = sum(i * o for i, o in t.linears().values()) // tp
+    layer = linear + 2 * t.hidden  # two RMSNorm weights, whole on every tp rank
+    vocab_slice = t.vocab * t.hidden // tp
+    # A tied head shares the embedding's storage when one rank holds both; across pipeline ranks each keeps a copy.
+    head = 0 if t.tied_embeddings and pp == 1 else vocab_slice
+    params = stage.layers * layer + (vocab_slice if stage.first else 0) + ((head + t.hidden) if stage.last else 0)
+    return replace(
+        shape,
+        params=params,
+        linear_params=stage.layers * linear,
+        largest_unit=max(layer, vocab_slice if stage.first or stage.last else 0),
+        largest_tensor=max(1, t.largest_matrix() // tp),
+        lora_shapes=_split_lora(t, tp) * stage.layers,
+    )
+
+
+def stage_activations(
+    shape: ModelShape, stage: Stage, tp: int, batch: int, seq: int, precision: str, checkpointing: bool
+) -> float:
+    """Bytes of activations on one rank at its peak: its in-flight micro-batches, each `batch` sequences."""
+    t = shape.transformer
+    if t is None:
+        return shape.activation_bytes_per_sample * batch * stage.in_flight  # per-rank bytes from held_shape
+    parts = transformer_parts(t, batch, seq, precision, tp)
+    kept = parts.layer_input if checkpointing else parts.layer
+    per_micro_batch = stage.layers * kept + (parts.outside if stage.last else 0)
+    # Checkpointing recomputes one layer at a time in backward: one layer's full activations on top, once.
+    recompute = parts.layer if checkpointing and stage.layers else 0
+    return per_micro_batch * stage.in_flight + recompute
