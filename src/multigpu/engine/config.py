@@ -10,6 +10,7 @@ from multigpu.core.errors import UsageError
 from multigpu.core.precision import PRECISIONS, Precision
 from multigpu.strategies import STRATEGIES
 from multigpu.strategies.deepspeed import DeepSpeedOptions
+from multigpu.strategies.pp import SCHEDULES
 
 UNSHARDED_GRAD_ACCUM_HELP = (
     "zero2/zero3: accumulate whole gradients locally and reduce-scatter once per optimizer step (less "
@@ -24,6 +25,9 @@ TP_SIZE_HELP = (
     "tensor parallel degree: each layer of the model's tp_plan split over this many processes, which read the "
     "same batch (strategy tp: every process; zero2, zero3, hsdp: inside their data parallelism)"
 )
+PP_SCHEDULE_HELP = "pp: gpipe (all forwards, then all backwards), 1f1b (less memory) or interleaved"
+PP_STAGES_HELP = "pp with schedule interleaved: stages per process (2 or more; a smaller pipeline bubble)"
+PP_MICROBATCHES_HELP = "pp: slices of each batch that flow through the pipeline (default: one per stage)"
 SYNC_BATCHNORM_HELP = (
     "convert BatchNorm to SyncBatchNorm, so every process normalises with the global batch's statistics "
     "(process-group strategies on GPUs; one process has nothing to synchronise)"
@@ -42,6 +46,9 @@ class EngineConfig(DeepSpeedOptions):
     cpu_offload: bool = field(default=False, metadata={"help": "keep zero3's sharded parameters in CPU memory"})
     replicate: int | None = field(default=None, metadata={"help": REPLICATE_HELP})
     tp_size: int | None = field(default=None, metadata={"help": TP_SIZE_HELP})
+    pp_schedule: str = field(default="1f1b", metadata={"help": PP_SCHEDULE_HELP, "choices": SCHEDULES})
+    pp_stages_per_rank: int = field(default=1, metadata={"help": PP_STAGES_HELP})
+    pp_microbatches: int | None = field(default=None, metadata={"help": PP_MICROBATCHES_HELP})
     unsharded_grad_accum: bool = field(default=False, metadata={"help": UNSHARDED_GRAD_ACCUM_HELP})
     find_unused_parameters: bool = field(default=False, metadata={"help": FIND_UNUSED_HELP})
     sync_batchnorm: bool = field(default=False, metadata={"help": SYNC_BATCHNORM_HELP})
@@ -66,6 +73,8 @@ class EngineConfig(DeepSpeedOptions):
             raise UsageError(f"max_grad_norm must be positive (got {self.max_grad_norm}); leave it unset for none.")
         if self.tp_size is not None and self.tp_size < 1:
             raise UsageError(f"tp_size must be 1 or more (got {self.tp_size}); leave it unset for none.")
+        if self.pp_microbatches is not None and self.pp_microbatches < 1:
+            raise UsageError(f"pp_microbatches must be 1 or more (got {self.pp_microbatches}).")
         if self.timeout_s <= 0:
             raise UsageError(f"timeout_s must be positive (got {self.timeout_s}).")
         if self.log_every < 0:

@@ -194,8 +194,8 @@ class Engine:
         if not self._printed_batch_size:
             self._printed_batch_size = True
             shared = self.world_size // self._data_world
-            # Under tensor parallelism "processes" counts the data-parallel ranks; say who reads the same batch.
-            together = f" (each read by the {shared} tensor-parallel processes of a replica)" if shared > 1 else ""
+            # Under tp and pp "processes" counts the data-parallel ranks; say who reads the same batch.
+            together = f" (each read by the {shared} model-parallel processes of a replica)" if shared > 1 else ""
             self.print(loader.batch_size_line() + together)
         return loader
 
@@ -233,24 +233,7 @@ class Engine:
         padding): the step's gradient is then divided by the units of all ranks and micro-batches together,
         the token-normalised loss one process would compute over the same global batch.
         """
-        self._window.busy_s += time.perf_counter() - self._mark
-        if self._batch is not None:
-            self._window.samples += self._batch.global_size
-            self._train_loader = self._loader
-        summed = count is not None
-        if self._micro_steps > 0 and summed != (self._window.count is not None):
-            raise UsageError("Pass count= to engine.backward on every micro-step of an optimizer step, or on none.")
-        if summed:
-            count = torch.as_tensor(count, dtype=torch.float64, device=self.device).detach()
-            self._window.count = count if self._window.count is None else self._window.count + count
-            # DDP and FSDP average gradients over the data-parallel ranks; this factor turns that into a sum.
-            weight = float(self._data_world)
-            share = loss.detach().double()
-        else:
-            weight = self._batch.weight if self._batch is not None else 1.0 / self.config.grad_accum_steps
-            share = loss.detach().double() * weight / self._data_world
-        if self._wants_loss:
-            self._window.loss = share if self._window.loss is None else self._window.loss + share
+        weight = self._account(loss.detach(), count)
         loss = loss * weight
         if self._scaler is not None:
             loss = self._scaler.scale(loss)
@@ -263,6 +246,32 @@ class Engine:
         self._mark = time.perf_counter()
         self._backward_ran = True
 
+    def _account(self, loss: torch.Tensor, count: int | torch.Tensor | None) -> float:
+        """Adds a micro-step's loss (and count) to its optimizer step's window; returns the weight its backward
+        starts from."""
+        self._window.busy_s += time.perf_counter() - self._mark
+        if self._batch is not None:
+            self._window.samples += self._batch.global_size
+            self._train_loader = self._loader
+        summed = count is not None
+        if self._micro_steps > 0 and summed != (self._window.count is not None):
+            raise UsageError("Pass count= to engine.backward on every micro-step of an optimizer step, or on none.")
+        weight = self._weight(summed)
+        if summed:
+            count = torch.as_tensor(count, dtype=torch.float64, device=self.device).detach()
+            self._window.count = count if self._window.count is None else self._window.count + count
+            share = loss.double()
+        else:
+            share = loss.double() * weight / self._data_world
+        if self._wants_loss:
+            self._window.loss = share if self._window.loss is None else self._window.loss + share
+        return weight
+
+    def _weight(self, summed: bool) -> float:
+        if summed:  # DDP and FSDP average gradients over the data-parallel ranks; this factor turns that into a sum
+            return float(self._data_world)
+        return self._batch.weight if self._batch is not None else 1.0 / self.config.grad_accum_steps
+
     def forward_backward(
         self,
         model: nn.Module,
@@ -274,18 +283,54 @@ class Engine:
         `loss_fn(output, targets)`, then backward inside the accumulation window; returns the loss, detached.
 
         `loss_fn` returns the mean loss over the batch, or (sum, count) for a loss normalised by the count over the
-        whole global batch (tokens), as engine.backward's `count`. The same call serves every strategy, so a loop
-        written with it needs no change where forward and backward cannot be two separate calls (a pipeline).
+        whole global batch (tokens), as engine.backward's `count`. The same call serves every strategy; under pp
+        it is one step of the pipeline schedule over the batch's micro-batches, `output` is the last stage's (a
+        Hugging Face model's logits) and the loss comes back on every rank.
         """
+        if self._strategy.pipelined:
+            return self._pipeline_micro_step(inputs, targets, loss_fn)
         with self.accumulate(model):
-            if isinstance(inputs, dict):
-                output = model(**inputs)
-            else:
-                output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-            result = loss_fn(output, targets)
+            result = loss_fn(_call(model, inputs), targets)
             loss, count = result if isinstance(result, tuple) else (result, None)
             self.backward(loss, count=count)
         return loss.detach()
+
+    def _pipeline_micro_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], Any]) -> torch.Tensor:
+        def weigh(result: Any, share: float) -> torch.Tensor:
+            # Each micro-batch's backward: a sum weighted as engine.backward weighs it, a mean by its share of rows.
+            summed = isinstance(result, tuple)
+            return result[0] * self._weight(True) if summed else result * self._weight(False) * share
+
+        for observer in self.observers:
+            observer.on_backward_start()
+        with watching(self.observers, "pipeline step"), self._autocast():
+            loss, count = self._strategy.pipeline_step(inputs, targets, loss_fn, weigh, train=True)
+        for observer in self.observers:
+            observer.on_backward_end()
+        self._account(loss, count)
+        self._mark = time.perf_counter()
+        self._backward_ran = True
+        return loss.float()
+
+    def forward_loss(
+        self, model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], Any]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`loss_fn(model(inputs), targets)` without gradients, for evaluation, on every rank: under pp the
+        schedule runs forward only and the last stage's loss is shared. Returns what loss_fn returns, detached."""
+        with torch.no_grad():
+            if self._strategy.pipelined:
+                with self._autocast():
+                    return self._strategy.pipeline_step(inputs, targets, loss_fn, lambda r, m: r, train=False)
+            result = loss_fn(_call(model, inputs), targets)
+        if isinstance(result, tuple):
+            return tuple(r.detach() if torch.is_tensor(r) else r for r in result)
+        return result.detach()
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """The mixed precision's autocast around a pipeline schedule, whose stages the engine cannot wrap."""
+        if self.precision.compute_dtype is None or not self._strategy.uses_autocast:
+            return contextlib.nullcontext()
+        return self.precision.autocast(self.device)
 
     def step(self, optimizer: torch.optim.Optimizer, scheduler: LRScheduler | None = None) -> bool:
         """On the last micro-step of a window: unscale, clip, step, zero the gradients, advance `scheduler` and
@@ -444,3 +489,10 @@ class Engine:
         """print() on the main process only."""
         if self.is_main_process:
             print(*args, **kwargs, flush=True)
+
+
+def _call(model: nn.Module, inputs: Any) -> Any:
+    """model(inputs): a dict as keywords, a tuple as positional arguments, anything else as the one argument."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    return model(*inputs) if isinstance(inputs, tuple) else model(inputs)

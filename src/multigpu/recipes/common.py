@@ -47,6 +47,7 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
         unsharded_grad_accum=config.unsharded_grad_accum,
         replicate=config.replicate,
         tp_size=config.tp_size,
+        **pipeline_options(config),
         **options,
     )
     start.check(engine_config, nproc)
@@ -58,6 +59,12 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
     launch_config = LaunchConfig(nproc=nproc, gpu_ids=config.gpu_ids, max_restarts=restarts)
     argv = config_to_argv(config, skip=("nproc", "gpu_ids", "max_restarts"))
     return launch(launch_config, [module, *argv], module=True)
+
+
+def pipeline_options(config: Any) -> dict[str, Any]:
+    """The pipeline settings of a recipe whose config has them (finetune), for its Engine."""
+    names = ("pp_schedule", "pp_stages_per_rank", "pp_microbatches")
+    return {name: getattr(config, name) for name in names if hasattr(config, name)}
 
 
 def resolve_resume(config: RunDir, say: Callable[[str], None] = print) -> Path | None:
@@ -92,6 +99,7 @@ def recipe_engine(config: Any, **settings: Any) -> Engine:
         unsharded_grad_accum=config.unsharded_grad_accum,
         replicate=config.replicate,
         tp_size=config.tp_size,
+        **pipeline_options(config),
         seed=config.seed,
         timeout_s=config.timeout_s,
         log_every=config.log_every,

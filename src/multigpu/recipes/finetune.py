@@ -25,7 +25,15 @@ from multigpu.core.config import Parser, add_config_arguments, config_from_args
 from multigpu.core.errors import exit_on_usage_error, require
 from multigpu.core.precision import PRECISIONS
 from multigpu.core.schedule import SampleSchedule
-from multigpu.engine.config import PEAK_TFLOPS_HELP, REPLICATE_HELP, TP_SIZE_HELP, UNSHARDED_GRAD_ACCUM_HELP
+from multigpu.engine.config import (
+    PEAK_TFLOPS_HELP,
+    PP_MICROBATCHES_HELP,
+    PP_SCHEDULE_HELP,
+    PP_STAGES_HELP,
+    REPLICATE_HELP,
+    TP_SIZE_HELP,
+    UNSHARDED_GRAD_ACCUM_HELP,
+)
 from multigpu.engine.engine import Engine
 from multigpu.recipes import lm_data, lm_models
 from multigpu.recipes.common import (
@@ -38,6 +46,7 @@ from multigpu.recipes.common import (
     step_checkpoint,
 )
 from multigpu.strategies import STRATEGIES, DeepSpeedOptions
+from multigpu.strategies.pp import SCHEDULES
 
 
 @dataclass
@@ -58,6 +67,9 @@ class FinetuneConfig(DeepSpeedOptions):
     unsharded_grad_accum: bool = field(default=False, metadata={"help": UNSHARDED_GRAD_ACCUM_HELP})
     replicate: int | None = field(default=None, metadata={"help": REPLICATE_HELP})
     tp_size: int | None = field(default=None, metadata={"help": TP_SIZE_HELP})
+    pp_schedule: str = field(default="1f1b", metadata={"help": PP_SCHEDULE_HELP, "choices": SCHEDULES})
+    pp_stages_per_rank: int = field(default=1, metadata={"help": PP_STAGES_HELP})
+    pp_microbatches: int | None = field(default=None, metadata={"help": PP_MICROBATCHES_HELP})
     lr: float = field(default=2e-4, metadata={"help": "peak learning rate (AdamW)"})
     epochs: int = field(default=1, metadata={"help": "passes over the data (unless --max-steps stops sooner)"})
     max_steps: int | None = field(
@@ -102,6 +114,11 @@ class FinetuneConfig(DeepSpeedOptions):
                 "--method qlora's 4-bit weights cannot be split by tensor parallelism; use --method lora or full "
                 "under --multi-gpu tp and --tp-size, or drop them.",
             ),
+            (
+                self.multi_gpu != "pp" or (self.method != "qlora" and not self.sample_prompt),
+                "Under --multi-gpu pp, --method qlora and --sample-prompt do not run yet (4-bit layers and generation "
+                "need the whole model in one process); use --method full or lora and drop --sample-prompt.",
+            ),
         ]
         require(*checks)
 
@@ -116,8 +133,9 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def summed_token_loss(output: Any, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed cross-entropy of `output`'s logits over the target tokens, their number)."""
-    logits = output.logits
+    """(summed cross-entropy of `output`'s logits over the target tokens, their number); under pp `output` is the
+    last stage's, the logits themselves."""
+    logits = getattr(output, "logits", output)
     loss = nn.functional.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
     )
@@ -152,7 +170,7 @@ def build(config: FinetuneConfig, engine: Engine) -> tuple[nn.Module, torch.opti
 def unwrap(model: nn.Module) -> nn.Module:
     """The HF / peft model inside a DDP, DataParallel or DeepSpeed wrapper (FSDP2 keeps the module itself)."""
     wrapped = isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel))
-    return model.module if wrapped or type(model).__name__ == "DeepSpeedEngine" else model
+    return model.module if wrapped or type(model).__name__ in ("DeepSpeedEngine", "PipelineModel") else model
 
 
 @torch.no_grad()
@@ -175,7 +193,7 @@ def evaluate(engine: Engine, model: nn.Module, loader: Any, batches: int) -> flo
             if batches and number == batches:  # every rank has as many batches, so all stop together
                 break
             real = loader.yielded[-1].real > 0  # a padding-only batch counts nothing
-            loss, count = token_loss(model, batch)
+            loss, count = engine.forward_loss(model, model_inputs(batch), batch["labels"], summed_token_loss)
             totals += torch.tensor([loss.item(), count.item()], dtype=torch.float64) * real
     model.train()
     totals = engine.reduce(totals, op="sum")

@@ -91,6 +91,11 @@ class TrainConfig(DeepSpeedOptions):
                 "--mode conv has no layers tensor parallelism can split (convolutions); use --mode flatten under "
                 "--multi-gpu tp or --tp-size.",
             ),
+            (
+                self.multi_gpu != "pp",
+                "multigpu train does not run under --multi-gpu pp yet (its evaluation gathers each sample's "
+                "prediction from the whole model); use another strategy.",
+            ),
         ]
         require(*checks)
 

@@ -14,6 +14,7 @@ from multigpu.strategies.deepspeed import DeepSpeed, DeepSpeedOptions, check_ins
 from multigpu.strategies.dp import DataParallel
 from multigpu.strategies.fsdp import FSDP
 from multigpu.strategies.hsdp import HSDP
+from multigpu.strategies.pp import PipelineParallel
 from multigpu.strategies.single import Single
 from multigpu.strategies.tp import TensorParallel
 from multigpu.strategies.zero1 import Zero1
@@ -28,6 +29,7 @@ _FACTORIES: dict[str, Callable[[], Strategy]] = {
     "fsdp": FSDP,
     "hsdp": HSDP,
     "tp": TensorParallel,
+    "pp": PipelineParallel,
     "deepspeed": DeepSpeed,
 }
 STRATEGIES = ("auto", *_FACTORIES)
@@ -40,6 +42,7 @@ __all__ = [
     "DataParallel",
     "DeepSpeed",
     "DeepSpeedOptions",
+    "PipelineParallel",
     "Single",
     "Strategy",
     "TensorParallel",
@@ -60,6 +63,7 @@ def resolve_strategy(
     sync_batchnorm: bool = False,
     replicate: int | None = None,
     tp_size: int | None = None,
+    pipeline: tuple[str, int, int | None] = ("1f1b", 1, None),
 ) -> Strategy:
     """Turns a strategy name (or a configured Strategy) into the Strategy that will run, or refuses."""
     deepspeed = deepspeed or DeepSpeedOptions()
@@ -85,6 +89,8 @@ def resolve_strategy(
     elif spec == "dp" and torch.cuda.device_count() < 2:
         say(f"strategy dp needs 2 or more GPUs and this machine has {torch.cuda.device_count()}; running as single.")
         strategy = Single()
+    elif spec == "pp":
+        strategy = PipelineParallel(*pipeline)
     elif spec == "deepspeed":
         check_installed()
         strategy = DeepSpeed(deepspeed, max_grad_norm)
@@ -117,6 +123,11 @@ def resolve_strategy(
     if isinstance(strategy, HSDP) and strategy.replicate is None:
         # By default one replica per node: each node shards the model over its own fast links.
         strategy.replicate = replicate or max(1, env.world_size // env.local_world_size)
+    if pipeline != ("1f1b", 1, None) and not isinstance(strategy, PipelineParallel):
+        raise UsageError(
+            f"pp_schedule, pp_stages_per_rank and pp_microbatches are options of strategy pp, not {strategy.name}; "
+            "drop them or use strategy pp."
+        )
     set_tp(strategy, tp_size, env)
     check_sync_batchnorm(sync_batchnorm, strategy, env)
     if not strategy.needs_process_group and env.is_distributed:

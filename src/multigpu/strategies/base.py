@@ -54,6 +54,8 @@ class Strategy(ABC):
     mesh: DeviceMesh | None = None
     #: Whether the strategy can run inside tensor parallelism (tp.py), as the data-parallel dimension outside it.
     composes_with_tp: bool = False
+    #: Whether a micro-step is one call through a schedule (pp: pipeline_step), not a forward and a backward.
+    pipelined: bool = False
     #: The tensor-parallel degree (resolve_strategy sets it from tp_size): each planned layer split over this many
     #: neighbouring processes, which all read the same batch.
     tp: int = 1
@@ -169,23 +171,28 @@ class Strategy(ABC):
 
     def total_grad_norm(self, parameters: Iterable[nn.Parameter]) -> torch.Tensor:
         """The 2-norm of all gradients of the *whole* model, the same on every rank."""
+        parameters = list(parameters)
         grads = [p.grad for p in parameters if p.grad is not None]
-        if not grads:
-            return torch.zeros(())
         # Each rank adds up the squares of what it holds, each divided by the number of ranks that hold the same
         # elements (DTensors' replicated mesh dimensions; whole tensors are the same on every rank), and one
         # all-reduce sums them. One sum, so every rank gets the same norm bitwise, whatever mix of plain tensors
         # and DTensors on different meshes tensor parallelism and zero3 make.
         by_copies: dict[int, list[torch.Tensor]] = {}
-        for grad in grads:
-            local = grad.to_local() if isinstance(grad, DTensor) else grad
-            by_copies.setdefault(holders(grad), []).append(local)
-        square = sum(
-            torch.nn.utils.get_total_norm(group, 2.0).double() ** 2 / copies for copies, group in by_copies.items()
-        )
-        if grouped():
+        for param in parameters:
+            if param.grad is not None:
+                local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                by_copies.setdefault(self.holders(param), []).append(local)
+        device = grads[0].device if grads else (parameters[0].device if parameters else torch.device("cpu"))
+        square = torch.zeros((), dtype=torch.float64, device=device)
+        for copies, group in by_copies.items():
+            square += torch.nn.utils.get_total_norm(group, 2.0).double().to(device) ** 2 / copies
+        if grouped():  # every rank joins, those without gradients too
             dist.all_reduce(square)
         return square.sqrt().float()
+
+    def holders(self, param: torch.Tensor) -> int:
+        """How many ranks hold each element of `param` (and so of its gradient)."""
+        return holders(param)
 
     # State dicts keyed by parameter names, sharded as the strategy holds them (DTensors under FSDP), so that
     # torch.distributed.checkpoint can reshard them for any other world size or strategy on load. Frozen

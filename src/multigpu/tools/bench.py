@@ -133,7 +133,9 @@ def bench(config: BenchConfig, target: list[str], module: bool = False) -> dict[
         for strategy in ["single"] if n == 1 and config.baseline == "single" else config.strategy_names:
             runs = [run_cell(target, module, n, strategy, config, sync=True) for _ in range(config.repeats)]
             unsynced = []
-            if config.comm_share and n > 1:
+            # tp communicates inside every layer's forward and backward, which no_sync leaves in place: the
+            # gradient-sync share would read 0%, so it is not measured ("-").
+            if config.comm_share and n > 1 and strategy != "tp":
                 unsynced = [run_cell(target, module, n, strategy, config, sync=False) for _ in range(config.repeats)]
             cells.append(summarise(n, strategy, runs, unsynced))
             device, precision = runs[0]["device"], runs[0]["precision"]
