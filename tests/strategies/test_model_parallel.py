@@ -40,6 +40,8 @@ CELLS: dict[str, tuple[int, dict]] = {
     "zero3-x-tp-lora": (4, {"multi_gpu": "zero3", "tp_size": 2, "batch_size": 2, "method": "lora"}),
     # Pipelines: the schedule's micro-batches slice each batch; engine accumulation adds batches on top.
     "pp-gpipe-4-microbatches": (2, {"multi_gpu": "pp", "pp_schedule": "gpipe", "pp_microbatches": 4}),
+    "pp-gpipe-accumulate-4": (2, {"multi_gpu": "pp", "pp_schedule": "gpipe", "batch_size": 1, "grad_accum_steps": 4}),
+    "pp-1f1b-4-microbatches": (2, {"multi_gpu": "pp", "pp_microbatches": 4}),
     "pp-1f1b-accumulate-2": (2, {"multi_gpu": "pp", "batch_size": 2, "grad_accum_steps": 2}),
     "pp-bf16-mixed": (2, {"multi_gpu": "pp", "precision": "bf16-mixed"}),
     "pp-lora": (2, {"multi_gpu": "pp", "method": "lora"}),
@@ -143,9 +145,35 @@ def test_a_checkpoint_moves_between_layouts_and_lands_where_one_process_does(res
         (["--nproc", "4", "--strategy", "ddp", "--tp-size", "2"], "tp_size splits layers alone (strategy tp) or "),
         (["--nproc", "2", "--tp-size", "2"], "Strategy auto does not choose tensor parallelism; "),
         (["--nproc", "8", "--strategy", "hsdp", "--tp-size", "2", "--replicate", "3"], "hsdp cannot split 4 groups"),
+        (["--nproc", "2", "--strategy", "pp", "--tp-size", "2"], "tp_size splits layers alone (strategy tp) or "),
+        (["--nproc", "2", "--strategy", "ddp", "--pp-schedule", "gpipe"], "pp_schedule, pp_stages_per_rank and "),
+        (["--nproc", "2", "--strategy", "pp", "--pp-schedule", "interleaved"], "pp_stages_per_rank 1 does not fit"),
     ],
 )
 def test_a_layout_that_does_not_fit_is_refused_before_anything_starts(args: list[str], sentence: str) -> None:
     result = multigpu("demo", *args)
     assert result.returncode == 2, result.stdout
     assert result.stdout.count(sentence) == 1 and result.stdout.count("\n") == 1, result.stdout
+
+
+def final_epoch(output: str) -> tuple[float, float]:
+    """(train loss, validation accuracy) of the demo's last epoch line."""
+    line = [line for line in output.splitlines() if line.startswith("epoch ")][-1]
+    words = line.split()
+    return float(words[words.index("loss") + 1]), float(words[words.index("accuracy") + 1])
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [["--strategy", "pp", "--pp-schedule", "interleaved", "--pp-stages-per-rank", "2"], ["--strategy", "tp"]],
+    ids=["pp-interleaved", "tp"],
+)
+def test_the_demo_under_a_pipeline_or_tp_trains_as_one_process(layout: list[str]) -> None:
+    """The demo's MLP (an nn.Sequential: 5 layers in 4 interleaved stages on 2 processes; or tp by its plan) over
+    2 epochs of the same global batch lands on one process's loss and accuracy; fp32, so only the order of sums
+    differs (the pipeline's micro-batches, tp's split products)."""
+    one = multigpu("demo", "--nproc", "1", "--strategy", "single", "--epochs", "2")
+    split = multigpu("demo", "--nproc", "2", "--epochs", "2", *layout, timeout=180)
+    assert one.returncode == 0 and split.returncode == 0, split.stdout
+    (loss, accuracy), (split_loss, split_accuracy) = final_epoch(one.stdout), final_epoch(split.stdout)
+    assert split_loss == pytest.approx(loss, rel=1e-3) and abs(split_accuracy - accuracy) <= 2 / 1024

@@ -320,7 +320,8 @@ class Engine:
         with torch.no_grad():
             if self._strategy.pipelined:
                 with self._autocast():
-                    return self._strategy.pipeline_step(inputs, targets, loss_fn, lambda r, m: r, train=False)
+                    loss, count = self._strategy.pipeline_step(inputs, targets, loss_fn, lambda r, s: r, train=False)
+                return loss if count is None else (loss, count)
             result = loss_fn(_call(model, inputs), targets)
         if isinstance(result, tuple):
             return tuple(r.detach() if torch.is_tensor(r) else r for r in result)

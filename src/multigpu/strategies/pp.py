@@ -263,13 +263,14 @@ class PipelineParallel(Strategy):
         # Shape inference may call the loss on stand-ins first; the step's own calls are the last `micro`.
         results = results[len(results) - micro :] if self._mine[-1] == self._stages - 1 else []
         summed = bool(results) and isinstance(results[0][0], tuple)
-        if summed:
-            loss = sum(r[0].detach().double() for r, _ in results)
-            count = sum(torch.as_tensor(r[1]).double() for r, _ in results)
-        else:
-            loss, count = sum(r.detach().double() * share for r, share in results) if results else 0.0, 0.0
-        totals = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in (loss, count, float(summed))])
-        totals = totals.to(self._device)
+        totals = torch.zeros(3, dtype=torch.float64, device=self._device)  # loss, count, whether summed
+        for result, share in results:
+            if summed:
+                totals[0] += result[0].detach().double()
+                totals[1] += torch.as_tensor(result[1], dtype=torch.float64, device=self._device)
+            else:
+                totals[0] += result.detach().double() * share
+        totals[2] = float(summed)
         dist.all_reduce(totals, group=self._group)  # only the last stage computed them
         loss, count, summed = totals[0], totals[1], bool(totals[2] > 0)
         return (loss, count) if summed else (loss, None)
