@@ -90,8 +90,8 @@ def test_without_tp_or_pp_nothing_changes() -> None:
         ),
         (
             {"gpus": 8, "pp_size": 2, "pp_stages_per_rank": 2},
-            "--pp-stages-per-rank 2 needs --pp-schedule interleaved with 2 or more stages per rank (gpipe and 1f1b "
-            "hold 1); set them together.",
+            "--pp-stages-per-rank 2 does not fit --pp-schedule 1f1b: interleaved takes 2 or more stages per rank, "
+            "gpipe and 1f1b take 1; set them together.",
         ),
         (
             {"gpus": 8, "pp_schedule": "zigzag"},

@@ -8,9 +8,9 @@ from typing import Any
 from multigpu.core.env import BACKENDS
 from multigpu.core.errors import UsageError
 from multigpu.core.precision import PRECISIONS, Precision
+from multigpu.planner.layout import PP_SCHEDULES
 from multigpu.strategies import STRATEGIES
 from multigpu.strategies.deepspeed import DeepSpeedOptions
-from multigpu.strategies.pp import SCHEDULES
 
 UNSHARDED_GRAD_ACCUM_HELP = (
     "zero2/zero3: accumulate whole gradients locally and reduce-scatter once per optimizer step (less "
@@ -46,7 +46,7 @@ class EngineConfig(DeepSpeedOptions):
     cpu_offload: bool = field(default=False, metadata={"help": "keep zero3's sharded parameters in CPU memory"})
     replicate: int | None = field(default=None, metadata={"help": REPLICATE_HELP})
     tp_size: int | None = field(default=None, metadata={"help": TP_SIZE_HELP})
-    pp_schedule: str = field(default="1f1b", metadata={"help": PP_SCHEDULE_HELP, "choices": SCHEDULES})
+    pp_schedule: str = field(default="1f1b", metadata={"help": PP_SCHEDULE_HELP, "choices": PP_SCHEDULES})
     pp_stages_per_rank: int = field(default=1, metadata={"help": PP_STAGES_HELP})
     pp_microbatches: int | None = field(default=None, metadata={"help": PP_MICROBATCHES_HELP})
     unsharded_grad_accum: bool = field(default=False, metadata={"help": UNSHARDED_GRAD_ACCUM_HELP})

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from multigpu.core.errors import UsageError
 from multigpu.core.precision import PRECISIONS
-from multigpu.planner.layout import PP_SCHEDULES
+from multigpu.planner.layout import PP_SCHEDULES, check_schedule
 
 OPTIMIZERS = ("adamw", "sgd", "adamw8bit")
 
@@ -81,13 +81,7 @@ class PlanConfig:
             self.lora_r = 16  # QLoRA trains LoRA adapters on the quantised base; 16 is peft's usual rank
 
     def _check_layout(self) -> None:
-        if self.pp_schedule not in PP_SCHEDULES:
-            raise UsageError(f"Unknown --pp-schedule {self.pp_schedule!r}; choose one of {', '.join(PP_SCHEDULES)}.")
-        if self.pp_stages_per_rank < 1 or (self.pp_stages_per_rank > 1) != (self.pp_schedule == "interleaved"):
-            raise UsageError(
-                f"--pp-stages-per-rank {self.pp_stages_per_rank} needs --pp-schedule interleaved with 2 or more "
-                "stages per rank (gpipe and 1f1b hold 1); set them together."
-            )
+        check_schedule(self.pp_schedule, self.pp_stages_per_rank)
         if self.microbatches is None:
             self.microbatches = self.pp_size  # torchtitan's default: one micro-batch per stage
         if self.microbatches < 1:

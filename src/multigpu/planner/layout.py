@@ -25,6 +25,22 @@ from multigpu.planner.activations import transformer_parts
 from multigpu.planner.shapes import ModelShape, Transformer
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def check_schedule(
+    schedule: str, stages_per_rank: int, names: tuple[str, str] = ("--pp-schedule", "--pp-stages-per-rank")
+) -> None:
+    """Refuses an unknown schedule, or stages per rank that do not fit it (interleaved takes 2 or more, the others
+    1); `names` are the two settings as the caller's user writes them."""
+    if schedule not in PP_SCHEDULES:
+        raise UsageError(f"Unknown {names[0]} {schedule!r}; choose one of {', '.join(PP_SCHEDULES)}.")
+    if stages_per_rank < 1 or (stages_per_rank > 1) != (schedule == "interleaved"):
+        raise UsageError(
+            f"{names[1]} {stages_per_rank} does not fit {names[0]} {schedule}: interleaved takes 2 or more stages per "
+            "rank, gpipe and 1f1b take 1; set them together."
+        )
+
+
 COLUMN_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # the rest (o_proj, down_proj) split rows
 
 

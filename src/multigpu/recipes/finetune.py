@@ -35,6 +35,7 @@ from multigpu.engine.config import (
     UNSHARDED_GRAD_ACCUM_HELP,
 )
 from multigpu.engine.engine import Engine
+from multigpu.planner.layout import PP_SCHEDULES
 from multigpu.recipes import lm_data, lm_models
 from multigpu.recipes.common import (
     ProgressBar,
@@ -46,7 +47,6 @@ from multigpu.recipes.common import (
     step_checkpoint,
 )
 from multigpu.strategies import STRATEGIES, DeepSpeedOptions
-from multigpu.strategies.pp import SCHEDULES
 
 
 @dataclass
@@ -67,7 +67,7 @@ class FinetuneConfig(DeepSpeedOptions):
     unsharded_grad_accum: bool = field(default=False, metadata={"help": UNSHARDED_GRAD_ACCUM_HELP})
     replicate: int | None = field(default=None, metadata={"help": REPLICATE_HELP})
     tp_size: int | None = field(default=None, metadata={"help": TP_SIZE_HELP})
-    pp_schedule: str = field(default="1f1b", metadata={"help": PP_SCHEDULE_HELP, "choices": SCHEDULES})
+    pp_schedule: str = field(default="1f1b", metadata={"help": PP_SCHEDULE_HELP, "choices": PP_SCHEDULES})
     pp_stages_per_rank: int = field(default=1, metadata={"help": PP_STAGES_HELP})
     pp_microbatches: int | None = field(default=None, metadata={"help": PP_MICROBATCHES_HELP})
     lr: float = field(default=2e-4, metadata={"help": "peak learning rate (AdamW)"})

@@ -23,11 +23,11 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
 from multigpu.core.precision import Precision
+from multigpu.planner.layout import check_schedule
 from multigpu.strategies.base import StepOutcome, Strategy, frozen_names
 from multigpu.strategies.mesh import ParallelDims
 from multigpu.strategies.tp import start_alike
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 #: What a stage's loss function hands back to the engine: the loss (a mean, or a sum with its count).
 LossFn = Callable[[Any, Any], Any]
 
@@ -176,13 +176,7 @@ class PipelineParallel(Strategy):
     pipelined = True
 
     def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise UsageError(f"Unknown pp_schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}.")
-        if self.stages_per_rank < 1 or (self.stages_per_rank > 1) != (self.schedule == "interleaved"):
-            raise UsageError(
-                f"pp_stages_per_rank {self.stages_per_rank} does not fit schedule {self.schedule}: interleaved "
-                "takes 2 or more stages per rank, gpipe and 1f1b take 1."
-            )
+        check_schedule(self.schedule, self.stages_per_rank, ("pp_schedule", "pp_stages_per_rank"))
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
         return ParallelDims(pp=world_size)

@@ -27,7 +27,7 @@ import numpy as np
 
 from multigpu.core.config import json_value, parse_list, read_json
 from multigpu.core.errors import UsageError
-from multigpu.planner.layout import PP_SCHEDULES, bubble_fraction
+from multigpu.planner.layout import PP_SCHEDULES, bubble_fraction, check_schedule
 
 if TYPE_CHECKING:
     from multigpu.planner.shapes import ModelShape
@@ -199,13 +199,7 @@ class SimulateConfig:
         ):
             if not value >= 1:
                 raise UsageError(f"{flag} must be 1 or more (got {value}).")
-        if self.pp_schedule not in PP_SCHEDULES:
-            raise UsageError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)} (got {self.pp_schedule!r}).")
-        if self.pp_stages_per_rank < 1 or (self.pp_stages_per_rank > 1) != (self.pp_schedule == "interleaved"):
-            raise UsageError(
-                f"--pp-stages-per-rank {self.pp_stages_per_rank} needs --pp-schedule interleaved with 2 or more "
-                "stages per rank (gpipe and 1f1b hold 1); set them together."
-            )
+        check_schedule(self.pp_schedule, self.pp_stages_per_rank)
         if self.model_parallel == 1:
             return
         if self.hidden < 1 or not self.tokens_per_unit > 0:
