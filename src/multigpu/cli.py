@@ -24,10 +24,10 @@ from multigpu.recipes.demo import DemoConfig
 from multigpu.recipes.finetune import FinetuneConfig
 from multigpu.recipes.generate import GenerateConfig
 from multigpu.recipes.train import TrainConfig
-from multigpu.tools import bench, collectives, preflight, simulate
+from multigpu.tools import bench, collectives, preflight, simulate_request
 from multigpu.tools.bench import BenchConfig
 from multigpu.tools.collectives import CollectivesConfig
-from multigpu.tools.simulate import SimulateRequest
+from multigpu.tools.simulate_request import SimulateRequest
 from multigpu.tools.verify import VerifyConfig, print_verdict, verify
 
 # The collectives benchmark's flags that `multigpu bench --collectives` takes; --nproc and --out are bench's own.
@@ -88,7 +88,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    return simulate.run(config_from_args(SimulateRequest, args), args.json)
+    return simulate_request.run(config_from_args(SimulateRequest, args), args.json)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

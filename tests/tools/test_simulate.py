@@ -20,15 +20,13 @@ from multigpu.tools.simulate import (
     all_gather,
     all_reduce,
     compute_time,
-    fit_link,
     flops_per_token,
-    load_calibration,
     reduce_scatter,
     ring_time,
     simulate,
-    to_json,
     tree_all_reduce,
 )
+from multigpu.tools.simulate_request import fit_link, load_calibration, to_json
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 BASE = SimulateConfig(params=350_000_000, layers=24, compute_s=0.05, units_per_step=8, gpus=(1, 2, 8, 16, 64))

@@ -1,0 +1,263 @@
+"""`multigpu simulate` around the arithmetic of simulate.py: links calibrated from measured collectives
+(`multigpu bench --collectives`), a step's compute from a bench run or from FLOPs, the request the CLI maps onto,
+and the table or JSON it prints.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from multigpu.core.config import json_value, parse_list, read_json
+from multigpu.core.errors import UsageError
+from multigpu.planner.layout import PP_SCHEDULES
+from multigpu.tools.simulate import (
+    INTERCONNECTS,
+    OPS,
+    STRATEGIES,
+    Link,
+    Links,
+    Prediction,
+    SimulateConfig,
+    compute_time,
+    flops_per_token,
+    hops_and_factor,
+    simulate,
+)
+
+
+def fit_link(results: list[dict[str, Any]], world_size: int) -> Link:
+    """Least-squares alpha and bus bandwidth from collective timings, under simulate.py's ring model."""
+    if not isinstance(world_size, int) or world_size < 2:
+        raise UsageError(f"Calibration needs timings from 2 or more ranks (got world_size {world_size}).")
+    rows, sizes = [], set()
+    for result in results:
+        if isinstance(result, dict) and result.get("correct") is False:  # the bench flags wrong answers; skip them
+            continue
+        try:
+            hops, factor = hops_and_factor(result["op"], world_size)
+            size, seconds = float(result["bytes"]), float(result["time_s"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise UsageError(f"A calibration result needs op, bytes and time_s ({error!r} in {result}).") from None
+        # Dividing each row by its time fits relative error, so the small messages that fix alpha count as much
+        # as the large ones that fix bandwidth.
+        if not seconds > 0:
+            raise UsageError(f"A calibration time must be positive (got {seconds:g} s for {size:g} bytes).")
+        rows.append([hops / seconds, factor * size / seconds])
+        sizes.add(factor * size)
+    if len(sizes) < 2:
+        raise UsageError("Calibration needs timings at two or more message sizes; rerun the benchmark with more.")
+    a, b = np.array(rows), np.ones(len(rows))
+    (alpha, inverse_bw), *_ = np.linalg.lstsq(a, b, rcond=None)
+    if alpha < 0:  # latency below resolution: refit the bandwidth alone
+        alpha, inverse_bw = 0.0, float(a[:, 1] @ b / (a[:, 1] @ a[:, 1]))
+    if not inverse_bw > 0:
+        raise UsageError("The timings do not grow with message size, so no bandwidth fits; rerun with larger sizes.")
+    return Link(alpha_s=float(alpha), bandwidth_Bps=float(1 / inverse_bw))
+
+
+def load_calibration(path: str | Path, flag: str = "--calibration") -> Links:
+    """One Link per collective, each fitted to that op's timings in a `multigpu bench --collectives` JSON file.
+
+    gloo's reduce-scatter, the one FSDP calls, runs a whole all-reduce (the bench times a true reduce-scatter
+    instead and notes it), so on gloo it is costed as the all-reduce it is: twice the hops and the bytes.
+    """
+    how, what = "write it with `multigpu bench --collectives` first", "a JSON file from `multigpu bench --collectives`"
+    data = read_json(path, how, flag, what)
+    get = functools.partial(json_value, file=path, advice="use the file `multigpu bench --collectives` writes")
+    get(data, None, dict)
+    world = get(data, "world_size", int, minimum=2, advice="calibrate with `multigpu bench --collectives --nproc 2`")
+    results = get(data, "results", list, items=dict)
+    for index, row in enumerate(results):
+        get(row, "op", str, f"results[{index}]", choices=OPS)
+        for key in ("bytes", "time_s"):
+            get(row, key, float, f"results[{index}]", positive=True)
+        get(row, "correct", bool, f"results[{index}]", optional=True)
+    backend = get(data, "backend", str, optional=True)
+    measured = {row["op"] for row in results}
+    links = {op: fit_link([r for r in results if r["op"] == op], world) for op in OPS if op in measured}
+    fallback = fit_link(results, world)
+    links = {op: links.get(op, fallback) for op in OPS}
+    if backend == "gloo":
+        ring = links["all_reduce"]
+        links["reduce_scatter"] = Link(2 * ring.alpha_s, ring.bandwidth_Bps / 2)
+    return links
+
+
+def to_json(predictions: list[Prediction]) -> str:
+    return json.dumps([asdict(p) for p in predictions], indent=2)
+
+
+def format_table(predictions: list[Prediction], title: str | None = None) -> str:
+    """A rich table as text, for a terminal or a log."""
+    from rich.console import Console
+    from rich.table import Table
+
+    unit = predictions[0].unit if predictions else "samples"
+    table = Table(title=title)
+    pipelined = any(p.bubble_s for p in predictions)
+    times = ("step s", "compute s", "comm s", "exposed s", *(("bubble s",) if pipelined else ()))
+    for column in ("GPUs", "nodes", *times, f"{unit}/s", f"{unit}/s/GPU", "speedup", "efficiency"):
+        table.add_column(column, justify="right")
+    for p in predictions:
+        seconds = (p.step_s, p.compute_s, p.comm_s, p.exposed_comm_s, *((p.bubble_s,) if pipelined else ()))
+        times = (f"{t:.4f}" for t in seconds)
+        rates = (f"{p.throughput:,.1f}", f"{p.per_gpu_throughput:,.1f}", f"{p.speedup:.2f}", f"{p.efficiency:.1%}")
+        table.add_row(str(p.gpus), str(p.nodes), *times, *rates)
+    console = Console(file=io.StringIO(), width=150, color_system=None)
+    console.print(table)
+    return console.file.getvalue()
+
+
+@dataclass
+class SimulateRequest:
+    """`multigpu simulate`'s flags, one to one; `resolve` turns them into a SimulateConfig and its links."""
+
+    model: str | None = field(default=None, metadata={"help": "a built-in model name or a config.json (or its dir)"})
+    params: float | None = field(default=None, metadata={"help": "parameter count instead of --model, e.g. 7e9"})
+    layers: int | None = field(default=None, metadata={"help": "with --params: layers (zero3's units)"})
+    gpus: str = field(default="1,2,4,8,16,32,64,128", metadata={"help": "comma-separated GPU counts"})
+    gpus_per_node: int = field(default=8, metadata={"help": "GPUs in one node"})
+    interconnect: str = field(
+        default="infiniband", metadata={"help": "fabric between nodes", "choices": tuple(INTERCONNECTS)}
+    )
+    intra: str = field(default="nvlink", metadata={"help": "link inside a node", "choices": tuple(INTERCONNECTS)})
+    strategy: str = field(default="ddp", metadata={"help": "data-parallel strategy", "choices": STRATEGIES})
+    compute_s: float | None = field(default=None, metadata={"help": "seconds of one step on one device, if known"})
+    units_per_step: float | None = field(default=None, metadata={"help": "with --compute-s: samples per device"})
+    bench: str | None = field(
+        default=None, metadata={"help": "take compute time and units from a bench.json's 1-process cell"}
+    )
+    tflops: float | None = field(default=None, metadata={"help": "device peak TFLOPS, to derive the compute time"})
+    mfu: float = field(default=0.4, metadata={"help": "with --tflops: the utilisation assumed"})
+    seq_len: int = field(default=2048, metadata={"help": "tokens per sample (--tflops; tp/pp's activations)"})
+    batch_size: int = field(
+        default=1, metadata={"help": "with --tflops: samples per device per step (with tp/pp: per replica)"}
+    )
+    grad_bytes: int = field(default=4, metadata={"help": "bytes per gradient element reduced (4: fp32, 2: bf16)"})
+    param_bytes: int = field(default=2, metadata={"help": "bytes per parameter all-gathered (2: bf16 compute)"})
+    bucket_mb: float = field(default=25.0, metadata={"help": "DDP bucket size, MiB"})
+    overlap: bool = field(default=True, metadata={"help": "overlap communication with backward / prefetch"})
+    compute_slots_per_node: int | None = field(
+        default=None, metadata={"help": "CPU hosts: cores shared by a node's processes (compute slows beyond it)"}
+    )
+    calibration: str | None = field(
+        default=None, metadata={"help": "a bench --collectives JSON: replaces the intra-node link"}
+    )
+    inter_calibration: str | None = field(
+        default=None, metadata={"help": "a bench --collectives JSON taken across nodes: replaces the inter-node link"}
+    )
+    tp_size: int = field(default=1, metadata={"help": "tensor-parallel degree, inside a node"})
+    pp_size: int = field(default=1, metadata={"help": "pipeline-parallel degree, across nodes"})
+    pp_schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule", "choices": PP_SCHEDULES})
+    pp_stages_per_rank: int = field(default=1, metadata={"help": "with --pp-schedule interleaved: stages per GPU"})
+    microbatches: int | None = field(
+        default=None, metadata={"help": "pipeline micro-batches per step (default: --pp-size)"}
+    )
+    activation_checkpointing: bool = field(
+        default=False,
+        metadata={"help": "full recompute: a third more compute with --tflops, and tp's forward all-reduces again"},
+    )
+    tp_overlap: bool = field(default=False, metadata={"help": "async tp: hide tp's all-reduces under the matmuls"})
+
+
+def resolve(request: SimulateRequest) -> tuple[SimulateConfig, Link | None, Link | None]:
+    from multigpu.planner.shapes import from_counts, load_shape
+
+    if (request.model is None) == (request.params is None):
+        raise UsageError("Give the model as --model (a name or config.json) or as --params, not both.")
+    if request.model is not None:
+        shape = load_shape(request.model)
+    else:
+        shape = from_counts(request.params, None, None, None, None)
+    layers = shape.transformer.layers if shape.transformer else (request.layers or 1)
+    sources = [request.compute_s is not None, request.bench is not None, request.tflops is not None]
+    if sum(sources) != 1:
+        raise UsageError("Give the compute time one way: --compute-s (with --units-per-step), --bench or --tflops.")
+    unit = "samples"
+    mp = request.tp_size * request.pp_size
+    if mp > 1 and shape.transformer is None:
+        raise UsageError("--tp-size and --pp-size move activations, so they need the model's width: give --model.")
+    gpus = tuple(parse_list(request.gpus, "--gpus", int))
+    if mp > 1 and request.gpus == SimulateRequest.gpus:  # the default list: keep the counts the layout divides
+        gpus = tuple(n for n in gpus if n % mp == 0) or (mp,)
+    if request.compute_s is not None:
+        if request.units_per_step is None:
+            raise UsageError("--compute-s needs --units-per-step, the samples one device trains per step.")
+        compute, units = request.compute_s, request.units_per_step
+    elif request.bench is not None:
+        compute, units, unit = from_bench(Path(request.bench), request.strategy)
+    else:
+        units, unit = request.batch_size * request.seq_len, "tokens"
+        compute = compute_time(flops_per_token(shape, request.seq_len), units, request.tflops, request.mfu)
+        if request.activation_checkpointing:
+            compute *= 4 / 3  # the forward (a third of the FLOPs) runs again in backward
+    config = SimulateConfig(
+        params=shape.params,
+        compute_s=compute,
+        units_per_step=units,
+        layers=layers,
+        unit=unit,
+        gpus=gpus,
+        gpus_per_node=request.gpus_per_node,
+        interconnect=request.interconnect,
+        intra=request.intra,
+        strategy=request.strategy,
+        grad_bytes=request.grad_bytes,
+        param_bytes=request.param_bytes,
+        bucket_mb=request.bucket_mb,
+        overlap=request.overlap,
+        compute_slots_per_node=request.compute_slots_per_node,
+        tp_size=request.tp_size,
+        pp_size=request.pp_size,
+        pp_schedule=request.pp_schedule,
+        pp_stages_per_rank=request.pp_stages_per_rank,
+        microbatches=request.microbatches,
+        hidden=shape.transformer.hidden if shape.transformer else 0,
+        tokens_per_unit=1.0 if unit == "tokens" else float(request.seq_len),
+        activation_checkpointing=request.activation_checkpointing,
+        tp_overlap=request.tp_overlap,
+    )
+    intra = load_calibration(request.calibration) if request.calibration else None
+    inter = load_calibration(request.inter_calibration, "--inter-calibration") if request.inter_calibration else None
+    return config, intra, inter
+
+
+def from_bench(path: Path, strategy: str) -> tuple[float, float, str]:
+    """(seconds per step, units per device per step, unit) from a bench.json's 1-process cell: the strategy's own
+    (bench --baseline same) where there is one, as it carries the strategy's overhead; else the single one."""
+    data = read_json(path, "write it with `multigpu bench --nproc 1,...` first", "--bench", "a bench.json")
+    get = functools.partial(json_value, file=path, advice="use the bench.json that `multigpu bench` writes")
+    get(data, None, dict)
+    cells = get(data, "cells", list, items=dict)
+    ones = [i for i, cell in enumerate(cells) if get(cell, "nproc", int, f"cells[{i}]", minimum=1) == 1]
+    if not ones:
+        raise UsageError(f"{path} has no 1-process cell; rerun bench with 1 in --nproc.")
+    index = next((i for i in ones if get(cells[i], "strategy", str, f"cells[{i}]") == strategy), ones[0])
+    cell, at = cells[index], f"cells[{index}]"
+    step = get(cell, "step_time_s.median", float, at, positive=True)
+    if get(cell, "tokens_per_s", (dict, type(None)), at, optional=True):
+        return step, get(cell, "tokens_per_s.median", float, at, positive=True) * step, "tokens"
+    return step, get(cell, "samples_per_s.median", float, at, positive=True) * step, "samples"
+
+
+def run(request: SimulateRequest, as_json: bool) -> int:
+    """`multigpu simulate`: the predictions for `request`, as a table or (`as_json`) as JSON."""
+    config, intra, inter = resolve(request)
+    predictions = simulate(config, intra, inter)
+    if as_json:
+        print(to_json(predictions))
+    else:
+        title = f"{config.strategy}, {config.intra} in a node, {config.interconnect} between nodes"
+        if config.tp_size > 1:
+            title += f"; tp {config.tp_size}"
+        if config.pp_size > 1:
+            title += f"; pp {config.pp_size} ({config.pp_schedule}, {config.microbatches} micro-batches)"
+        print(format_table(predictions, title=title), end="")
+    return 0
