@@ -18,7 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
 
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
@@ -242,7 +248,10 @@ class PipelineParallel(Strategy):
         args = args if isinstance(args, tuple) else (args,)
         shapes = tuple(tuple(t.shape) for t in [*args, *kwargs.values(), targets] if torch.is_tensor(t))
         rows = len(targets)
-        micro = min(self.microbatches or self._stages, rows)  # a short last batch: one row per micro-batch
+        # A stage sizes its buffers for one micro-batch shape, so the slices must be equal: a batch whose rows the
+        # wanted count does not divide (a short last batch) takes the largest count that does.
+        wanted = min(self.microbatches or self._stages, rows)
+        micro = max(d for d in range(1, wanted + 1) if rows % d == 0)
         results: list = []
 
         def stage_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -277,13 +286,22 @@ class PipelineParallel(Strategy):
                 PipelineStage(forward, stage, self._stages, self._device, group=self._group)
                 for forward, stage in zip(self._forwards, self._mine, strict=True)
             ]
-            if self.schedule == "interleaved":
-                schedule = ScheduleInterleaved1F1B(stages, micro, loss_fn=lambda o, t: o, scale_grads=False)
-            else:
-                kind = ScheduleGPipe if self.schedule == "gpipe" else Schedule1F1B
-                schedule = kind(stages[0], micro, loss_fn=lambda o, t: o, scale_grads=False)
+            kind = self._schedule_kind(micro)
+            schedule = kind(stages if len(stages) > 1 else stages[0], micro, loss_fn=lambda o, t: o, scale_grads=False)
             self._schedules[(shapes, micro)] = schedule
         return self._schedules[(shapes, micro)]
+
+    def _schedule_kind(self, micro: int) -> type:
+        """The configured schedule, or for a batch too short for it (fewer micro-batches than 1f1b has stages, or
+        than interleaving fills in whole rounds) the all-forwards-then-all-backwards order: the same gradients, and
+        no more activations in flight than the configured schedule would hold with enough micro-batches."""
+        pp = self._stages // self.stages_per_rank
+        if self.schedule == "interleaved":
+            rounds = max(1, micro // pp)
+            return ScheduleInterleaved1F1B if micro >= pp and micro % rounds == 0 else ScheduleLoopedBFS
+        if self.schedule == "1f1b" and micro >= self._stages:
+            return Schedule1F1B
+        return ScheduleGPipe
 
     def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, *args: Any) -> StepOutcome:
         for param, group in self._ties:  # the embedding's and the head's shares of a tied weight's gradient
