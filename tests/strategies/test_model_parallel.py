@@ -47,6 +47,12 @@ CELLS: dict[str, tuple[int, dict]] = {
     "pp-1f1b-accumulate-4": (2, {"multi_gpu": "pp", "batch_size": 1, "grad_accum_steps": 4}),
     "pp-bf16-mixed": (2, {"multi_gpu": "pp", "precision": "bf16-mixed"}),
     "pp-lora": (2, {"multi_gpu": "pp", "method": "lora"}),
+    # Pipelines of 2 stages inside 4 processes: whole replicas, zero sharding each stage, tp splitting each stage.
+    "pp-x-replicas": (4, {"multi_gpu": "pp", "pp_size": 2, "batch_size": 2}),
+    "zero3-x-pp": (4, {"multi_gpu": "zero3", "pp_size": 2, "batch_size": 2}),
+    "zero2-x-pp-bf16-mixed": (4, {"multi_gpu": "zero2", "pp_size": 2, "batch_size": 2, "precision": "bf16-mixed"}),
+    "pp-x-tp": (4, {"multi_gpu": "pp", "tp_size": 2}),
+    "zero3-x-pp-lora": (4, {"multi_gpu": "zero3", "pp_size": 2, "batch_size": 2, "method": "lora"}),
 }
 # A run under one layout saves a checkpoint at step 2; another layout resumes it: (processes, settings) of each.
 MOVES: dict[str, list[tuple[int, dict]]] = {
@@ -54,6 +60,7 @@ MOVES: dict[str, list[tuple[int, dict]]] = {
     "tp-then-single": [(2, CELLS["tp-32"][1]), (1, CELLS["single-32"][1])],
     "zero3-x-tp-then-pp": [(4, CELLS["zero3-x-tp"][1]), (2, {"multi_gpu": "pp"})],
     "pp-then-single": [(2, {"multi_gpu": "pp"}), (1, CELLS["single-32"][1])],
+    "zero3-x-pp-then-single": [(4, CELLS["zero3-x-pp"][1]), (1, CELLS["single-32"][1])],
 }
 
 
@@ -121,9 +128,10 @@ def test_each_layout_reaches_the_one_process_validation_loss(results: dict, name
     assert found["val_loss"][1] == pytest.approx(reference["val_loss"][1], rel=TOLERANCE[precision])
     assert reference["val_loss"][1] < reference["val_loss"][0] - 0.05  # the steps changed the model
     # Llama's plan splits q_proj by output rows over tp (64 rows, 4 heads of 16): each rank holds half of them,
-    # halved again where zero shards the slice; a pipeline's rank 0 holds layer 0 whole.
+    # halved again where zero shards the slice; a pipeline's rank 0 holds layer 0 whole, or what tp or zero leave.
     split = {"tp-32": 32, "tp-bf16-mixed": 32, "tp-accumulate-2": 32, "replicas-x-tp": 32, "hsdp-2x2": 32}
-    split |= {"tp-lora": 32} | {cell: 64 for cell in CELLS if cell.startswith("pp")}
+    split |= {"tp-lora": 32} | {cell: 64 for cell in CELLS if cell.startswith("pp")} | {"pp-x-tp": 32}
+    split |= {cell: 32 for cell in CELLS if "-x-pp" in cell}
     assert found["query_rows"] == split.get(name, 16)
 
 
@@ -145,9 +153,12 @@ def test_a_checkpoint_moves_between_layouts_and_lands_where_one_process_does(res
         (["--nproc", "3", "--strategy", "zero3", "--tp-size", "2"], "zero3 x tp 2 needs a multiple of 2 processes, "),
         (["--nproc", "4", "--strategy", "tp", "--tp-size", "2"], "Strategy tp splits each layer over every process"),
         (["--nproc", "4", "--strategy", "ddp", "--tp-size", "2"], "tp_size splits layers alone (strategy tp) or "),
-        (["--nproc", "2", "--tp-size", "2"], "Strategy auto does not choose tensor parallelism; "),
+        (["--nproc", "2", "--tp-size", "2"], "Strategy auto does not choose tensor or pipeline parallelism; "),
+        (["--nproc", "2", "--pp-size", "2"], "Strategy auto does not choose tensor or pipeline parallelism; "),
         (["--nproc", "8", "--strategy", "hsdp", "--tp-size", "2", "--replicate", "3"], "hsdp cannot split 4 groups"),
-        (["--nproc", "2", "--strategy", "pp", "--tp-size", "2"], "tp_size splits layers alone (strategy tp) or "),
+        (["--nproc", "6", "--strategy", "pp", "--pp-size", "2", "--tp-size", "2"], "pp 2 x tp 2 needs a multiple "),
+        (["--nproc", "3", "--strategy", "zero3", "--pp-size", "2"], "pp_size 2 does not divide the 3 processes"),
+        (["--nproc", "4", "--strategy", "ddp", "--pp-size", "2"], "pp_size runs pipeline stages with zero2, zero3 "),
         (["--nproc", "2", "--strategy", "ddp", "--pp-schedule", "gpipe"], "pp_schedule, pp_stages_per_rank and "),
         (["--nproc", "2", "--strategy", "pp", "--pp-schedule", "interleaved"], "pp_stages_per_rank 1 does not fit"),
     ],
@@ -173,8 +184,20 @@ def final_epoch(output: str) -> tuple[float, float]:
         ["--strategy", "pp", "--pp-schedule", "interleaved", "--pp-stages-per-rank", "2", "--pp-microbatches", "5"],
         ["--strategy", "pp", "--pp-microbatches", "4"],
         ["--strategy", "tp"],
+        [
+            "--nproc",
+            "4",
+            "--strategy",
+            "pp",
+            "--tp-size",
+            "2",
+            "--pp-schedule",
+            "interleaved",
+            "--pp-stages-per-rank",
+            "2",
+        ],
     ],
-    ids=["pp-interleaved", "pp-interleaved-5-rows", "pp-uneven-rows", "tp"],
+    ids=["pp-interleaved", "pp-interleaved-5-rows", "pp-uneven-rows", "tp", "pp-interleaved-x-tp"],
 )
 def test_the_demo_under_a_pipeline_or_tp_trains_as_one_process(layout: list[str]) -> None:
     """The demo's MLP (an nn.Sequential: 5 layers in 4 interleaved stages on 2 processes, or 2 stages; or tp by its
@@ -183,6 +206,21 @@ def test_the_demo_under_a_pipeline_or_tp_trains_as_one_process(layout: list[str]
     common = ["--epochs", "1", "--batch-size", "5", "--samples", "512"]
     one = multigpu("demo", "--nproc", "1", "--strategy", "single", *common)
     split = multigpu("demo", "--nproc", "2", *common, *layout, timeout=180)
+    assert one.returncode == 0 and split.returncode == 0, split.stdout
+    (loss, accuracy), (split_loss, split_accuracy) = final_epoch(one.stdout), final_epoch(split.stdout)
+    assert split_loss == pytest.approx(loss, rel=1e-3) and abs(split_accuracy - accuracy) <= 2 / 1024
+
+
+@pytest.mark.parametrize("data", ["zero3", "zero2", "hsdp"])
+def test_the_demo_sharded_inside_a_pipeline_trains_as_one_process(data: str) -> None:
+    """2 stages x 2 shards (hsdp: 2 replicas), 5 rows per replica, accumulating 2 batches: one process's loss and
+    accuracy at a global batch of 10. The epoch's short last batch is the second of its accumulation, and its new
+    shape gets a new schedule, whose first run re-infers shapes by a real backward: the gradients of the first
+    batch must survive that (without care, torch drops a sharded stage's, and the accuracy moves by 8/1024)."""
+    common = ["--epochs", "1", "--samples", "512", "--grad-accum-steps", "2"]
+    one = multigpu("demo", "--nproc", "1", "--strategy", "single", "--batch-size", "10", *common)
+    layout = ["--nproc", "4", "--strategy", data, "--pp-size", "2", "--batch-size", "5"]
+    split = multigpu("demo", *layout, *([] if data != "hsdp" else ["--replicate", "2"]), *common, timeout=180)
     assert one.returncode == 0 and split.returncode == 0, split.stdout
     (loss, accuracy), (split_loss, split_accuracy) = final_epoch(one.stdout), final_epoch(split.stdout)
     assert split_loss == pytest.approx(loss, rel=1e-3) and abs(split_accuracy - accuracy) <= 2 / 1024

@@ -25,6 +25,10 @@ TP_SIZE_HELP = (
     "tensor parallel degree: each layer of the model's tp_plan split over this many processes, which read the "
     "same batch (strategy tp: every process; zero2, zero3, hsdp: inside their data parallelism)"
 )
+PP_SIZE_HELP = (
+    "pipeline stages' processes: strategy pp over the rest as whole replicas, or zero2, zero3 or hsdp inside each "
+    "stage (default for pp: every process outside tp)"
+)
 PP_SCHEDULE_HELP = "pp: gpipe (all forwards, then all backwards), 1f1b (less memory) or interleaved"
 PP_STAGES_HELP = "pp with schedule interleaved: stages per process (2 or more; a smaller pipeline bubble)"
 PP_MICROBATCHES_HELP = "pp: slices of each batch that flow through the pipeline (default: one per stage)"
@@ -46,6 +50,7 @@ class EngineConfig(DeepSpeedOptions):
     cpu_offload: bool = field(default=False, metadata={"help": "keep zero3's sharded parameters in CPU memory"})
     replicate: int | None = field(default=None, metadata={"help": REPLICATE_HELP})
     tp_size: int | None = field(default=None, metadata={"help": TP_SIZE_HELP})
+    pp_size: int | None = field(default=None, metadata={"help": PP_SIZE_HELP})
     pp_schedule: str = field(default="1f1b", metadata={"help": PP_SCHEDULE_HELP, "choices": PP_SCHEDULES})
     pp_stages_per_rank: int = field(default=1, metadata={"help": PP_STAGES_HELP})
     pp_microbatches: int | None = field(default=None, metadata={"help": PP_MICROBATCHES_HELP})
@@ -73,6 +78,8 @@ class EngineConfig(DeepSpeedOptions):
             raise UsageError(f"max_grad_norm must be positive (got {self.max_grad_norm}); leave it unset for none.")
         if self.tp_size is not None and self.tp_size < 1:
             raise UsageError(f"tp_size must be 1 or more (got {self.tp_size}); leave it unset for none.")
+        if self.pp_size is not None and self.pp_size < 1:
+            raise UsageError(f"pp_size must be 1 or more (got {self.pp_size}); leave it unset for none.")
         if self.pp_microbatches is not None and self.pp_microbatches < 1:
             raise UsageError(f"pp_microbatches must be 1 or more (got {self.pp_microbatches}).")
         if self.timeout_s <= 0:

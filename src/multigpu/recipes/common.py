@@ -63,7 +63,7 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
 
 def pipeline_options(config: Any) -> dict[str, Any]:
     """The pipeline settings of a recipe whose config has them (finetune), for its Engine."""
-    names = ("pp_schedule", "pp_stages_per_rank", "pp_microbatches")
+    names = ("pp_size", "pp_schedule", "pp_stages_per_rank", "pp_microbatches")
     return {name: getattr(config, name) for name in names if hasattr(config, name)}
 
 

@@ -64,6 +64,7 @@ def resolve_strategy(
     replicate: int | None = None,
     tp_size: int | None = None,
     pipeline: tuple[str, int, int | None] = ("1f1b", 1, None),
+    pp_size: int | None = None,
 ) -> Strategy:
     """Turns a strategy name (or a configured Strategy) into the Strategy that will run, or refuses."""
     deepspeed = deepspeed or DeepSpeedOptions()
@@ -76,10 +77,10 @@ def resolve_strategy(
         strategy = spec
     elif spec not in STRATEGIES:
         raise UsageError(f"Unknown strategy {spec!r}; choose one of {', '.join(STRATEGIES)}.")
-    elif spec == "auto" and tp_size not in (None, 1):
+    elif spec == "auto" and (tp_size not in (None, 1) or pp_size not in (None, 1)):
         raise UsageError(
-            "Strategy auto does not choose tensor parallelism; name the strategy to run it with (tp, ddp, zero2, "
-            "zero3 or hsdp) beside tp_size."
+            "Strategy auto does not choose tensor or pipeline parallelism; name the strategy to run them with (tp, "
+            "pp, zero2, zero3 or hsdp) beside tp_size and pp_size."
         )
     elif spec == "auto" and env.is_distributed:
         strategy = DDP()  # joins the process group now; Engine.setup asks the planner once it sees the model
@@ -90,7 +91,7 @@ def resolve_strategy(
         say(f"strategy dp needs 2 or more GPUs and this machine has {torch.cuda.device_count()}; running as single.")
         strategy = Single()
     elif spec == "pp":
-        strategy = PipelineParallel(*pipeline)
+        strategy = PipelineParallel(*pipeline, size=pp_size)
     elif spec == "deepspeed":
         check_installed()
         strategy = DeepSpeed(deepspeed, max_grad_norm)
@@ -121,13 +122,10 @@ def resolve_strategy(
     if replicate is not None and not isinstance(strategy, HSDP):
         raise UsageError(f"replicate is hsdp's number of replicas; drop it or use strategy hsdp, not {strategy.name}.")
     if isinstance(strategy, HSDP) and strategy.replicate is None:
-        # By default one replica per node: each node shards the model over its own fast links.
-        strategy.replicate = replicate or max(1, env.world_size // env.local_world_size)
-    if pipeline != ("1f1b", 1, None) and not isinstance(strategy, PipelineParallel):
-        raise UsageError(
-            f"pp_schedule, pp_stages_per_rank and pp_microbatches are options of strategy pp, not {strategy.name}; "
-            "drop them or use strategy pp."
-        )
+        # By default one replica per node: each node shards the model (a pipeline stage of it) over its own links.
+        nodes = max(1, env.world_size // env.local_world_size)
+        strategy.replicate = replicate or max(1, nodes // (pp_size or 1))
+    strategy = in_pipeline(strategy, pipeline, pp_size)
     set_tp(strategy, tp_size, env)
     check_sync_batchnorm(sync_batchnorm, strategy, env)
     if not strategy.needs_process_group and env.is_distributed:
@@ -136,6 +134,25 @@ def resolve_strategy(
             "train alone; launch one process, or use ddp/zero1/zero2/zero3."
         )
     return strategy
+
+
+def in_pipeline(strategy: Strategy, pipeline: tuple[str, int, int | None], pp_size: int | None) -> Strategy:
+    """`strategy` inside a pipeline of `pp_size` ranks (zero2, zero3 and hsdp shard each stage), or refuses
+    pipeline options that a strategy without a pipeline would ignore."""
+    if isinstance(strategy, PipelineParallel) or ((pp_size or 1) == 1 and pipeline == ("1f1b", 1, None)):
+        return strategy
+    if pp_size in (None, 1):
+        raise UsageError(
+            f"pp_schedule, pp_stages_per_rank and pp_microbatches are options of pipelines (strategy pp, or "
+            f"pp_size), not of {strategy.name} alone; drop them, or add pp_size or use strategy pp."
+        )
+    if not isinstance(strategy, FSDP) or strategy.cpu_offload or strategy.unsharded_grad_accum:
+        options = " with cpu_offload or unsharded_grad_accum" if isinstance(strategy, FSDP) else ""
+        raise UsageError(
+            f"pp_size runs pipeline stages with zero2, zero3 or hsdp inside them (or whole replicas with strategy "
+            f"pp), not {strategy.name}{options}; choose one of those or drop pp_size."
+        )
+    return PipelineParallel(*pipeline, size=pp_size, data=strategy)
 
 
 def set_tp(strategy: Strategy, tp_size: int | None, env: DistEnv) -> None:
@@ -153,6 +170,8 @@ def set_tp(strategy: Strategy, tp_size: int | None, env: DistEnv) -> None:
             "or drop tp_size."
         )
     strategy.tp = tp_size
+    if isinstance(strategy, PipelineParallel) and strategy.data is not None:
+        strategy.data.tp = tp_size
 
 
 def check_sync_batchnorm(sync_batchnorm: bool, strategy: Strategy, env: DistEnv) -> None:

@@ -107,6 +107,17 @@ class FSDP(Strategy):
         if optimizer is not None and optimizer.state:
             raise UsageError(f"{self.name} must shard a fresh optimizer; call engine.setup before the first step.")
         self.build_mesh(env)
+        return children_first(model, [*self.units(model), *quantized_owners(model)]), self.sharder(model, precision)
+
+    def shard_stage(self, stage: nn.Module, units: list[nn.Module], precision: Precision) -> None:
+        """Shards one pipeline stage (pp.py): `units` (those of the whole model that the stage holds) and then the
+        stage itself, the root whose pre-forward gathers what no unit holds (embeddings, norm, head)."""
+        shard = self.sharder(stage, precision)
+        for unit in [*children_first(stage, [*units, *quantized_owners(stage)]), stage]:
+            shard(unit)
+
+    def sharder(self, root: nn.Module, precision: Precision) -> Callable[[nn.Module], None]:
+        """What shards one unit of the tree under `root` (and `root` itself, last), with the precision's casts."""
         common = {"mesh": self.sharding_mesh(), "reshard_after_forward": self.reshard_after_forward}
         if self.cpu_offload:
             common["offload_policy"] = CPUOffloadPolicy()
@@ -120,15 +131,15 @@ class FSDP(Strategy):
             )
         # Packed 4-bit weights are bytes, not numbers: a cast to the compute dtype would scramble them. Their
         # layers are units of their own that gather the storage as it is; the layers dequantise it themselves.
-        quantized = quantized_owners(model)
+        quantized = quantized_owners(root)
 
         def shard(unit: nn.Module) -> None:
             policy = no_cast if any(unit is q for q in quantized) else unit_policy
-            if unit is model:
+            if unit is root:
                 policy = root_policy
             fully_shard(unit, mp_policy=policy, **common)
 
-        return children_first(model, [*self.units(model), *quantized]), shard
+        return shard
 
     def sharding_mesh(self) -> DeviceMesh:
         """The mesh fully_shard lays parameters out on. It reads a 2-D ("replicate", "shard") mesh as HSDP (shards

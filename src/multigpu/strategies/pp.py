@@ -11,13 +11,15 @@ only its stages' modules; the others are moved to the meta device. A training mi
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -25,14 +27,17 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleLoopedBFS,
 )
+from torch.distributed.tensor import DTensor
 
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
+from multigpu.core.modules import repoint
 from multigpu.core.precision import Precision
 from multigpu.planner.layout import check_schedule
 from multigpu.strategies.base import StepOutcome, Strategy, frozen_names
+from multigpu.strategies.fsdp import FSDP
 from multigpu.strategies.mesh import ParallelDims
-from multigpu.strategies.tp import start_alike
+from multigpu.strategies.tp import start_alike, tensor_parallelize, tied_places
 
 #: What a stage's loss function hands back to the engine: the loss (a mean, or a sum with its count).
 LossFn = Callable[[Any, Any], Any]
@@ -66,9 +71,11 @@ class PipelineModel(nn.Module):
 
 
 class _SequentialStage(nn.Module):
+    # A stage holds its modules as children, so that zero2/zero3 can shard it as one tree (the stage its root); the
+    # same modules are the PipelineModel's, under the whole model's names.
     def __init__(self, parts: list[nn.Module]) -> None:
         super().__init__()
-        self.parts = parts  # a plain list: the modules belong to the PipelineModel, not to this view
+        self.parts = nn.ModuleList(parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for part in self.parts:
@@ -81,9 +88,21 @@ class _DecoderStage(nn.Module):
     norm and the head. Every stage gets the batch's keywords (the attention mask) from the schedule; the hidden
     states come from the previous stage."""
 
-    def __init__(self, decoder: nn.Module, head: nn.Module, layers: list[nn.Module], first: bool, last: bool) -> None:
+    def __init__(
+        self,
+        decoder: nn.Module,
+        names: tuple[str, str, str],
+        head: nn.Module,
+        layers: list[nn.Module],
+        held: list[nn.Module],
+        first: bool,
+        last: bool,
+    ) -> None:
         super().__init__()
-        self.parts = {"decoder": decoder, "head": head, "layers": layers}  # views, as above
+        self.held = nn.ModuleList(held)  # the stage's own modules as children, as _SequentialStage's
+        # The decoder and head are reached through a dict: their other stages' modules (on meta) are not this one's.
+        self.parts = {"decoder": decoder, "head": head, "layers": layers}
+        self.embed, _, self.norm = names  # the decoder's attributes, by its pipeline plan
         self.first, self.last = first, last
 
     def forward(
@@ -99,7 +118,7 @@ class _DecoderStage(nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones(hidden.shape[:2], dtype=torch.long, device=hidden.device)
         if self.first:
-            hidden = decoder.embed_tokens(hidden)
+            hidden = getattr(decoder, self.embed)(hidden)
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         rotary = decoder.rotary_emb(hidden, positions)
         mask = create_causal_mask(
@@ -112,7 +131,7 @@ class _DecoderStage(nn.Module):
         for layer in self.parts["layers"]:
             hidden = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
         if self.last:
-            return self.parts["head"](decoder.norm(hidden))
+            return self.parts["head"](getattr(decoder, self.norm)(hidden))
         return hidden
 
 
@@ -130,10 +149,8 @@ def stage_parts(model: nn.Module, stages: int) -> list[tuple[dict[str, nn.Module
     if hasattr(model, "base_model") and hasattr(model.base_model, "model"):  # peft's PeftModel around the LM
         inner, prefix = model.base_model.model, "base_model.model."
     decoder = getattr(inner, "model", None)
-    if all(hasattr(decoder, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")) and hasattr(
-        inner, "lm_head"
-    ):
-        return _decoder_parts(inner, prefix, stages)
+    if hasattr(inner, "lm_head") and hasattr(decoder, "rotary_emb"):
+        return _decoder_parts(inner, prefix, stages, decoder_plan(decoder))
     if isinstance(model, nn.Sequential):
         children = list(model.named_children())
         if len(children) < stages:
@@ -150,22 +167,36 @@ def stage_parts(model: nn.Module, stages: int) -> list[tuple[dict[str, nn.Module
     )
 
 
-def _decoder_parts(inner: nn.Module, prefix: str, stages: int) -> list:
-    decoder, layers = inner.model, list(inner.model.layers)
+def decoder_plan(decoder: nn.Module) -> tuple[str, str, str]:
+    """The names of a Hugging Face decoder's embedding, layer list and final norm, from its `base_model_pp_plan`
+    (which lists them in that order), or one sentence saying the model has none."""
+    plan = list(getattr(decoder.config, "base_model_pp_plan", None) or {})
+    lists = [name for name in plan if isinstance(getattr(decoder, name, None), nn.ModuleList)]
+    if len(plan) < 3 or len(lists) != 1 or lists[0] in (plan[0], plan[-1]):
+        raise UsageError(
+            f"{type(decoder).__name__} has no pipeline plan (base_model_pp_plan: its embedding, layers and final "
+            "norm, in order); run it with a strategy without pp, or write the model as an nn.Sequential of its layers."
+        )
+    return plan[0], lists[0], plan[-1]
+
+
+def _decoder_parts(inner: nn.Module, prefix: str, stages: int, names: tuple[str, str, str]) -> list:
+    embed, layer_list, norm = names
+    decoder, layers = inner.model, list(getattr(inner.model, layer_list))
     if len(layers) < stages:
         raise UsageError(f"The model's {len(layers)} layers cannot fill {stages} pipeline stages; use fewer stages.")
     parts = []
     for index, run in enumerate(split_evenly(len(layers), stages)):
         first, last = index == 0, index == stages - 1
-        kept = {f"{prefix}model.layers.{i}": layers[i] for i in run}
+        kept = {f"{prefix}model.{layer_list}.{i}": layers[i] for i in run}
         kept[f"{prefix}model.rotary_emb"] = decoder.rotary_emb
         if first:
-            kept[f"{prefix}model.embed_tokens"] = decoder.embed_tokens
+            kept[f"{prefix}model.{embed}"] = getattr(decoder, embed)
         if last:
-            kept[f"{prefix}model.norm"] = decoder.norm
+            kept[f"{prefix}model.{norm}"] = getattr(decoder, norm)
             kept[f"{prefix}lm_head"] = inner.lm_head
-        chunk = [layers[i] for i in run]
-        parts.append((kept, lambda f, la, chunk=chunk: _DecoderStage(decoder, inner.lm_head, chunk, f, la)))
+        chunk, held = [layers[i] for i in run], list(kept.values())
+        parts.append((kept, lambda f, la, c=chunk, h=held: _DecoderStage(decoder, names, inner.lm_head, c, h, f, la)))
     return parts
 
 
@@ -175,17 +206,52 @@ class PipelineParallel(Strategy):
     stages_per_rank: int = 1
     #: Slices of each batch that flow through the pipeline one after another; None: one per stage.
     microbatches: int | None = None
+    #: Pipeline ranks; None: every process outside tensor parallelism. Fewer: the processes are also split by
+    #: `data` (zero2/zero3/hsdp shard each stage) or, without it, into whole replicas of the pipeline.
+    size: int | None = None
+    data: FSDP | None = None
     _schedules: dict = field(default_factory=dict, repr=False)
 
-    name = "pp"
-    mesh_dims = ("pp",)
     pipelined = True
+    composes_with_tp = True
 
     def __post_init__(self) -> None:
         check_schedule(self.schedule, self.stages_per_rank, ("pp_schedule", "pp_stages_per_rank"))
 
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "pp" if self.data is None else f"{self.data.name} x pp"
+
+    @property
+    def mesh_dims(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("pp", *(self.data.mesh_dims if self.data is not None else ()))
+
+    @property
+    def uses_autocast(self) -> bool:  # type: ignore[override]
+        return self.data is None or self.data.uses_autocast  # zero's stages cast their own parameters
+
     def parallel_dims(self, world_size: int) -> ParallelDims:
-        return ParallelDims(pp=world_size)
+        pp = self.size or self.outside_tp(world_size)
+        if world_size % pp:
+            raise UsageError(
+                f"pp_size {pp} does not divide the {world_size} processes launched; choose a pp_size that divides "
+                f"{world_size}, or launch a multiple of {pp}."
+            )
+        if self.data is not None:
+            return replace(self.data.parallel_dims(world_size // pp), pp=pp)
+        inner = world_size // pp
+        if inner % self.tp:
+            raise UsageError(
+                f"pp {pp} x tp {self.tp} needs a multiple of {pp * self.tp} processes, but {world_size} were "
+                f"launched; launch a multiple of {pp * self.tp} or choose other degrees."
+            )
+        return ParallelDims(pp=pp, replicate=inner // self.tp, tp=self.tp)
+
+    def build_mesh(self, env: DistEnv) -> DeviceMesh | None:
+        mesh = super().build_mesh(env)
+        if self.data is not None:
+            self.data.mesh = mesh  # one mesh: zero's "shard" (and "replicate") dimensions are slices of it
+        return mesh
 
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, precision: Precision
@@ -194,14 +260,23 @@ class PipelineParallel(Strategy):
             raise UsageError("pp must split a fresh optimizer; call engine.setup before the first step.")
         mesh = self.build_mesh(env)
         self._group, self._device = mesh["pp"].get_group(), env.device
-        pp, rank = env.world_size, env.rank
+        pp, rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
+        self._grid = mesh.mesh.reshape(pp, -1)  # a column: the ranks of one pipeline, stage by stage
+        self._column = int((self._grid == dist.get_rank()).nonzero()[0, 1])
+        replicated = self.data is None and "replicate" in mesh.mesh_dim_names
+        self._replicas = mesh["replicate"].get_group() if replicated else None
         self._stages = pp * self.stages_per_rank
         self._mine = list(range(rank, self._stages, pp))  # interleaved: stages r, r + pp, ...
+        start_alike(model)
+        if self.tp > 1:  # tp splits the whole model's layers first; the stages then take their split layers
+            whole_names = {id(p): name for name, p in model.named_parameters()}
+            model.to(env.device)
+            tensor_parallelize(model, mesh["tp"])
+            repoint(optimizer, whole_names, model)
         parts = stage_parts(model, self._stages)
         kept = {name: module for stage in self._mine for name, module in parts[stage][0].items()}
-        start_alike(model)
         held = {id(p) for module in kept.values() for p in module.parameters()}
-        self._ties = self._tied_groups(model, parts, pp)
+        ties = self._tied_groups(model, parts, pp, rank)
         # What other stages hold goes to the meta device: its memory is given back, its shapes stay.
         for module in model.modules():
             for name, param in module._parameters.items():
@@ -210,14 +285,37 @@ class PipelineParallel(Strategy):
         for module in kept.values():
             module.to(env.device)  # in place: the optimizer's Parameters stay the ones it holds
         self._forwards = [parts[stage][1](stage == 0, stage == self._stages - 1) for stage in self._mine]
+        pipeline = PipelineModel(model, kept)
+        names = {id(p): name for name, p in pipeline.named_parameters()}
         if optimizer is not None:
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) in held]
-        return PipelineModel(model, kept), optimizer
+        if self.data is not None:
+            self._shard_stages(model, precision)
+            repoint(optimizer, names, pipeline)
+        current = dict(pipeline.named_parameters())  # sharding replaced the Parameters; the names stay
+        self._ties = [(current[names[id(p)]], group, count) for p, group, count in ties]
+        return pipeline, optimizer
 
-    def _tied_groups(self, model: nn.Module, parts: list, pp: int) -> list[tuple[nn.Parameter, Any]]:
-        """Parameters that two stages share (a head tied to the embeddings), each with the process group of the
-        ranks that hold it: their gradients are summed there after backward, so both copies step alike."""
+    def _shard_stages(self, model: nn.Module, precision: Precision) -> None:
+        """zero2/zero3/hsdp inside each stage: the whole model's units that the stage holds, then the stage as
+        their root (which the schedule tells when a step's last backward has run)."""
+        units = self.data.units(model)
+        tied = [(place, first, getattr(*first)) for place, first in tied_places(model)]
+        for forward in self._forwards:
+            inside = {id(m) for m in forward.modules()}
+            self.data.shard_stage(forward, [u for u in units if id(u) in inside], precision)
+        # A tied weight's name outside this rank's stages (the embedding's, on the last stage) follows the
+        # Parameter that sharding put in place of the one both names held.
+        for place, first, old in tied:
+            new = getattr(*place) if getattr(*place) is not old else getattr(*first)
+            setattr(*place, new)
+            setattr(*first, new)
+
+    def _tied_groups(self, model: nn.Module, parts: list, pp: int, rank: int) -> list[tuple[nn.Parameter, Any, int]]:
+        """This rank's parameters that two stages share (a head tied to the embeddings), each with the process group
+        of the ranks of this pipeline that hold it, and their number: their gradients are summed there after
+        backward, so both copies step alike."""
         holders: dict[int, set[int]] = {}
         by_id = {id(p): p for p in model.parameters()}
         for stage, (kept, _) in enumerate(parts):
@@ -227,14 +325,21 @@ class PipelineParallel(Strategy):
         ties = []
         for pid, ranks in holders.items():
             if len(ranks) > 1:
-                group = dist.new_group(sorted(ranks))  # every rank makes every group, in the same order
-                ties.append((by_id[pid], group, len(ranks)))
-        me = dist.get_rank()
-        self._tie_count = {id(p): n for p, _, n in ties}
-        return [(p, group) for p, group, _ in ties if me in holders[id(p)]]
+                # Every rank makes every pipeline's group, in the same order, and keeps its own pipeline's.
+                for column in range(self._grid.shape[1]):
+                    group = dist.new_group(sorted(int(self._grid[r, column]) for r in ranks))
+                    if column == self._column and rank in ranks:
+                        ties.append((by_id[pid], group, len(ranks)))
+        return ties
 
     def holders(self, param: torch.Tensor) -> int:
-        return self._tie_count.get(id(param), 1)  # each stage's weights live on one rank, tied ones on two
+        # The ranks of the other pipelines hold the same stage, less those among them that hold other shards of it.
+        shards = 1
+        if isinstance(param, DTensor):
+            placements = zip(param.placements, param.device_mesh.shape, strict=True)
+            shards = math.prod(size for placement, size in placements if placement.is_shard())
+        tied = next((count for p, _, count in self._ties if p is param), 1)
+        return tied * self._grid.shape[1] // shards
 
     # -- one micro-step --------------------------------------------------------------------------------------------
     def pipeline_step(
@@ -259,10 +364,17 @@ class PipelineParallel(Strategy):
             results.append((result, len(target) / rows))
             return weigh(result, len(target) / rows)
 
+        new = (shapes, micro) not in self._schedules
         schedule = self._schedule(shapes, micro)
         schedule._loss_fn = stage_loss  # the schedule keeps one loss function; this step's is the caller's
         run = schedule.step if train else schedule.eval
+        # A new schedule's first run infers its shapes by a real forward and backward, after which torch drops the
+        # sharded stages' gradients: those of this accumulation's earlier batches wait aside meanwhile.
+        aside = self._gradients_aside() if new and train and self.data is not None else []
         run(*args, target=targets, losses=[], **kwargs)
+        with torch.no_grad():
+            for param, grad in aside:
+                param.grad = grad if param.grad is None else param.grad + grad
         # Shape inference may call the loss on stand-ins first; the step's own calls are the last `micro`.
         results = results[len(results) - micro :] if self._mine[-1] == self._stages - 1 else []
         summed = bool(results) and isinstance(results[0][0], tuple)
@@ -277,6 +389,16 @@ class PipelineParallel(Strategy):
         dist.all_reduce(totals, group=self._group)  # only the last stage computed them
         loss, count, summed = totals[0], totals[1], bool(totals[2] > 0)
         return (loss, count) if summed else (loss, None)
+
+    def _gradients_aside(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """This rank's stages' gradients, each taken off its parameter."""
+        aside = []
+        for forward in self._forwards:
+            for param in forward.parameters():
+                if param.grad is not None:
+                    aside.append((param, param.grad))
+                    param.grad = None
+        return aside
 
     def _schedule(self, shapes: tuple, micro: int) -> Any:
         """The schedule for batches of these shapes: a stage sizes its buffers at its first step, so each new
@@ -304,9 +426,26 @@ class PipelineParallel(Strategy):
         return ScheduleGPipe
 
     def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, *args: Any) -> StepOutcome:
-        for param, group in self._ties:  # the embedding's and the head's shares of a tied weight's gradient
-            if param.grad is not None:
-                dist.all_reduce(param.grad, group=group)
+        if self._replicas is not None:  # whole replicas of the pipeline average their gradients, as ddp's do
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        by_dtype.setdefault(p.grad.dtype, []).append(_local(p.grad))
+            with torch.no_grad():
+                for same in by_dtype.values():  # one all-reduce per dtype, of every gradient laid end to end
+                    flat = torch.cat([g.reshape(-1) for g in same])
+                    dist.all_reduce(flat, group=self._replicas)
+                    flat /= dist.get_world_size(self._replicas)
+                    for grad, part in zip(same, flat.split([g.numel() for g in same]), strict=True):
+                        grad.copy_(part.view_as(grad))
+        for param, group, _ in self._ties:  # the embedding's and the head's shares of a tied weight's gradient
+            if param.grad is None:
+                continue
+            if isinstance(param, DTensor) and param.grad.placements != param.placements:
+                # A split embedding's gradient comes back whole; the head's is split like the weight they share.
+                param.grad = param.grad.redistribute(param.device_mesh, param.placements)
+            dist.all_reduce(_local(param.grad), group=group)
         return super().optimizer_step(model, optimizer, *args)
 
     def grad_scaler(self, device: torch.device) -> None:
@@ -332,10 +471,19 @@ class PipelineParallel(Strategy):
         """Every stage's weights, gathered onto rank 0's CPU (nothing on the other ranks)."""
         # A tied weight's second name (the head's, on the last stage) is left out, as the whole model's state has it.
         left_out = (frozen_names(model) if trainable_only else set()) | set(self._canonical(model))
-        mine = {k: v.detach().cpu() for k, v in model.state_dict().items() if k not in left_out}
+        # Split and sharded weights are assembled within each stage (every rank of it joins), then rank 0's
+        # pipeline gathers its stages' whole weights; the other pipelines hold the same.
+        state = {k: v for k, v in model.state_dict().items() if k not in left_out}
+        mine = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in state.items()}
+        if self._column != 0:
+            return {}
         gathered: list = [None] * dist.get_world_size(self._group) if dist.get_rank() == 0 else None
         dist.gather_object(mine, gathered, dst=0, group=self._group)
         return {k: v for part in gathered for k, v in part.items()} if gathered else {}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _renamed(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:

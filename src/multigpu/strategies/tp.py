@@ -135,7 +135,7 @@ def tensor_parallelize(model: nn.Module, mesh: DeviceMesh) -> None:
     over it; the other parameters stay whole on every process, where they get the same gradient everywhere."""
     modules = planned_modules(model, model_plan(model))
     check_divisible(model, modules, mesh.size())
-    ties = _ties(model)
+    ties = tied_places(model)
     parallelize_module(model, mesh, {name: STYLES[style]() for name, style in modules.items()})
     # Splitting replaces each Parameter with a new one, so a weight shared by two layers (a head tied to the
     # embeddings) would become two; both are split the same way, so the second name gets the first one's back.
@@ -143,7 +143,7 @@ def tensor_parallelize(model: nn.Module, mesh: DeviceMesh) -> None:
         setattr(owner, attribute, getattr(source, source_attribute))
 
 
-def _ties(model: nn.Module) -> list[tuple[tuple[nn.Module, str], tuple[nn.Module, str]]]:
+def tied_places(model: nn.Module) -> list[tuple[tuple[nn.Module, str], tuple[nn.Module, str]]]:
     """(module, attribute) pairs that hold a parameter already held under an earlier name, with that first place."""
     first: dict[int, tuple[nn.Module, str]] = {}
     ties = []
