@@ -32,6 +32,20 @@ def test_tp_divides_the_split_activations_only() -> None:
     assert one / 2 < two < one  # attention and MLP halve; norms, residual stream and log-softmax stay whole
 
 
+def test_sequence_parallelism_divides_the_norms_and_layer_inputs_by_tp() -> None:
+    from multigpu.planner.activations import transformer_parts
+
+    t = BUILTIN["llama-3.1-8b"]
+    whole = transformer_parts(t, 1, 2048, "bf16-mixed", tp=8)
+    split = transformer_parts(t, 1, 2048, "bf16-mixed", tp=8, sequence_parallel=True)
+    tokens, norms = 2048, 2 * 2048 * t.hidden * (4 + 4) + 8 * 2048  # two RMSNorms: fp32 input and output, rsqrt
+    assert whole.layer - split.layer == norms - norms // 8
+    assert split.layer_input == whole.layer_input // 8 == tokens * t.hidden * 4 // 8  # the fp32 residual stream
+    assert whole.outside - split.outside == (tokens * t.hidden * 8 + 4 * tokens) * 7 // 8  # the final norm
+    checkpointed = {"tp_size": 8, "activation_checkpointing": True}  # tp takes all 8 GPUs: the row is tp's
+    assert rows(**checkpointed, sequence_parallel=True)["tp"].activations < rows(**checkpointed)["tp"].activations
+
+
 def test_pp_puts_half_the_layers_on_each_rank() -> None:
     stages = pipeline_stages(32, 2, 1, "1f1b", 2)
     assert [s.layers for s in stages] == [16, 16]
@@ -98,6 +112,10 @@ def test_without_tp_or_pp_nothing_changes() -> None:
             "Unknown --pp-schedule 'zigzag'; choose one of gpipe, 1f1b, interleaved.",
         ),
         ({"gpus": 8, "microbatches": 0}, "--microbatches must be 1 or more (got 0)."),
+        (
+            {"gpus": 8, "sequence_parallel": True},
+            "--sequence-parallel splits the sequence over the tp GPUs; add --tp-size or drop it.",
+        ),
     ],
 )
 def test_bad_layouts_are_one_sentence(options: dict, message: str) -> None:

@@ -38,6 +38,14 @@ CELLS: dict[str, tuple[int, dict]] = {
     "single-lora": (1, {"multi_gpu": "single", "method": "lora"}),
     "tp-lora": (2, {"multi_gpu": "tp", "method": "lora"}),
     "zero3-x-tp-lora": (4, {"multi_gpu": "zero3", "tp_size": 2, "batch_size": 2, "method": "lora"}),
+    # Sequence parallelism: the norms and the residual stream split by position as well.
+    "tp-sequence-parallel": (2, {"multi_gpu": "tp", "sequence_parallel": True}),
+    "tp-sequence-parallel-bf16-mixed": (2, {"multi_gpu": "tp", "sequence_parallel": True, "precision": "bf16-mixed"}),
+    "tp-sequence-parallel-lora": (2, {"multi_gpu": "tp", "sequence_parallel": True, "method": "lora"}),
+    "zero3-x-tp-sequence-parallel": (
+        4,
+        {"multi_gpu": "zero3", "tp_size": 2, "batch_size": 2, "sequence_parallel": True},
+    ),
     # Pipelines: the schedule's micro-batches slice each batch; engine accumulation adds batches on top.
     "pp-gpipe-4-microbatches": (2, {"multi_gpu": "pp", "pp_schedule": "gpipe", "pp_microbatches": 4}),
     "pp-gpipe-accumulate-4": (2, {"multi_gpu": "pp", "pp_schedule": "gpipe", "batch_size": 1, "grad_accum_steps": 4}),
@@ -52,6 +60,7 @@ CELLS: dict[str, tuple[int, dict]] = {
     "zero3-x-pp": (4, {"multi_gpu": "zero3", "pp_size": 2, "batch_size": 2}),
     "zero2-x-pp-bf16-mixed": (4, {"multi_gpu": "zero2", "pp_size": 2, "batch_size": 2, "precision": "bf16-mixed"}),
     "pp-x-tp": (4, {"multi_gpu": "pp", "tp_size": 2}),
+    "pp-x-tp-sequence-parallel": (4, {"multi_gpu": "pp", "tp_size": 2, "sequence_parallel": True}),
     "zero3-x-pp-lora": (4, {"multi_gpu": "zero3", "pp_size": 2, "batch_size": 2, "method": "lora"}),
 }
 # A run under one layout saves a checkpoint at step 2; another layout resumes it: (processes, settings) of each.
@@ -82,11 +91,17 @@ def run_cells(workdir: str, runs: list[tuple[str, dict]]) -> dict:
         )  # fmt: skip
         result = finetune(config)
         inner = "model." if options["method"] == "full" else "base_model.model.model."
-        rows = None  # a later pipeline stage holds no layer 0; rank 0's figure is the one compared
+        rows, norm_on_tp = None, None  # a later pipeline stage holds no layer 0; rank 0's figures are compared
         with contextlib.suppress(AttributeError):
-            query = result["model"].get_submodule(f"{inner}layers.0.self_attn.q_proj").weight
-            rows = (query.to_local() if isinstance(query, DTensor) else query).shape[0]
-        out[name] = {"val_loss": [h["val_loss"] for h in result["history"]], "query_rows": rows}
+            layer = result["model"].get_submodule(f"{inner}layers.0")
+            rows = (q.to_local() if isinstance(q := layer.self_attn.q_proj.weight, DTensor) else q).shape[0]
+            norm = layer.input_layernorm.weight  # sequence parallelism places it on the tp mesh
+            norm_on_tp = isinstance(norm, DTensor) and "tp" in (norm.device_mesh.mesh_dim_names or ())
+        out[name] = {
+            "val_loss": [h["val_loss"] for h in result["history"]],
+            "query_rows": rows,
+            "norm_on_tp": norm_on_tp,
+        }
     return out
 
 
@@ -130,9 +145,11 @@ def test_each_layout_reaches_the_one_process_validation_loss(results: dict, name
     # Llama's plan splits q_proj by output rows over tp (64 rows, 4 heads of 16): each rank holds half of them,
     # halved again where zero shards the slice; a pipeline's rank 0 holds layer 0 whole, or what tp or zero leave.
     split = {"tp-32": 32, "tp-bf16-mixed": 32, "tp-accumulate-2": 32, "replicas-x-tp": 32, "hsdp-2x2": 32}
-    split |= {"tp-lora": 32} | {cell: 64 for cell in CELLS if cell.startswith("pp")} | {"pp-x-tp": 32}
+    split |= {"tp-lora": 32} | {cell: 32 for cell in CELLS if cell.startswith("tp-sequence")}
+    split |= {cell: 64 if "x-tp" not in cell else 32 for cell in CELLS if cell.startswith("pp")}
     split |= {cell: 32 for cell in CELLS if "-x-pp" in cell}
     assert found["query_rows"] == split.get(name, 16)
+    assert found["norm_on_tp"] == ("sequence-parallel" in name)
 
 
 @pytest.mark.parametrize("name", MOVES)
@@ -159,6 +176,7 @@ def test_a_checkpoint_moves_between_layouts_and_lands_where_one_process_does(res
         (["--nproc", "6", "--strategy", "pp", "--pp-size", "2", "--tp-size", "2"], "pp 2 x tp 2 needs a multiple "),
         (["--nproc", "3", "--strategy", "zero3", "--pp-size", "2"], "pp_size 2 does not divide the 3 processes"),
         (["--nproc", "4", "--strategy", "ddp", "--pp-size", "2"], "pp_size runs pipeline stages with zero2, zero3 "),
+        (["--nproc", "2", "--strategy", "ddp", "--sequence-parallel"], "sequence_parallel splits the sequence over "),
         (["--nproc", "2", "--strategy", "ddp", "--pp-schedule", "gpipe"], "pp_schedule, pp_stages_per_rank and "),
         (["--nproc", "2", "--strategy", "pp", "--pp-schedule", "interleaved"], "pp_stages_per_rank 1 does not fit"),
     ],

@@ -29,6 +29,10 @@ PP_SIZE_HELP = (
     "pipeline stages' processes: strategy pp over the rest as whole replicas, or zero2, zero3 or hsdp inside each "
     "stage (default for pp: every process outside tp)"
 )
+SEQUENCE_PARALLEL_HELP = (
+    "with tp: also split a Hugging Face decoder's norms and residual stream by sequence position over the tp "
+    "processes (less activation memory; the sequence length must be a multiple of tp_size)"
+)
 PP_SCHEDULE_HELP = "pp: gpipe (all forwards, then all backwards), 1f1b (less memory) or interleaved"
 PP_STAGES_HELP = "pp with schedule interleaved: stages per process (2 or more; a smaller pipeline bubble)"
 PP_MICROBATCHES_HELP = "pp: slices of each batch that flow through the pipeline (default: one per stage)"
@@ -50,6 +54,7 @@ class EngineConfig(DeepSpeedOptions):
     cpu_offload: bool = field(default=False, metadata={"help": "keep zero3's sharded parameters in CPU memory"})
     replicate: int | None = field(default=None, metadata={"help": REPLICATE_HELP})
     tp_size: int | None = field(default=None, metadata={"help": TP_SIZE_HELP})
+    sequence_parallel: bool = field(default=False, metadata={"help": SEQUENCE_PARALLEL_HELP})
     pp_size: int | None = field(default=None, metadata={"help": PP_SIZE_HELP})
     pp_schedule: str = field(default="1f1b", metadata={"help": PP_SCHEDULE_HELP, "choices": PP_SCHEDULES})
     pp_stages_per_rank: int = field(default=1, metadata={"help": PP_STAGES_HELP})

@@ -46,6 +46,7 @@ def resolve(given: str | Strategy, env: DistEnv, config: EngineConfig, say: Call
         tp_size=config.tp_size,
         pipeline=(config.pp_schedule, config.pp_stages_per_rank, config.pp_microbatches),
         pp_size=config.pp_size,
+        sequence_parallel=config.sequence_parallel,
     )
 
 

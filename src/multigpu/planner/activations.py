@@ -37,19 +37,27 @@ class ActivationParts:
     outside: int  # token ids, labels, the final norm, the head's input and the log-softmax
 
 
-def transformer_parts(t: Transformer, batch: int, seq: int, precision: str, tp: int = 1) -> ActivationParts:
+def transformer_parts(
+    t: Transformer, batch: int, seq: int, precision: str, tp: int = 1, sequence_parallel: bool = False
+) -> ActivationParts:
     """`tp` divides what Megatron-style tensor parallelism splits: attention by heads and the MLP by its width.
     Without sequence parallelism the norms, the residual stream and each split linear's input stay whole on every
-    rank, and the head's logits are gathered whole, so the log-softmax is whole too."""
+    rank, and the head's logits are gathered whole, so the log-softmax is whole too. Sequence parallelism divides
+    the norms (the final one too) and a layer's input by tp; the split linears still keep the gathered input, and
+    the head its gathered input and whole logits."""
     tokens = batch * seq
     compute = 4 if precision == "32" else 2
     residual = 2 if precision == "bf16-true" else 4
     mixed = precision in ("bf16-mixed", "fp16-mixed")
     h, kv, i = t.hidden, t.kv_hidden, t.intermediate
-    whole = 2 * tokens * h * (4 + residual) + 8 * tokens + (5 if mixed else 2) * tokens * h * compute
+    positions = tp if sequence_parallel else 1  # what splits by position
+    norms = 2 * tokens * h * (4 + residual) + 8 * tokens
+    inputs = (5 if mixed else 2) * tokens * h * compute
     split = tokens * compute * (3 * h + 2 * kv) + 4 * batch * t.heads * seq + 4 * tokens * i * compute
-    outside = 16 * tokens + tokens * h * (4 + residual) + 4 * tokens + tokens * h * compute + 4 * tokens * t.vocab
-    return ActivationParts(whole + -(-split // tp), tokens * h * residual, outside)
+    final_norm = tokens * h * (4 + residual) + 4 * tokens
+    outside = 16 * tokens + -(-final_norm // positions) + tokens * h * compute + 4 * tokens * t.vocab
+    layer = -(-norms // positions) + inputs + -(-split // tp)
+    return ActivationParts(layer, -(-tokens * h * residual // positions), outside)
 
 
 def transformer_activations(t: Transformer, batch: int, seq: int, precision: str, checkpointing: bool) -> Activations:

@@ -56,6 +56,9 @@ class PlanConfig:
     qlora: bool = field(default=False, metadata={"help": "4-bit (nf4) frozen base under LoRA adapters"})
     cpu_offload: bool = field(default=False, metadata={"help": "allow zero3 with parameters offloaded to CPU"})
     tp_size: int = field(default=1, metadata={"help": "tensor-parallel degree: each layer split over this many GPUs"})
+    sequence_parallel: bool = field(
+        default=False, metadata={"help": "with --tp-size: norms and the residual stream split by position too"}
+    )
     pp_size: int = field(default=1, metadata={"help": "pipeline-parallel degree: the layers split into this many"})
     pp_schedule: str = field(
         default="1f1b", metadata={"help": "pipeline schedule (the micro-batches in flight)", "choices": PP_SCHEDULES}
@@ -86,6 +89,8 @@ class PlanConfig:
             self.microbatches = self.pp_size  # torchtitan's default: one micro-batch per stage
         if self.microbatches < 1:
             raise UsageError(f"--microbatches must be 1 or more (got {self.microbatches}).")
+        if self.sequence_parallel and self.tp_size == 1:
+            raise UsageError("--sequence-parallel splits the sequence over the tp GPUs; add --tp-size or drop it.")
         if self.world % (self.tp_size * self.pp_size):
             raise UsageError(
                 f"--tp-size {self.tp_size} x --pp-size {self.pp_size} does not divide the {self.world} GPUs "

@@ -2,8 +2,8 @@
 
 The layout is the mesh's (strategies/mesh.py): pp outermost, then the data-parallel dimensions, tp innermost.
   tp   Megatron-style: q/k/v and MLP gate/up split by output columns, o/down by input rows, the embedding and the
-       output head by vocabulary; norms stay whole (no sequence parallelism), so their weights and the residual
-       stream's activations are whole on every tp rank.
+       output head by vocabulary; norm weights stay whole, and so do the norms' and the residual stream's
+       activations unless sequence parallelism splits those by position.
   pp   consecutive layers on consecutive ranks, the embedding on the first, the final norm and head on the last.
        With `stages_per_rank` v above 1 (interleaved) the layers form pp x v stages and rank r holds stages
        r, r + pp, ... The ranks differ, so the planner reports the one whose total binds.
@@ -139,13 +139,20 @@ def held_shape(shape: ModelShape, tp: int, pp: int, stage: Stage) -> ModelShape:
 
 
 def stage_activations(
-    shape: ModelShape, stage: Stage, tp: int, batch: int, seq: int, precision: str, checkpointing: bool
+    shape: ModelShape,
+    stage: Stage,
+    tp: int,
+    batch: int,
+    seq: int,
+    precision: str,
+    checkpointing: bool,
+    sequence_parallel: bool = False,
 ) -> float:
     """Bytes of activations on one rank at its peak: its in-flight micro-batches, each `batch` sequences."""
     t = shape.transformer
     if t is None:
         return shape.activation_bytes_per_sample * batch * stage.in_flight  # per-rank bytes from held_shape
-    parts = transformer_parts(t, batch, seq, precision, tp)
+    parts = transformer_parts(t, batch, seq, precision, tp, sequence_parallel)
     kept = parts.layer_input if checkpointing else parts.layer
     per_micro_batch = stage.layers * kept + (parts.outside if stage.last else 0)
     # Checkpointing recomputes one layer at a time in backward: one layer's full activations on top, once.

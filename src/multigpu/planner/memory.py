@@ -141,7 +141,14 @@ def _stage_memory(name: str, whole: ModelShape, config: PlanConfig, batch: int, 
     unit = (shape.largest_unit or shape.params // 10) * compute
     if config.model_parallel:
         activations = stage_activations(
-            shape, stage, config.tp_size, batch, config.seq_len, config.precision, config.activation_checkpointing
+            shape,
+            stage,
+            config.tp_size,
+            batch,
+            config.seq_len,
+            config.precision,
+            config.activation_checkpointing,
+            config.sequence_parallel,
         )
     else:
         activations = activations_per_gpu(shape, config, batch)

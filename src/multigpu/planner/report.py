@@ -29,7 +29,7 @@ def layout(plan: Plan) -> str:
     c = plan.config
     if not c.model_parallel:
         return ""
-    parts = [f"tp {c.tp_size}"] if c.tp_size > 1 else []
+    parts = [f"tp {c.tp_size}{' (sequence parallel)' if c.sequence_parallel else ''}"] if c.tp_size > 1 else []
     if c.pp_size > 1:
         chunks = f", {c.pp_stages_per_rank} stages per rank" if c.pp_stages_per_rank > 1 else ""
         parts.append(f"pp {c.pp_size} ({c.pp_schedule}, {c.microbatches} micro-batches{chunks})")

@@ -47,7 +47,7 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
         unsharded_grad_accum=config.unsharded_grad_accum,
         replicate=config.replicate,
         tp_size=config.tp_size,
-        **pipeline_options(config),
+        **model_parallel_options(config),
         **options,
     )
     start.check(engine_config, nproc)
@@ -61,9 +61,9 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
     return launch(launch_config, [module, *argv], module=True)
 
 
-def pipeline_options(config: Any) -> dict[str, Any]:
-    """The pipeline settings of a recipe whose config has them (finetune), for its Engine."""
-    names = ("pp_size", "pp_schedule", "pp_stages_per_rank", "pp_microbatches")
+def model_parallel_options(config: Any) -> dict[str, Any]:
+    """The pipeline and sequence-parallel settings of a recipe whose config has them (finetune), for its Engine."""
+    names = ("pp_size", "pp_schedule", "pp_stages_per_rank", "pp_microbatches", "sequence_parallel")
     return {name: getattr(config, name) for name in names if hasattr(config, name)}
 
 
@@ -99,7 +99,7 @@ def recipe_engine(config: Any, **settings: Any) -> Engine:
         unsharded_grad_accum=config.unsharded_grad_accum,
         replicate=config.replicate,
         tp_size=config.tp_size,
-        **pipeline_options(config),
+        **model_parallel_options(config),
         seed=config.seed,
         timeout_s=config.timeout_s,
         log_every=config.log_every,

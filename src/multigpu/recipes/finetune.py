@@ -32,6 +32,7 @@ from multigpu.engine.config import (
     PP_SIZE_HELP,
     PP_STAGES_HELP,
     REPLICATE_HELP,
+    SEQUENCE_PARALLEL_HELP,
     TP_SIZE_HELP,
     UNSHARDED_GRAD_ACCUM_HELP,
 )
@@ -68,6 +69,7 @@ class FinetuneConfig(DeepSpeedOptions):
     unsharded_grad_accum: bool = field(default=False, metadata={"help": UNSHARDED_GRAD_ACCUM_HELP})
     replicate: int | None = field(default=None, metadata={"help": REPLICATE_HELP})
     tp_size: int | None = field(default=None, metadata={"help": TP_SIZE_HELP})
+    sequence_parallel: bool = field(default=False, metadata={"help": SEQUENCE_PARALLEL_HELP})
     pp_size: int | None = field(default=None, metadata={"help": PP_SIZE_HELP})
     pp_schedule: str = field(default="1f1b", metadata={"help": PP_SCHEDULE_HELP, "choices": PP_SCHEDULES})
     pp_stages_per_rank: int = field(default=1, metadata={"help": PP_STAGES_HELP})

@@ -65,6 +65,7 @@ def resolve_strategy(
     tp_size: int | None = None,
     pipeline: tuple[str, int, int | None] = ("1f1b", 1, None),
     pp_size: int | None = None,
+    sequence_parallel: bool = False,
 ) -> Strategy:
     """Turns a strategy name (or a configured Strategy) into the Strategy that will run, or refuses."""
     deepspeed = deepspeed or DeepSpeedOptions()
@@ -127,6 +128,7 @@ def resolve_strategy(
         strategy.replicate = replicate or max(1, nodes // (pp_size or 1))
     strategy = in_pipeline(strategy, pipeline, pp_size)
     set_tp(strategy, tp_size, env)
+    set_sequence_parallel(strategy, sequence_parallel)
     check_sync_batchnorm(sync_batchnorm, strategy, env)
     if not strategy.needs_process_group and env.is_distributed:
         raise UsageError(
@@ -172,6 +174,20 @@ def set_tp(strategy: Strategy, tp_size: int | None, env: DistEnv) -> None:
     strategy.tp = tp_size
     if isinstance(strategy, PipelineParallel) and strategy.data is not None:
         strategy.data.tp = tp_size
+
+
+def set_sequence_parallel(strategy: Strategy, sequence_parallel: bool) -> None:
+    """Turns sequence parallelism on where tp runs, or refuses it."""
+    if not sequence_parallel:
+        return
+    if strategy.tp == 1:
+        raise UsageError(
+            "sequence_parallel splits the sequence over the tp processes, and this run has no tensor parallelism; "
+            "add tp_size (or strategy tp), or drop sequence_parallel."
+        )
+    strategy.sequence_parallel = True
+    if isinstance(strategy, PipelineParallel) and strategy.data is not None:
+        strategy.data.sequence_parallel = True
 
 
 def check_sync_batchnorm(sync_batchnorm: bool, strategy: Strategy, env: DistEnv) -> None:

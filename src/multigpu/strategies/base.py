@@ -59,6 +59,8 @@ class Strategy(ABC):
     #: The tensor-parallel degree (resolve_strategy sets it from tp_size): each planned layer split over this many
     #: neighbouring processes, which all read the same batch.
     tp: int = 1
+    #: With tp: a Hugging Face decoder's norms and residual stream split by sequence position over the tp group too.
+    sequence_parallel: bool = False
 
     def build_context(self, env: DistEnv, precision: Precision) -> contextlib.AbstractContextManager[None]:
         """What engine.init_module builds the model inside: parameters on the meta device where setup shards it

@@ -70,7 +70,7 @@ class FSDP(Strategy):
         # fully_shard slices whatever each rank holds; unlike DDP it does not broadcast rank 0's weights.
         start_alike(model)
         if self.tp > 1:  # tp splits the layers first; fully_shard then shards each slice over the shard dimension
-            tensor_parallelize(model, self.mesh["tp"])
+            tensor_parallelize(model, self.mesh["tp"], self.sequence_parallel)
         for unit in [*units, model]:
             shard(unit)
         # fully_shard replaced every Parameter with a sharded DTensor one; point the optimizer at those.

@@ -35,6 +35,7 @@ from multigpu.core.modules import repoint
 from multigpu.core.precision import Precision
 from multigpu.planner.layout import check_schedule
 from multigpu.strategies.base import StepOutcome, Strategy, frozen_names
+from multigpu.strategies.decoder import decoder_plan, language_model
 from multigpu.strategies.fsdp import FSDP
 from multigpu.strategies.mesh import ParallelDims
 from multigpu.strategies.tp import start_alike, tensor_parallelize, tied_places
@@ -104,6 +105,8 @@ class _DecoderStage(nn.Module):
         self.parts = {"decoder": decoder, "head": head, "layers": layers}
         self.embed, _, self.norm = names  # the decoder's attributes, by its pipeline plan
         self.first, self.last = first, last
+        #: Sequence parallelism hands the later stages each sequence split into this many parts by position.
+        self.position_split = 1
 
     def forward(
         self,
@@ -115,15 +118,16 @@ class _DecoderStage(nn.Module):
 
         decoder = self.parts["decoder"]
         hidden = input_ids if hidden is None else hidden  # the first stage: the tokens, as a keyword
+        length = hidden.shape[1] * (1 if self.first else self.position_split)  # the whole sequence's
         if attention_mask is None:
-            attention_mask = torch.ones(hidden.shape[:2], dtype=torch.long, device=hidden.device)
+            attention_mask = torch.ones((hidden.shape[0], length), dtype=torch.long, device=hidden.device)
         if self.first:
             hidden = getattr(decoder, self.embed)(hidden)
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        positions = torch.arange(length, device=hidden.device).unsqueeze(0)
         rotary = decoder.rotary_emb(hidden, positions)
         mask = create_causal_mask(
             config=decoder.config,
-            inputs_embeds=hidden,
+            inputs_embeds=hidden.new_empty((hidden.shape[0], length, 0)),  # the mask reads its shape and dtype
             attention_mask=attention_mask,
             past_key_values=None,
             position_ids=positions,
@@ -145,9 +149,7 @@ def split_evenly(count: int, parts: int) -> list[range]:
 
 def stage_parts(model: nn.Module, stages: int) -> list[tuple[dict[str, nn.Module], Callable[[bool, bool], nn.Module]]]:
     """For each stage: {name in the model: module} and a function (first, last) -> the stage's forward module."""
-    inner, prefix = model, ""
-    if hasattr(model, "base_model") and hasattr(model.base_model, "model"):  # peft's PeftModel around the LM
-        inner, prefix = model.base_model.model, "base_model.model."
+    inner, prefix = language_model(model)
     decoder = getattr(inner, "model", None)
     if hasattr(inner, "lm_head") and hasattr(decoder, "rotary_emb"):
         return _decoder_parts(inner, prefix, stages, decoder_plan(decoder))
@@ -165,19 +167,6 @@ def stage_parts(model: nn.Module, stages: int) -> list[tuple[dict[str, nn.Module
         f"Strategy pp splits an nn.Sequential or a Hugging Face decoder language model, not {type(model).__name__}; "
         "write the model as an nn.Sequential of its stages' layers, or use another strategy."
     )
-
-
-def decoder_plan(decoder: nn.Module) -> tuple[str, str, str]:
-    """The names of a Hugging Face decoder's embedding, layer list and final norm, from its `base_model_pp_plan`
-    (which lists them in that order), or one sentence saying the model has none."""
-    plan = list(getattr(decoder.config, "base_model_pp_plan", None) or {})
-    lists = [name for name in plan if isinstance(getattr(decoder, name, None), nn.ModuleList)]
-    if len(plan) < 3 or len(lists) != 1 or lists[0] in (plan[0], plan[-1]):
-        raise UsageError(
-            f"{type(decoder).__name__} has no pipeline plan (base_model_pp_plan: its embedding, layers and final "
-            "norm, in order); run it with a strategy without pp, or write the model as an nn.Sequential of its layers."
-        )
-    return plan[0], lists[0], plan[-1]
 
 
 def _decoder_parts(inner: nn.Module, prefix: str, stages: int, names: tuple[str, str, str]) -> list:
@@ -271,7 +260,7 @@ class PipelineParallel(Strategy):
         if self.tp > 1:  # tp splits the whole model's layers first; the stages then take their split layers
             whole_names = {id(p): name for name, p in model.named_parameters()}
             model.to(env.device)
-            tensor_parallelize(model, mesh["tp"])
+            tensor_parallelize(model, mesh["tp"], self.sequence_parallel)
             repoint(optimizer, whole_names, model)
         parts = stage_parts(model, self._stages)
         kept = {name: module for stage in self._mine for name, module in parts[stage][0].items()}
@@ -285,6 +274,9 @@ class PipelineParallel(Strategy):
         for module in kept.values():
             module.to(env.device)  # in place: the optimizer's Parameters stay the ones it holds
         self._forwards = [parts[stage][1](stage == 0, stage == self._stages - 1) for stage in self._mine]
+        for forward in self._forwards:
+            if isinstance(forward, _DecoderStage) and self.sequence_parallel:
+                forward.position_split = self.tp
         pipeline = PipelineModel(model, kept)
         names = {id(p): name for name, p in pipeline.named_parameters()}
         if optimizer is not None:

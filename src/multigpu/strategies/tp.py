@@ -13,13 +13,20 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
@@ -38,6 +45,17 @@ STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
     # An embedding split by vocabulary rows: each process looks up the tokens in its rows, the sum is whole.
     "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+}
+#: Under sequence parallelism the residual stream between the split layers is split by sequence position (dim 1):
+#: a row split's partial outputs are summed and scattered by position (reduce-scatter) instead of summed whole, and
+#: the head gathers the positions before its column split. The norms run on their positions only; their weights
+#: stay whole and their gradients are summed over the tp group.
+SEQUENCE_STYLES: dict[str, Callable[[], ParallelStyle]] = {
+    "colwise": ColwiseParallel,
+    "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1)),
+    "colwise_gather_output": lambda: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    "embedding_rowwise": STYLES["embedding_rowwise"],
+    "sequence_parallel": lambda: SequenceParallel(use_local_output=True),
 }
 
 
@@ -59,7 +77,7 @@ def model_plan(model: nn.Module) -> dict[str, str]:
     return dict(plan)
 
 
-def planned_modules(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+def planned_modules(model: nn.Module, plan: dict[str, str], sequence_parallel: bool = False) -> dict[str, str]:
     """Module name -> style for every module a pattern of `plan` matches; a pattern that matches none is refused.
 
     The patterns are relative to the module that declares the plan: a wrapper that passes the inner model's
@@ -78,11 +96,11 @@ def planned_modules(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
                 "correct the pattern (names as model.named_modules() gives them) or remove it."
             )
         for name in matched:
-            found.update(lora_adapter_styles(name, modules[name], style))
+            found.update(lora_adapter_styles(name, modules[name], style, sequence_parallel))
     return found
 
 
-def lora_adapter_styles(name: str, module: nn.Module, style: str) -> dict[str, str]:
+def lora_adapter_styles(name: str, module: nn.Module, style: str, sequence_parallel: bool = False) -> dict[str, str]:
     """{name: style} for a plain layer; for a LoRA layer (peft: base_layer + lora_A/lora_B), the splits that keep
     its adapter's output in step with the split base layer's. Column split: the base's outputs are sliced, so are
     lora_B's (lora_A, whole, sees the whole input). Row split: the base takes a slice of the input, so does lora_A,
@@ -99,6 +117,8 @@ def lora_adapter_styles(name: str, module: nn.Module, style: str) -> dict[str, s
     if split[style] is not None:
         adapters = getattr(module, split[style])
         styles.update({f"{name}.{split[style]}.{adapter}": style for adapter in adapters})
+    if sequence_parallel and style == "rowwise":  # lora_B then sees the positions its lora_A scattered to it
+        styles.update({f"{name}.lora_B.{adapter}": "sequence_parallel" for adapter in module.lora_B})
     return styles
 
 
@@ -115,6 +135,8 @@ def check_divisible(model: nn.Module, modules: dict[str, str], degree: int) -> N
             )
     for name, style in modules.items():
         module = model.get_submodule(name)
+        if style == "sequence_parallel":
+            continue
         if not isinstance(module, nn.Linear | nn.Embedding):
             raise UsageError(
                 f"The tensor-parallel plan splits {name}, a {type(module).__name__}; only Linear and Embedding "
@@ -130,17 +152,85 @@ def check_divisible(model: nn.Module, modules: dict[str, str], degree: int) -> N
             )
 
 
-def tensor_parallelize(model: nn.Module, mesh: DeviceMesh) -> None:
+def tensor_parallelize(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
     """Splits `model`'s planned layers over `mesh` (one dimension) in place: their weights become DTensors sharded
-    over it; the other parameters stay whole on every process, where they get the same gradient everywhere."""
-    modules = planned_modules(model, model_plan(model))
+    over it; the other parameters stay whole on every process, where they get the same gradient everywhere. With
+    `sequence_parallel`, a Hugging Face decoder's norms and residual stream are split by position as well."""
+    modules = planned_modules(model, model_plan(model), sequence_parallel)
     check_divisible(model, modules, mesh.size())
+    styles = SEQUENCE_STYLES if sequence_parallel else STYLES
+    plan = {name: styles[style]() for name, style in modules.items()}
+    if sequence_parallel:
+        plan |= decoder_sequence_plan(model)
     ties = tied_places(model)
-    parallelize_module(model, mesh, {name: STYLES[style]() for name, style in modules.items()})
+    parallelize_module(model, mesh, plan)
     # Splitting replaces each Parameter with a new one, so a weight shared by two layers (a head tied to the
     # embeddings) would become two; both are split the same way, so the second name gets the first one's back.
     for (owner, attribute), (source, source_attribute) in ties:
         setattr(owner, attribute, getattr(source, source_attribute))
+
+
+def decoder_sequence_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+    """Sequence parallelism for a Hugging Face decoder (found by its pipeline plan): the first layer takes its
+    positions of the whole embeddings (the mask and rotary positions were made for the whole sequence), each layer's
+    norms run on those, and its attention and MLP gather every position first, since they shape their heads by
+    their input. Other models are refused in one sentence."""
+    from multigpu.strategies.decoder import find_decoder
+
+    found = find_decoder(model)
+    if found is None:
+        raise UsageError(
+            f"sequence_parallel splits a Hugging Face decoder's norms by position, and {type(model).__name__} is not "
+            "one (its config has no base_model_pp_plan); drop sequence_parallel."
+        )
+    prefix, decoder, (_, layer_list, norm) = found
+    layers = f"{prefix}{layer_list}"
+    plan: dict[str, ParallelStyle] = {
+        f"{layers}.0": _ToPositions(),
+        f"{prefix}{norm}": SEQUENCE_STYLES["sequence_parallel"](),
+    }
+    for index, layer in enumerate(getattr(decoder, layer_list)):
+        for child_name, child in layer.named_children():
+            norm_like = "norm" in type(child).__name__.lower()
+            plan[f"{layers}.{index}.{child_name}"] = (
+                SEQUENCE_STYLES["sequence_parallel"]() if norm_like else _AllPositions()
+            )
+    return plan
+
+
+class _Relayout(ParallelStyle):
+    """Changes the placement of a module's hidden states on the way in (the first positional argument, or the
+    `hidden_states` keyword) over the tp mesh: `source` -> `target`, handed on as a plain tensor."""
+
+    source: Any
+    target: Any
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def relayout(tensor: torch.Tensor) -> torch.Tensor:
+            if isinstance(self.target, Shard) and tensor.shape[1] % device_mesh.size():
+                raise UsageError(
+                    f"sequence_parallel splits each sequence over the {device_mesh.size()} tp processes, and this "
+                    f"batch's sequences have {tensor.shape[1]} positions; make the sequence length a multiple of "
+                    f"{device_mesh.size()} (e.g. --seq-len), or drop sequence_parallel."
+                )
+            placed = DTensor.from_local(tensor, device_mesh, (self.source,), run_check=False)
+            return placed.redistribute(device_mesh, (self.target,)).to_local()
+
+        def hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args:
+                return (relayout(args[0]), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": relayout(kwargs["hidden_states"])}
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+class _ToPositions(_Relayout):
+    source, target = Replicate(), Shard(1)  # a slice, no communication; its backward gathers
+
+
+class _AllPositions(_Relayout):
+    source, target = Shard(1), Replicate()  # an all-gather; its backward sums and scatters
 
 
 def tied_places(model: nn.Module) -> list[tuple[tuple[nn.Module, str], tuple[nn.Module, str]]]:
@@ -181,7 +271,7 @@ class TensorParallel(Strategy):
         names = {id(p): name for name, p in model.named_parameters()}
         model = move_to_device(model, env)
         start_alike(model)
-        tensor_parallelize(model, mesh["tp"])
+        tensor_parallelize(model, mesh["tp"], self.sequence_parallel)
         repoint(optimizer, names, model)
         return model, optimizer
 
