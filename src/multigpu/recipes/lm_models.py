@@ -72,12 +72,32 @@ def check(name: str) -> None:
         smollm2_gguf()  # both are built from its GGUF file (tiny takes its tokenizer)
 
 
+def save_model_files(model: Any, directory: Path) -> None:
+    """`model`'s config and weights as a Hugging Face model directory, from whichever process calls it:
+    transformers' save_pretrained writes nothing on a rank other than 0 once a process group exists, and every
+    rank of a first run may be the one that builds the cache."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(directory)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(directory)
+    weights, stored = {}, set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in stored:  # a tied weight once, under its first name, as save_pretrained keeps it
+            stored.add(tensor.data_ptr())
+            weights[name] = tensor.detach().contiguous()
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+
+
 def _publish(build: Any, target: Path) -> None:
     """Writes a directory under a temporary name and renames it, so a concurrent reader never sees half of it."""
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     build(partial)
+    if target.is_dir() and not (target / "config.json").is_file():
+        shutil.rmtree(target, ignore_errors=True)  # left incomplete by an older build (a rank that wrote no model)
     try:
         os.replace(partial, target)
     except OSError:  # another process published it first
@@ -95,7 +115,7 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     model.config.__dict__.pop("quantization_config", None)
 
     def build(directory: Path) -> None:
-        model.save_pretrained(directory)
+        save_model_files(model, directory)
         tokenizer.save_pretrained(directory)
 
     _publish(build, target)
@@ -121,7 +141,7 @@ def write_tiny(target: Path) -> None:
     model = LlamaForCausalLM(config)
 
     def build(directory: Path) -> None:
-        model.save_pretrained(directory)
+        save_model_files(model, directory)
         tokenizer.save_pretrained(directory)
 
     _publish(build, target)
