@@ -38,7 +38,7 @@ from multigpu.strategies.base import StepOutcome, Strategy, frozen_names
 from multigpu.strategies.decoder import decoder_plan, language_model
 from multigpu.strategies.fsdp import FSDP
 from multigpu.strategies.mesh import ParallelDims
-from multigpu.strategies.tp import start_alike, tensor_parallelize, tied_places
+from multigpu.strategies.tp import name_pattern, start_alike, tensor_parallelize, tied_places
 
 #: What a stage's loss function hands back to the engine: the loss (a mean, or a sum with its count).
 LossFn = Callable[[Any, Any], Any]
@@ -153,8 +153,9 @@ def stage_parts(model: nn.Module, stages: int) -> list[tuple[dict[str, nn.Module
     decoder = getattr(inner, "model", None)
     if hasattr(inner, "lm_head") and hasattr(decoder, "rotary_emb"):
         return _decoder_parts(inner, prefix, stages, decoder_plan(decoder))
-    if isinstance(model, nn.Sequential):
-        children = list(model.named_children())
+    given = getattr(model, "pp_layers", None)
+    if given or isinstance(model, nn.Sequential):
+        children = listed_layers(model, given) if given else list(model.named_children())
         if len(children) < stages:
             raise UsageError(f"{len(children)} layers cannot fill {stages} pipeline stages; use fewer stages.")
         parts = []
@@ -164,9 +165,27 @@ def stage_parts(model: nn.Module, stages: int) -> list[tuple[dict[str, nn.Module
             parts.append((dict(chunk), lambda first, last, modules=modules: _SequentialStage(modules)))
         return parts
     raise UsageError(
-        f"Strategy pp splits an nn.Sequential or a Hugging Face decoder language model, not {type(model).__name__}; "
-        "write the model as an nn.Sequential of its stages' layers, or use another strategy."
+        f"Strategy pp splits an nn.Sequential, a model with a pp_layers list or a Hugging Face decoder language "
+        f"model, not {type(model).__name__}; give it pp_layers (its layers' names in the order each takes the "
+        "previous one's output), or use another strategy."
     )
+
+
+def listed_layers(model: nn.Module, names: list[str]) -> list[tuple[str, nn.Module]]:
+    """The modules a model's `pp_layers` names, in its order; a pattern's `*` stands for one name in the path
+    ("blocks.*"), its matches in the model's order. The pipeline cuts between them."""
+    modules = dict(model.named_modules())
+    found: list[tuple[str, nn.Module]] = []
+    for pattern in names:
+        regex = name_pattern(pattern)
+        matched = [(name, module) for name, module in modules.items() if name and regex.fullmatch(name)]
+        if not matched:
+            raise UsageError(
+                f"pp_layers names {pattern!r}, which matches no module of {type(model).__name__}; correct it (names "
+                "as model.named_modules() gives them)."
+            )
+        found += matched
+    return found
 
 
 def _decoder_parts(inner: nn.Module, prefix: str, stages: int, names: tuple[str, str, str]) -> list:

@@ -57,6 +57,17 @@ SEQUENCE_STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "embedding_rowwise": STYLES["embedding_rowwise"],
     "sequence_parallel": lambda: SequenceParallel(use_local_output=True),
 }
+#: A plan of one's own model that names `sequence_parallel` modules (its norms) runs Megatron's convention: the
+#: embedding scatters its output by position, each column split gathers its input's positions first, each row split
+#: scatters its output by position, so everything between them (the named modules, residual additions) sees its
+#: rank's positions only.
+PLAN_SEQUENCE_STYLES: dict[str, Callable[[], ParallelStyle]] = {
+    "colwise": lambda: ColwiseParallel(input_layouts=Shard(1)),
+    "rowwise": SEQUENCE_STYLES["rowwise"],
+    "colwise_gather_output": SEQUENCE_STYLES["colwise_gather_output"],
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    "sequence_parallel": SEQUENCE_STYLES["sequence_parallel"],
+}
 
 
 def model_plan(model: nn.Module) -> dict[str, str]:
@@ -68,16 +79,16 @@ def model_plan(model: nn.Module) -> dict[str, str]:
             "module-name patterns to colwise/rowwise (e.g. {'blocks.*.up': 'colwise', 'blocks.*.down': 'rowwise'}), "
             "or drop tp_size."
         )
-    unknown = sorted({style for style in plan.values() if style not in STYLES})
+    unknown = sorted({style for style in plan.values() if style not in PLAN_SEQUENCE_STYLES})
     if unknown:
         raise UsageError(
             f"The tensor-parallel plan of {type(model).__name__} names style(s) {', '.join(map(str, unknown))}, which "
-            f"multigpu does not apply; use {', '.join(STYLES)}."
+            f"multigpu does not apply; use {', '.join(PLAN_SEQUENCE_STYLES)}."
         )
     return dict(plan)
 
 
-def planned_modules(model: nn.Module, plan: dict[str, str], sequence_parallel: bool = False) -> dict[str, str]:
+def planned_modules(model: nn.Module, plan: dict[str, str], sequence: str | None = None) -> dict[str, str]:
     """Module name -> style for every module a pattern of `plan` matches; a pattern that matches none is refused.
 
     The patterns are relative to the module that declares the plan: a wrapper that passes the inner model's
@@ -88,7 +99,7 @@ def planned_modules(model: nn.Module, plan: dict[str, str], sequence_parallel: b
     prefix = f"{owner}." if owner else ""
     found: dict[str, str] = {}
     for pattern, style in plan.items():
-        regex = re.compile(re.escape(prefix + pattern).replace(r"\*", r"[^.]+"))
+        regex = name_pattern(prefix + pattern)
         matched = [name for name in modules if regex.fullmatch(name)]
         if not matched:
             raise UsageError(
@@ -96,11 +107,16 @@ def planned_modules(model: nn.Module, plan: dict[str, str], sequence_parallel: b
                 "correct the pattern (names as model.named_modules() gives them) or remove it."
             )
         for name in matched:
-            found.update(lora_adapter_styles(name, modules[name], style, sequence_parallel))
+            found.update(lora_adapter_styles(name, modules[name], style, sequence))
     return found
 
 
-def lora_adapter_styles(name: str, module: nn.Module, style: str, sequence_parallel: bool = False) -> dict[str, str]:
+def name_pattern(pattern: str) -> re.Pattern[str]:
+    """A module-name pattern as plans write them: `*` stands for one name in the dotted path."""
+    return re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
+
+
+def lora_adapter_styles(name: str, module: nn.Module, style: str, sequence: str | None = None) -> dict[str, str]:
     """{name: style} for a plain layer; for a LoRA layer (peft: base_layer + lora_A/lora_B), the splits that keep
     its adapter's output in step with the split base layer's. Column split: the base's outputs are sliced, so are
     lora_B's (lora_A, whole, sees the whole input). Row split: the base takes a slice of the input, so does lora_A,
@@ -117,8 +133,12 @@ def lora_adapter_styles(name: str, module: nn.Module, style: str, sequence_paral
     if split[style] is not None:
         adapters = getattr(module, split[style])
         styles.update({f"{name}.{split[style]}.{adapter}": style for adapter in adapters})
-    if sequence_parallel and style == "rowwise":  # lora_B then sees the positions its lora_A scattered to it
+    # Under sequence parallelism (`sequence`: "decoder" or "plan", as tensor_parallelize) a whole adapter that sees
+    # one rank's positions runs on them: lora_B after a row split, lora_A before a column split of a plan's own.
+    if sequence and style == "rowwise":
         styles.update({f"{name}.lora_B.{adapter}": "sequence_parallel" for adapter in module.lora_B})
+    if sequence == "plan" and style == "colwise":
+        styles.update({f"{name}.lora_A.{adapter}": "sequence_parallel" for adapter in module.lora_A})
     return styles
 
 
@@ -155,12 +175,15 @@ def check_divisible(model: nn.Module, modules: dict[str, str], degree: int) -> N
 def tensor_parallelize(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
     """Splits `model`'s planned layers over `mesh` (one dimension) in place: their weights become DTensors sharded
     over it; the other parameters stay whole on every process, where they get the same gradient everywhere. With
-    `sequence_parallel`, a Hugging Face decoder's norms and residual stream are split by position as well."""
-    modules = planned_modules(model, model_plan(model), sequence_parallel)
+    `sequence_parallel`, a Hugging Face decoder's norms and residual stream are split by position as well; a plan
+    of one's own that names sequence_parallel modules splits them by its own convention (PLAN_SEQUENCE_STYLES)."""
+    given = model_plan(model)
+    sequence = "plan" if "sequence_parallel" in given.values() else "decoder" if sequence_parallel else None
+    modules = planned_modules(model, given, sequence)
     check_divisible(model, modules, mesh.size())
-    styles = SEQUENCE_STYLES if sequence_parallel else STYLES
+    styles = {None: STYLES, "decoder": SEQUENCE_STYLES, "plan": PLAN_SEQUENCE_STYLES}[sequence]
     plan = {name: styles[style]() for name, style in modules.items()}
-    if sequence_parallel:
+    if sequence == "decoder":
         plan |= decoder_sequence_plan(model)
     ties = tied_places(model)
     parallelize_module(model, mesh, plan)
