@@ -52,17 +52,30 @@ def collate(samples: list[dict]) -> dict:
 class NextToken(nn.Module):
     # Under tensor parallelism: hidden's outputs split, tanh on each slice, out sums the slices' contributions.
     tp_plan: ClassVar[dict[str, str]] = {"hidden": "colwise", "out": "rowwise"}
+    # Under pipeline parallelism: the layers in the order each takes the previous one's output.
+    pp_layers: ClassVar[list[str]] = ["embed", "hidden", "tanh", "dropout", "out"]
 
     def __init__(self, dropout: float) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, 24)
         self.hidden = nn.Linear(24, 24)
+        self.tanh = nn.Tanh()
+        self.dropout = nn.Dropout(dropout)
         self.out = nn.Linear(24, VOCAB)
-        self.dropout = dropout
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.hidden(self.embed(tokens)))
-        return self.out(nn.functional.dropout(h, self.dropout, self.training))
+        return self.out(self.dropout(self.tanh(self.hidden(self.embed(tokens)))))
+
+
+def token_sum(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss summed over the tokens, with their number: the engine divides by the global batch's count."""
+    loss = nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=PAD, reduction="sum")
+    return loss, (target != PAD).sum()
+
+
+def token_mean(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """With --bug token-mean: the mean over this rank's tokens only."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=PAD)
 
 
 def main() -> None:
@@ -78,14 +91,10 @@ def main() -> None:
     loader = engine.dataloader(Sequences(), batch_size=4, collate_fn=collate)
     while loader.epoch < args.epochs:
         for batch in loader:
-            with engine.accumulate(model):
-                logits = model(batch["input"]).flatten(0, 1)
-                target = batch["target"].flatten()
-                if args.bug == "token-mean":
-                    engine.backward(nn.functional.cross_entropy(logits, target, ignore_index=PAD))
-                else:
-                    loss = nn.functional.cross_entropy(logits, target, ignore_index=PAD, reduction="sum")
-                    engine.backward(loss, count=(target != PAD).sum())
+            # One call for forward and backward, so that pipelines run it too.
+            engine.forward_backward(
+                model, batch["input"], batch["target"], token_mean if args.bug == "token-mean" else token_sum
+            )
             engine.step(optimizer)
 
 

@@ -16,9 +16,9 @@ def verify(*flags: str, bug: str = "none") -> tuple[int, dict]:
     return result.returncode, report
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "deepspeed", "tp"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "deepspeed", "tp", "pp"])
 def test_passes_a_correct_script(strategy: str) -> None:
-    """Under tp the two processes share each batch: the reference accumulates 1 batch per step, not 2."""
+    """Under tp and pp the two processes share each batch: the reference accumulates 1 batch per step, not 2."""
     code, report = verify("--strategy", strategy)
     assert code == 0 and report["passed"], report
     assert report["strategy"] == strategy and [s["step"] for s in report["steps"]] == [1, 2, 3, 4]

@@ -31,6 +31,7 @@ class Harness:
     precision: str | None = None
     grad_accum_factor: int = 1  # verify's 1-process reference multiplies accumulation to keep the global batch
     tp_size: int | None = None  # with `strategy`: its tensor-parallel degree (the script's own is dropped)
+    pp_size: int | None = None  # with `strategy`: its pipeline degree, likewise
     warmup: int = 0  # optimizer steps before the timed ones
     steps: int | None = None  # timed optimizer steps; the run stops after warmup + steps
     grad_sync: bool = True  # False: no gradient communication, for bench's communication share
@@ -69,6 +70,7 @@ class Recorder(StepObserver):
             precision=self.harness.precision or config.precision,
             grad_accum_steps=config.grad_accum_steps * self.harness.grad_accum_factor,
             tp_size=self.harness.tp_size if self.harness.strategy else config.tp_size,
+            pp_size=self.harness.pp_size if self.harness.strategy else config.pp_size,
         )
 
     def attach(self, engine: Engine) -> None:

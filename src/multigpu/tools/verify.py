@@ -44,6 +44,9 @@ class VerifyConfig:
     tp_size: int | None = field(
         default=None, metadata={"help": "tensor-parallel degree of the N-process run (with --strategy zero3, ...)"}
     )
+    pp_size: int | None = field(
+        default=None, metadata={"help": "pipeline degree of the N-process run (with --strategy pp, zero3, ...)"}
+    )
     steps: int = field(default=20, metadata={"help": "optimizer steps to compare"})
     loss_tolerance: float | None = field(
         default=None, metadata={"help": "allowed relative loss difference per step (default: by precision)"}
@@ -63,11 +66,13 @@ class VerifyConfig:
                 "--nproc 1 compares one process with itself; pass --strategy (e.g. zero3) to check that strategy "
                 "in one process, or --nproc 2 or more."
             )
-        if self.tp_size is not None and (self.strategy is None or self.nproc % self.tp_size):
-            raise UsageError(
-                f"--tp-size {self.tp_size} needs --strategy (tp, zero2, zero3 or hsdp) and a --nproc it divides "
-                f"(got {self.nproc}); give both."
-            )
+        for name in ("tp_size", "pp_size"):
+            size = getattr(self, name)
+            if size is not None and (self.strategy is None or self.nproc % size):
+                raise UsageError(
+                    f"--{name.replace('_', '-')} {size} needs --strategy (tp, pp, zero2, zero3 or hsdp) and a --nproc "
+                    f"it divides (got {self.nproc}); give both."
+                )
         if self.steps < 1:
             raise UsageError(f"--steps must be 1 or more (got {self.steps}).")
         for name in ("loss_tolerance", "param_tolerance"):
@@ -99,11 +104,14 @@ def verify(config: VerifyConfig, target: list[str], module: bool = False) -> Ver
         one.mkdir()
         many.mkdir()
         common = {"precision": config.precision, "steps": config.steps, "record_loss": True, "dump_params": True}
-        # One process stands in for the N-process run's data-parallel ranks (tensor-parallel ones share a batch).
+        # One process stands in for the N-process run's data-parallel ranks (tensor and pipeline ones share a batch).
         tp = config.tp_size or (config.nproc if config.strategy == "tp" else 1)
-        reference = harness.Harness(str(one), strategy="single", grad_accum_factor=config.nproc // tp, **common)
+        pp = config.pp_size or (config.nproc // tp if config.strategy == "pp" else 1)
+        replicas = max(1, config.nproc // (tp * pp))
+        reference = harness.Harness(str(one), strategy="single", grad_accum_factor=replicas, **common)
         ref = harness.run(target, module, 1, reference)[0]
-        under_test = harness.Harness(str(many), strategy=config.strategy, tp_size=config.tp_size, **common)
+        layout = {"tp_size": config.tp_size, "pp_size": config.pp_size}
+        under_test = harness.Harness(str(many), strategy=config.strategy, **layout, **common)
         dist = harness.run(target, module, config.nproc, under_test)[0]
         return compare(config, ref, dist, _params(one), _params(many))
 
