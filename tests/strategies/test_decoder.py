@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from multigpu.core.errors import UsageError
 from multigpu.strategies.decoder import decoder_plan
-from multigpu.strategies.pp import stage_parts
+from multigpu.strategies.pp_stages import stage_parts
 from multigpu.strategies.tp import decoder_sequence_plan
 
 
