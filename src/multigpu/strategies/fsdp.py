@@ -68,7 +68,7 @@ class FSDP(Strategy):
         if not self.cpu_offload:
             model.to(env.device)
         # fully_shard slices whatever each rank holds; unlike DDP it does not broadcast rank 0's weights.
-        start_alike(model)
+        start_alike(model, env.device)
         if self.tp > 1:  # tp splits the layers first; fully_shard then shards each slice over the shard dimension
             tensor_parallelize(model, self.mesh["tp"], self.sequence_parallel)
         for unit in [*units, model]:

@@ -136,7 +136,7 @@ class PipelineParallel(Strategy):
         self._replicas = mesh["replicate"].get_group() if replicated else None
         self._stages = pp * self.stages_per_rank
         self._mine = list(range(rank, self._stages, pp))  # interleaved: stages r, r + pp, ...
-        start_alike(model)
+        start_alike(model, env.device)
         if self.tp > 1:  # tp splits the whole model's layers first; the stages then take their split layers
             whole_names = {id(p): name for name, p in model.named_parameters()}
             model.to(env.device)

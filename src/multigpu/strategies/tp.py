@@ -293,7 +293,7 @@ class TensorParallel(Strategy):
         mesh = self.build_mesh(env)
         names = {id(p): name for name, p in model.named_parameters()}
         model = move_to_device(model, env)
-        start_alike(model)
+        start_alike(model, env.device)
         tensor_parallelize(model, mesh["tp"], self.sequence_parallel)
         repoint(optimizer, names, model)
         return model, optimizer
@@ -305,8 +305,14 @@ class TensorParallel(Strategy):
         return ShardedGradScaler(device=device.type)
 
 
-def start_alike(model: nn.Module) -> None:
+def start_alike(model: nn.Module, device: torch.device) -> None:
     """Gives every process rank 0's weights and buffers: the split layers take their slices from them, and the
-    layers that stay whole must be the same everywhere."""
+    layers that stay whole must be the same everywhere. A tensor still elsewhere than `device` (a pipeline's model
+    before its stages move, zero3's with cpu_offload) travels through it one at a time: NCCL sends GPU memory only."""
     for tensor in [*model.parameters(), *model.buffers()]:
-        dist.broadcast(tensor.data, src=0)
+        if tensor.device == device:
+            dist.broadcast(tensor.data, src=0)
+        else:
+            travelling = tensor.data.to(device)
+            dist.broadcast(travelling, src=0)
+            tensor.data.copy_(travelling)
