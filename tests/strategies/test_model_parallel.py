@@ -18,6 +18,9 @@ from tests.dist import multigpu, run_in_processes
 from tests.recipes.test_finetune import write_text
 
 GLOBAL_BATCH, STEPS = 4, 4
+# The first test sets up the three launches (420 s each at most, their own limit): about 250 s here, near the
+# suite's default 300 s safety net, which would otherwise cut them short.
+pytestmark = pytest.mark.timeout(1300)
 # fp32: the split layers sum their partial products in another order, and the loss's all-reduce too: ~1e-7
 # relative per step, far inside 1e-4, while a sample dropped or a gradient scaled by the tp degree moves the loss
 # by 1e-2 or more. bf16-mixed rounds each product to 8 bits where the split groups them differently: the bound the
