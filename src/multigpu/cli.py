@@ -7,10 +7,13 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 from multigpu import __version__
+from multigpu.core import config_file
 from multigpu.core.config import Parser, add_config_arguments, config_from_args
 from multigpu.core.errors import UsageError, exit_on_usage_error
 from multigpu.engine.config import EngineConfig
@@ -32,6 +35,18 @@ from multigpu.tools.verify import VerifyConfig, print_verdict, verify
 
 # The collectives benchmark's flags that `multigpu bench --collectives` takes; --nproc and --out are bench's own.
 COLLECTIVE_FLAGS = ("ops", "min_bytes", "max_bytes", "factor", "iterations")
+# The config dataclasses each verb builds from its flags; they check the answers of `multigpu config VERB --ask`.
+VERB_CONFIGS: dict[str, tuple[type, ...]] = {
+    "run": (LaunchConfig,),
+    "demo": (DemoConfig, EngineConfig),
+    "train": (TrainConfig,),
+    "finetune": (FinetuneConfig,),
+    "generate": (GenerateConfig,),
+    "plan": (PlanConfig,),
+    "bench": (BenchConfig,),
+    "simulate": (SimulateRequest,),
+    "verify": (VerifyConfig,),
+}
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -82,9 +97,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.script is not None or config.recipe is not None:
             raise UsageError("--collectives measures the interconnect alone; drop SCRIPT and --recipe.")
         flags = {name: getattr(args, name) for name in COLLECTIVE_FLAGS}
-        return collectives.calibrate(CollectivesConfig(nproc=max(config.counts), **flags), Path(config.out))
-    bench.run(config, args.script, args.script_args, args.module)
-    return 0
+        code = collectives.calibrate(CollectivesConfig(nproc=max(config.counts), **flags), Path(config.out))
+    else:
+        bench.run(config, args.script, args.script_args, args.module)
+        code = 0
+    if code == 0:
+        config_file.save_settings(settings_of(args), Path(config.out) / config_file.RUN_CONFIG, "bench", "--out")
+    return code
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -102,6 +121,33 @@ def cmd_env(args: argparse.Namespace) -> int:
     if args.nproc < 1 or not 0 < args.size_mb < math.inf or args.iterations < 1:
         raise UsageError("--nproc and --iterations must be 1 or more and --size-mb a positive number.")
     return preflight.run(args.nproc, args.size_mb, args.iterations, args.json)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    verb = config_file.verb_parsers(build_parser())[args.target]
+    ask = sys.stdin.isatty() if args.ask is None else args.ask
+    config_file.write_config(verb, args.out, args.format, args.force, ask, answer_check(args.target, verb))
+    return 0
+
+
+def answer_check(verb: str, parser: argparse.ArgumentParser) -> Callable[[dict[str, Any]], None] | None:
+    """What checks an answer of `multigpu config VERB`: the verb's config dataclasses, built as a run builds them;
+    None where the defaults alone do not build (generate needs --prompts), leaving the type and choice checks."""
+
+    def check(values: dict[str, Any]) -> None:
+        for cls in VERB_CONFIGS.get(verb, ()):
+            config_from_args(cls, argparse.Namespace(**values))
+
+    try:
+        check(config_file.defaults(parser))
+    except UsageError:
+        return None
+    return check
+
+
+def settings_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed settings of a verb, as its config file holds them."""
+    return {name: value for name, value in vars(args).items() if name not in ("verb", "handler", "config")}
 
 
 def add_script_arguments(parser: argparse.ArgumentParser, optional: bool = False) -> None:
@@ -243,22 +289,49 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out", help="the .safetensors file to write")
     export.add_argument("--key", default="model", help="the model's key in the saved state (default: model)")
     export.set_defaults(handler=cmd_export)
+
+    targets = tuple(verbs.choices)
+    for sub in verbs.choices.values():
+        config_file.add_config_flag(sub)
+    config_verb = verbs.add_parser(
+        "config",
+        help="write a commented config file of a verb's settings, for VERB --config FILE",
+        description="Write VERB's settings, each under its help, with the defaults as values (or your answers, with "
+        "--ask), to a YAML or TOML file that `multigpu VERB --config FILE` reads.",
+    )
+    config_verb.add_argument("target", metavar="VERB", choices=targets, help="the verb to configure")
+    config_verb.add_argument(
+        "--out", metavar="FILE", help="the file to write, .yaml, .yml or .toml; - for stdout (default: VERB.yaml)"
+    )
+    config_verb.add_argument("--format", choices=("yaml", "toml"), help="default: --out's extension, else yaml")
+    config_verb.add_argument("--force", action="store_true", help="overwrite an existing file")
+    config_verb.add_argument(
+        "--ask",
+        action=argparse.BooleanOptionalAction,
+        help="ask for the settings most often changed (default: when stdin is a terminal)",
+    )
+    config_verb.set_defaults(handler=cmd_config)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """The CLI. A run in this process stopped by Ctrl-C or SIGTERM ends with one line naming the last complete
     checkpoint and exit code 130 or 143 (launched workers are stopped by `multigpu.launch.launcher` the same way)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
     with stop.raising_stopped():
         try:
-            return exit_on_usage_error(lambda: args.handler(args))
+            return exit_on_usage_error(lambda: run_verb(parser, argv))
         except BaseException as error:
             signum = stop.stop_signal(error)
             if signum is None:
                 raise
             print(stop.stopped_line(signum), file=sys.stderr)
             return 128 + signum
+
+
+def run_verb(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    args = config_file.parse_args(parser, argv)
+    return args.handler(args)
 
 
 if __name__ == "__main__":

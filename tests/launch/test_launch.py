@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import multigpu.launch.launcher as launching
-from multigpu.core.env import LAST_CHECKPOINT, LAUNCHER_DIR, free_port, note_for_launcher
+from multigpu.core.env import free_port
 from multigpu.core.errors import UsageError
+from multigpu.core.notes import LAST_CHECKPOINT, LAUNCHER_DIR, note_for_launcher
 from multigpu.launch.launcher import LaunchConfig
 from multigpu.launch.stop import report_stop
 from tests.dist import ROOT, descendants, multigpu
@@ -39,6 +40,9 @@ if len(sys.argv) > 1 and sys.argv[1] == "fail" and rank == 1:
     raise RuntimeError("rank one broke on purpose")
 if len(sys.argv) > 1 and sys.argv[1] == "exit3" and rank == 1:
     sys.exit(3)
+if len(sys.argv) > 1 and sys.argv[1] == "usage" and rank == 1:
+    from multigpu.core.errors import UsageError
+    raise UsageError("Rank one refuses this setting; pass another.")
 dist.barrier()
 dist.destroy_process_group()
 """
@@ -62,6 +66,25 @@ def test_a_failing_worker_fails_the_run_with_its_traceback(tmp_path: Path) -> No
     assert "RuntimeError: rank one broke on purpose" in result.stdout
     assert result.stdout.count("RuntimeError: rank one broke on purpose") == 1
     assert "multigpu run: worker rank 1 " in result.stdout  # the originator, not the peer that failed after it
+
+
+def test_a_usage_error_in_the_script_is_one_line_and_exit_code_2(tmp_path: Path) -> None:
+    result = multigpu("run", "-n", "2", write_script(tmp_path), "usage", timeout=90)
+    assert result.returncode == 2, result.stdout
+    # Rank 0 waits in a barrier and is stopped: the only words are rank 1's sentence, no traceback, no torchrun log.
+    lines = [line for line in result.stdout.splitlines() if not line.startswith("rank ")]
+    assert lines == ["multigpu: error: Rank one refuses this setting; pass another."], result.stdout
+
+
+def test_a_usage_error_every_rank_raises_is_printed_once(tmp_path: Path) -> None:
+    script = tmp_path / "single.py"
+    script.write_text("import multigpu\nmultigpu.Engine(strategy='single')\n")
+    result = multigpu("run", "-n", "2", str(script), timeout=90)
+    assert result.returncode == 2, result.stdout
+    assert result.stdout.splitlines() == [
+        "multigpu: error: Strategy single runs in one process, but 2 were launched and would each train alone; "
+        "launch one process, or use ddp/zero1/zero2/zero3."
+    ]
 
 
 def test_exit_code_is_the_failing_workers(tmp_path: Path) -> None:
@@ -243,7 +266,7 @@ STOPPING = f"""
 import os, sys
 import torch
 import torch.distributed as dist
-from multigpu.core.env import LAST_CHECKPOINT, note_for_launcher
+from multigpu.core.notes import LAST_CHECKPOINT, note_for_launcher
 {WRITE_PID}
 dist.init_process_group("gloo")
 rank = dist.get_rank()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from safetensors.torch import load_file
 
 from multigpu.cli import main
@@ -109,6 +110,9 @@ def test_a_crash_with_restarts_ends_with_the_same_model_bitwise(har: Path, unint
     assert result.returncode == 0, result.stdout
     assert "injected crash at step 5 on rank 1" in result.stdout
     assert "resumed from" in result.stdout
+    # The workers record the launch they ran under too, so that --config of this file launches it again.
+    ran = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert (ran["nproc"], ran["max_restarts"], ran["save_every"], ran["log_every"]) == (2, 1, 3, 2)
     want, got = final_weights(uninterrupted), final_weights(tmp_path)
     assert all((got[name] == want[name]).all() for name in want)
     # The restart resumed mid-epoch (step 3 of 6): that epoch's loss still covers all its samples, and the step

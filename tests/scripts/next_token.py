@@ -4,6 +4,10 @@ none        token-normalised loss over the global batch (loss summed, count= to 
             drawn from a generator seeded by the sample's index
 dropout     dropout masks drawn from the process's random stream, which differs with the number of ranks
 token-mean  the loss averaged over each rank's own tokens, then averaged over ranks
+plain-loader  a torch DataLoader iterated whole on every rank (each process reads the same samples)
+
+`--global-batch G` sizes the per-process batch as G // world_size, as scripts whose hyper-parameter is the global
+batch do (correct; verify must compare it on the same global batch).
 """
 
 import argparse
@@ -80,16 +84,21 @@ def token_mean(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--bug", choices=("none", "dropout", "token-mean"), default="none")
+    parser.add_argument("--bug", choices=("none", "dropout", "token-mean", "plain-loader"), default="none")
     parser.add_argument("--epochs", type=int, default=100)
+    parser.add_argument("--global-batch", type=int, default=None)
     args = parser.parse_args()
 
     engine = mg.Engine(strategy="ddp", seed=0)
     model = NextToken(dropout=0.2 if args.bug == "dropout" else 0.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = engine.setup(model, optimizer)
-    loader = engine.dataloader(Sequences(), batch_size=4, collate_fn=collate)
-    while loader.epoch < args.epochs:
+    batch_size = 4 if args.global_batch is None else args.global_batch // engine.world_size
+    if args.bug == "plain-loader":
+        loader = torch.utils.data.DataLoader(Sequences(), batch_size=batch_size, collate_fn=collate)
+    else:
+        loader = engine.dataloader(Sequences(), batch_size=batch_size, collate_fn=collate)
+    for _ in range(args.epochs):
         for batch in loader:
             # One call for forward and backward, so that pipelines run it too.
             engine.forward_backward(

@@ -58,3 +58,12 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
         result = multigpu("bench", "--out", str(tmp_path), *flags)
         assert result.returncode == 2 and words in result.stdout, result.stdout
         assert len(result.stdout.strip().splitlines()) == 1
+
+
+def test_a_usage_error_in_the_script_is_printed_once(tmp_path: Path) -> None:
+    """The Engine refuses the script's settings on both ranks: one sentence, not a traceback per rank."""
+    script = tmp_path / "bad_settings.py"
+    script.write_text("import multigpu\nmultigpu.Engine(strategy='ddp', grad_accum_steps=0)\n")
+    result = multigpu("bench", "--out", str(tmp_path), "--nproc", "2", "--strategies", "ddp", str(script))
+    assert result.returncode == 2, result.stdout
+    assert result.stdout.splitlines() == ["multigpu: error: grad_accum_steps must be 1 or more (got 0)."]

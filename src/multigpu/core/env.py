@@ -17,9 +17,6 @@ import torch.distributed as dist
 from multigpu.core.errors import UsageError
 
 BACKENDS = ("nccl", "gloo")
-#: Set by `multigpu run` for its own workers (not a user setting): a directory where they leave notes for it.
-LAUNCHER_DIR = "MULTIGPU_EXIT_DIR"
-LAST_CHECKPOINT = "last-checkpoint"  # the note naming the newest complete checkpoint
 
 
 @dataclass(frozen=True)
@@ -215,19 +212,3 @@ def destroy_process_groups() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()  # drop cycles that still hold a group, so its threads are joined now and not at finalisation
-
-
-def note_for_launcher(name: str, text: str) -> None:
-    """Leaves `text` for the launcher under `name` (nothing when not started by `multigpu run`); written whole."""
-    folder = os.environ.get(LAUNCHER_DIR)
-    if folder and os.path.isdir(folder):
-        partial = os.path.join(folder, f".{name}.{os.getpid()}")
-        with open(partial, "w") as file:
-            file.write(text)
-        os.replace(partial, os.path.join(folder, name))
-
-
-def launcher_note(folder: str | os.PathLike, name: str) -> str | None:
-    """The note a worker left under `name` in `folder`, or None."""
-    path = os.path.join(folder, name)
-    return open(path).read() if os.path.isfile(path) else None

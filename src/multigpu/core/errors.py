@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
+
+from multigpu.core.notes import USAGE_ERROR, launched, note_for_launcher
 
 
 class UsageError(ValueError):
@@ -26,12 +29,21 @@ def exit_on_usage_error(main: Callable[[], int | None]) -> int:
     `multigpu: error: <sentence>`, and exit code 2.
 
     The only place that translation happens: library code raises, and the entry points call this: `multigpu`'s
-    `cli.main`, and the `python -m` mains of the recipes and tools (`torchrun -m multigpu.recipes.train ...` gets
-    the same one line and exit code 2 as the CLI). An error every rank raises alike is printed by rank 0 alone.
+    `cli.main`, the `python -m` mains of the recipes and tools (`torchrun -m multigpu.recipes.train ...` gets
+    the same one line and exit code 2 as the CLI), and each worker of `multigpu run` around the user's script.
+    A worker of `multigpu run` prints nothing: it leaves the sentence for the launcher, which prints the first
+    rank's once. Elsewhere, an error every rank raises alike is printed by rank 0 alone.
     """
     try:
         return main() or 0
     except UsageError as error:
-        if not error.on_every_rank or os.environ.get("RANK", "0") == "0":
-            print(f"multigpu: error: {error}", file=sys.stderr)
+        report_usage_error(error)
         sys.exit(2)
+
+
+def report_usage_error(error: UsageError) -> None:
+    if launched():
+        # The time orders the ranks' errors: the launcher prints the first one raised.
+        note_for_launcher(f"{USAGE_ERROR}{os.environ['RANK']}", f"{time.time_ns()} {error}")
+    elif not error.on_every_rank or os.environ.get("RANK", "0") == "0":
+        print(f"multigpu: error: {error}", file=sys.stderr)

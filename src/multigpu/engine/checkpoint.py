@@ -31,8 +31,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from multigpu.core import faults
-from multigpu.core.env import LAST_CHECKPOINT, note_for_launcher
 from multigpu.core.errors import UsageError
+from multigpu.core.notes import LAST_CHECKPOINT, note_for_launcher
 from multigpu.strategies import Strategy
 
 OBJECTS, METADATA = "objects.pt", ".metadata"

@@ -114,6 +114,11 @@ class Engine:
         return self._data_world
 
     @property
+    def data_parallel_rank(self) -> int:
+        """Which of the data_parallel_size batches of a micro-step this rank reads."""
+        return self._data_rank
+
+    @property
     def is_main_process(self) -> bool:
         return self.env.rank == 0
 

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib.machinery
 import importlib.util
+import logging
 import os
 import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,8 +22,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser
 from torch.distributed.run import run as torch_run
 
-from multigpu.core.env import LAUNCHER_DIR, free_port
+from multigpu.core.env import free_port
 from multigpu.core.errors import UsageError
+from multigpu.core.notes import LAUNCHER_DIR, USAGE_ERROR, launcher_note, usage_error_noted
 from multigpu.engine.progress import explain_nccl_timeout, nccl_watchdog_environment, read_nccl_traces
 from multigpu.launch.stop import LAUNCHER_PID, checkpoint_note, raising_on_stop, report_stop
 
@@ -225,7 +228,7 @@ def launch(config: LaunchConfig, target: list[str], module: bool = False, worker
             for name, value in nccl_watchdog_environment(Path(exits)).items():
                 os.environ.setdefault(name, value)
         try:
-            with raising_on_stop():
+            with raising_on_stop(), quiet_after_usage_error(Path(exits)):
                 torch_run(args)
         except ChildFailedError as error:
             return report_failure(error, Path(exits))
@@ -250,8 +253,25 @@ def use_cpu_for_accelerate(world: int) -> None:
         )
 
 
+@contextlib.contextmanager
+def quiet_after_usage_error(exits: Path) -> Iterator[None]:
+    """Keeps torchrun's own lines about failed and stopped workers out of a run that a UsageError ended: the
+    launcher prints the error's sentence, and those lines would bury it (a crash still gets them)."""
+    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not usage_error_noted(exits)
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
 def report_failure(error: ChildFailedError, exits: Path) -> int:
-    """Prints which worker failed first and returns its exit code.
+    """Prints which worker failed first and returns its exit code; raises the UsageError that ended it, if one
+    did, so that its sentence is printed once (rather than by every rank) and the run ends with exit code 2.
 
     A crash makes its peers fail too, blocked in collectives, often within the same second; torchrun's own
     timestamps cannot order them, so each worker records the nanosecond its script ended (multigpu.launch.worker).
@@ -277,6 +297,9 @@ def report_failure(error: ChildFailedError, exits: Path) -> int:
         rank = min(ended, key=lambda r: ended[r][0])
         failure, code = error.failures[rank], ended[rank][1]
         how = f"exited with code {code}"
+        usage = launcher_note(exits, f"{USAGE_ERROR}{rank}")
+        if usage is not None:
+            raise UsageError(usage.split(" ", 1)[1])
     else:
         rank, failure = error.get_first_failure()
         code = failure.exitcode if failure.exitcode > 0 else 128 + abs(failure.exitcode)

@@ -33,7 +33,7 @@ from types import FrameType
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from multigpu.core.env import LAST_CHECKPOINT, launcher_note
+from multigpu.core.notes import LAST_CHECKPOINT, launcher_note
 from multigpu.engine import checkpoint
 
 #: Set by `multigpu run` for its own workers (not a user setting): the launcher's pid.

@@ -37,7 +37,9 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from multigpu.core.env import LAUNCHER_DIR, destroy_process_groups
+from multigpu.core.env import destroy_process_groups
+from multigpu.core.errors import UsageError, report_usage_error
+from multigpu.core.notes import LAUNCHER_DIR, usage_error_noted
 from multigpu.launch import stop
 
 _exit_code = 1  # what the process ends with unless the script finishes: an unhandled exception's code
@@ -121,12 +123,19 @@ def main(argv: list[str] | None = None, after: Callable[[], None] | None = None)
             runpy.run_path(args[0], run_name="__main__")
         if after is not None:
             after()
+    except UsageError as error:  # one sentence, printed once by the launcher: no traceback from every rank
+        report_usage_error(error)
+        record_exit(2)
+        raise SystemExit(2) from None
     except SystemExit as exit_:
         code = exit_.code
         record_exit(code if isinstance(code, int) else (0 if code is None else 1))
         raise
     except BaseException:
         record_exit(1)
+        if usage_error_noted():
+            # A peer that lost the rank which raised a UsageError: its traceback would only bury that sentence.
+            raise SystemExit(1) from None
         raise
     record_exit(0)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,7 +36,7 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
     starts, as the Engine's settings are refused here, so that a mistake is one line rather than one per worker.
     """
     if "RANK" in os.environ:  # already under torchrun / multigpu run / accelerate launch
-        run(config)
+        run(as_launched(config))
         return 0
     named_gpus = [part for part in (config.gpu_ids or "").split(",") if part.strip()]
     nproc = config.nproc or len(named_gpus) or 1
@@ -57,8 +57,20 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
         run(config)
         return 0
     launch_config = LaunchConfig(nproc=nproc, gpu_ids=config.gpu_ids, max_restarts=restarts)
-    argv = config_to_argv(config, skip=("nproc", "gpu_ids", "max_restarts"))
+    # torchrun would take --nproc and --max-restarts for its own; the workers read them from it (as_launched).
+    argv = config_to_argv(config, skip=("nproc", "max_restarts"))
     return launch(launch_config, [module, *argv], module=True)
+
+
+def as_launched(config: Any) -> Any:
+    """A launched worker's `config` with the launch it runs in (torchrun's variables): the processes per node and
+    the restarts allowed, so that the settings it records (config.yaml) launch the same run again."""
+    if "RANK" not in os.environ:
+        return config
+    launch = {"nproc": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
+    if hasattr(config, "max_restarts"):
+        launch["max_restarts"] = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    return replace(config, **launch)
 
 
 def model_parallel_options(config: Any) -> dict[str, Any]:

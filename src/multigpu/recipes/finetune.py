@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from multigpu.core.config import Parser, add_config_arguments, config_from_args
+from multigpu.core.config_file import save_run_config
 from multigpu.core.errors import exit_on_usage_error, require
 from multigpu.core.precision import PRECISIONS
 from multigpu.core.schedule import SampleSchedule
@@ -41,6 +42,7 @@ from multigpu.planner.layout import PP_SCHEDULES
 from multigpu.recipes import lm_data, lm_models
 from multigpu.recipes.common import (
     ProgressBar,
+    as_launched,
     peak_memory_mb,
     recipe_engine,
     resolve_resume,
@@ -243,6 +245,8 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     if resume_from is not None:
         engine.load(resume_from, state)
         engine.print(f"resumed from {resume_from} at step {state['step']} ({scheduler.seen} samples done)")
+    if engine.is_main_process:  # once the save dir and the checkpoint resumed from are known good
+        save_run_config(config, config.save_dir, "finetune")
     global_batch = config.batch_size * engine.data_parallel_size * config.grad_accum_steps
     total = state["step"] + math.ceil((scheduler.total_samples - scheduler.seen) / global_batch)  # for the bar
     # ZeRO-3 under DeepSpeed leaves each parameter empty outside forward; ds_numel is its real size.
@@ -306,7 +310,7 @@ def run(config: FinetuneConfig) -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = Parser(prog="python -m multigpu.recipes.finetune", description=__doc__)
     add_config_arguments(parser, FinetuneConfig)
-    finetune(config_from_args(FinetuneConfig, parser.parse_args(argv)))
+    finetune(as_launched(config_from_args(FinetuneConfig, parser.parse_args(argv))))
 
 
 if __name__ == "__main__":

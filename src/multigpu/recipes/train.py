@@ -18,6 +18,7 @@ from torch import nn
 
 from multigpu.core import faults
 from multigpu.core.config import Parser, add_config_arguments, config_from_args
+from multigpu.core.config_file import save_run_config
 from multigpu.core.errors import exit_on_usage_error, require
 from multigpu.core.precision import PRECISIONS
 from multigpu.core.schedule import SampleSchedule
@@ -27,6 +28,7 @@ from multigpu.recipes import activity_data, activity_models
 from multigpu.recipes.activity_models import MODES
 from multigpu.recipes.common import (
     ProgressBar,
+    as_launched,
     peak_memory_mb,
     recipe_engine,
     resolve_resume,
@@ -168,6 +170,8 @@ def train(config: TrainConfig) -> dict:
         )
         if scheduler.base_lrs[0] != lr:
             engine.print(f"the lr schedule keeps the run's planned lr {scheduler.base_lrs[0]:g} (not {lr:g})")
+    if engine.is_main_process:  # once the save dir and the checkpoint resumed from are known good
+        save_run_config(config, config.save_dir, "train")
     engine.print(
         f"{data.source}: {len(data.train)} training / {len(data.validation)} validation windows of "
         f"{data.channels}x{data.window}, {len(data.labels)} classes; {config.mode} model, "
@@ -270,8 +274,7 @@ def run(config: TrainConfig) -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = Parser(prog="python -m multigpu.recipes.train", description=__doc__)
     add_config_arguments(parser, TrainConfig)
-    config = config_from_args(TrainConfig, parser.parse_args(argv))
-    train(config)
+    train(as_launched(config_from_args(TrainConfig, parser.parse_args(argv))))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ class Harness:
     grad_sync: bool = True  # False: no gradient communication, for bench's communication share
     record_loss: bool = False  # the global loss of every step (one extra scalar all-reduce per step)
     dump_params: bool = False  # rank 0 writes the full parameters when the run stops
+    read_inputs: bool = False  # record the ends of every input row of the first step (verify's same-samples check)
+    expect_samples: int | None = None  # stop after the first step if it did not train on this many samples
 
     def save(self) -> None:
         Path(self.directory, "harness.json").write_text(json.dumps(asdict(self)))
@@ -47,6 +49,34 @@ class StopRun(SystemExit):
 
     def __init__(self) -> None:
         super().__init__(0)
+
+
+ROW_ENDS = 64  # values kept from each end of an input row: enough to tell samples apart, whatever the padding
+
+
+def input_rows(args: tuple, kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+    """The first and last ROW_ENDS values of each sample of a forward's input: `input_ids` if given, else its
+    first tensor argument. Padding to the batch's longest sample changes a row's length but not (right padding)
+    its start or (left padding) its end."""
+    tensors = [kwargs.get("input_ids"), *args, *kwargs.values()]
+    tensor = next((t for t in tensors if torch.is_tensor(t) and t.dim() >= 1), None)
+    if tensor is None:
+        return []
+    rows = tensor.detach().reshape(tensor.shape[0], -1)
+    heads, tails = rows[:, :ROW_ENDS].cpu().tolist(), rows[:, -ROW_ENDS:].cpu().tolist()
+    return [{"length": rows.shape[1], "head": h, "tail": t} for h, t in zip(heads, tails, strict=True)]
+
+
+def per_batch_layers(model: torch.nn.Module) -> dict[str, list[str]]:
+    """The layers whose output depends on how the batch is split or on the process's random stream."""
+    named = [(name.removeprefix("module."), module) for name, module in model.named_modules()]
+    batchnorm = [
+        name
+        for name, module in named
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(module, torch.nn.SyncBatchNorm)
+    ]
+    dropout = [name for name, module in named if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p]
+    return {"batchnorm": batchnorm, "dropout": dropout}
 
 
 class Recorder(StepObserver):
@@ -60,6 +90,7 @@ class Recorder(StepObserver):
         self.steps: list[dict[str, Any]] = []
         self.meta: dict[str, Any] = {}
         self.model: torch.nn.Module | None = None
+        self.first_rows: list[dict[str, Any]] = []  # the first step's input rows, with read_inputs
         self.finished = False
 
     def configure(self, config: EngineConfig) -> EngineConfig:
@@ -87,18 +118,28 @@ class Recorder(StepObserver):
             "world_size": engine.world_size,
             "grad_accum_steps": engine.config.grad_accum_steps,
             "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
+            "data_rank": engine.data_parallel_rank,
+            "layers": per_batch_layers(model),
         }
+        if self.harness.read_inputs:
+            model.register_forward_pre_hook(self._read_inputs, with_kwargs=True)
         self._dump_params("initial_params")
         if not self.harness.grad_sync:
             # Entered for good: every backward keeps its gradients local (bench's communication share).
             engine.no_sync(model).__enter__()
+
+    def _read_inputs(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if not self.steps and torch.is_grad_enabled():  # the first step's training forwards, not an evaluation
+            self.first_rows += input_rows(args, kwargs)
 
     def on_step_end(self, stats: StepStats) -> None:
         flops = self.monitor.flops_per_step
         record = {"time_s": stats.seconds, "samples": stats.samples, "tokens": stats.tokens, "loss": stats.loss}
         self.steps.append({"step": len(self.steps) + 1, **record, "flops": flops, "other_work": not stats.timed})
         last = None if self.harness.steps is None else self.harness.warmup + self.harness.steps
-        if last is not None and len(self.steps) >= last:
+        expected = self.harness.expect_samples
+        other_batch = len(self.steps) == 1 and expected is not None and step_samples([self.record()]) != expected
+        if other_batch or (last is not None and len(self.steps) >= last):
             self.finish()
             raise StopRun()
 
@@ -116,8 +157,15 @@ class Recorder(StepObserver):
             return
         self.finished = True
         self._dump_params("params")
-        record = {**self.meta, "peak_memory_bytes": peak_memory_bytes(self.engine.device), "steps": self.steps}
-        Path(self.harness.directory, f"rank{self.engine.rank}.json").write_text(json.dumps(record))
+        Path(self.harness.directory, f"rank{self.engine.rank}.json").write_text(json.dumps(self.record()))
+
+    def record(self) -> dict[str, Any]:
+        return {
+            **self.meta,
+            "peak_memory_bytes": peak_memory_bytes(self.engine.device),
+            "steps": self.steps,
+            "first_step_rows": self.first_rows,
+        }
 
 
 _RECORDERS: list[Recorder] = []  # this process's, in the order the script built its Engines
@@ -135,6 +183,22 @@ def main() -> None:
     harness = Harness(**json.loads(Path(directory, "harness.json").read_text()))
     observe_every_engine(lambda: Recorder(harness))
     worker.main(target, after=finish_recorders)
+
+
+def first_step_rows(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The input rows of a run's first step, one data-parallel rank's copy each (tensor-parallel ranks share it)."""
+    readers = {rank["data_rank"]: rank["first_step_rows"] for rank in reversed(ranks)}
+    return [row for data_rank in sorted(readers) for row in readers[data_rank]]
+
+
+def step_samples(ranks: list[dict[str, Any]]) -> int | None:
+    """How many samples a run's first step trained on: its input rows, or the engine loader's count; None when
+    neither is known (a pipeline's inputs never pass the model's own forward; a loader of the script's own)."""
+    rows = first_step_rows(ranks)
+    if rows:
+        return len(rows)
+    samples = ranks[0]["steps"][0]["samples"] if ranks[0]["steps"] else 0
+    return samples or None
 
 
 def read_ranks(directory: Path, world_size: int) -> list[dict[str, Any]]:

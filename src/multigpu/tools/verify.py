@@ -1,17 +1,20 @@
 """`multigpu verify`: does the script compute on N processes what it computes on one?
 
-The script runs twice, unchanged, under the harness: once in 1 process with the `single` strategy and N times
-the gradient accumulation (so every optimizer step sees the same global batch), once in N processes with the
-strategy under test. Both record the global loss of every step and the parameters before the first step and
-after the last. The engine loader gives both runs the same global batches, so any difference beyond rounding
-is a bug: randomness drawn per process instead of per sample, a loss normalised per rank, a model built
-differently on each rank, a layer that depends on the per-device batch.
+The script runs twice, unchanged, under the harness: once in N processes with the strategy under test, then in
+1 process with the `single` strategy and N times the gradient accumulation, so that every optimizer step sees
+the same global batch. A script that derives its per-process batch from the world size (a fixed global batch)
+trains on a different number of samples in one process; the reference is then run again with the accumulation
+that matches, or refused when none does. Both runs record the global loss of every step, the parameters before
+the first step and after the last, and the input rows of the first step. The engine loader gives both runs the
+same global batches, so any difference beyond rounding is a bug; a FAIL names the causes verify found (other
+samples read, parameters built differently, BatchNorm, dropout) and says what it could not check.
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,8 +34,9 @@ TOLERANCES = {"32": (1e-4, 1e-3), "bf16-mixed": (3e-2, 0.3), "fp16-mixed": (1e-2
 
 @dataclass
 class VerifyConfig:
-    nproc: int = field(
-        default=2, metadata={"help": "processes to compare with one (default: 2; 1 with --strategy, for one GPU)"}
+    nproc: int | None = field(
+        default=None,
+        metadata={"help": "processes to compare with one (default: 2, or 1 under dp; 1 with --strategy, for one GPU)"},
     )
     strategy: str | None = field(
         default=None,
@@ -57,6 +61,13 @@ class VerifyConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.strategy == "dp" and self.nproc not in (None, 1):
+            raise UsageError(
+                f"--strategy dp is one process that drives every GPU, so there are no {self.nproc} processes to "
+                "launch; drop --nproc."
+            )
+        if self.nproc is None:
+            self.nproc = 1 if self.strategy == "dp" else 2
         if self.nproc < 1:
             raise UsageError(f"--nproc must be 1 or more (got {self.nproc}).")
         if self.nproc == 1 and self.strategy in (None, "single", "auto"):
@@ -89,31 +100,76 @@ class Verdict:
     precision: str
     loss_tolerance: float
     param_tolerance: float
+    samples_per_step: int | None  # the global batch of both runs' first step, where verify could count it
+    reference_grad_accum: int  # the 1-process run's accumulation multiplier that gives it that global batch
     steps: list[dict[str, Any]]  # step, loss_1, loss_n, relative difference
     first_divergence: int | None  # the first step whose loss differs beyond the tolerance
     initial_param_diff: float  # max |difference| of the parameters before training
     param_diff: float  # max |difference| after the last step, relative to the largest update
     worst_param: str
     reason: str
+    causes: list[str]  # what verify found that makes N processes differ from 1
+    checked: list[str]  # what it checked and found in order
+    unchecked: list[str]  # what could explain a FAIL but verify cannot see
 
 
 def verify(config: VerifyConfig, target: list[str], module: bool = False) -> Verdict:
-    """Runs the script in 1 and in N processes and compares them step by step."""
+    """Runs the script in N processes and in 1, on the same global batches, and compares them step by step."""
+    if config.strategy == "dp" and torch.cuda.device_count() < 2:
+        raise UsageError(
+            f"--strategy dp splits each batch over the GPUs of one process, and this machine has "
+            f"{torch.cuda.device_count()}, so it would run as single; verify dp on a machine with 2 or more GPUs, "
+            "or verify ddp."
+        )
+    assert config.nproc is not None  # set by VerifyConfig
     with tempfile.TemporaryDirectory(prefix="multigpu-verify-") as tmp:
-        one, many = Path(tmp, "one"), Path(tmp, "many")
-        one.mkdir()
-        many.mkdir()
-        common = {"precision": config.precision, "steps": config.steps, "record_loss": True, "dump_params": True}
-        # One process stands in for the N-process run's data-parallel ranks (tensor and pipeline ones share a batch).
-        tp = config.tp_size or (config.nproc if config.strategy == "tp" else 1)
-        pp = config.pp_size or (config.nproc // tp if config.strategy == "pp" else 1)
-        replicas = max(1, config.nproc // (tp * pp))
-        reference = harness.Harness(str(one), strategy="single", grad_accum_factor=replicas, **common)
-        ref = harness.run(target, module, 1, reference)[0]
+        common = {
+            "precision": config.precision,
+            "steps": config.steps,
+            "record_loss": True,
+            "dump_params": True,
+            "read_inputs": True,
+        }
         layout = {"tp_size": config.tp_size, "pp_size": config.pp_size}
-        under_test = harness.Harness(str(many), strategy=config.strategy, **layout, **common)
-        dist = harness.run(target, module, config.nproc, under_test)[0]
-        return compare(config, ref, dist, _params(one), _params(many))
+        many = _folder(tmp, "many")
+        dist = harness.run(
+            target, module, config.nproc, harness.Harness(str(many), config.strategy, **layout, **common)
+        )
+        samples = harness.step_samples(dist)
+        # One process stands in for the N-process run's data-parallel ranks (tensor and pipeline ones share a batch).
+        factor = dist[0]["world_size"] // _model_parallel(config) if config.strategy != "dp" else 1
+        one = _folder(tmp, "one")
+        ref = harness.run(target, module, 1, _reference(one, factor, samples, common))
+        ref_samples = harness.step_samples(ref)
+        if samples is not None and ref_samples is not None and ref_samples != samples:
+            # The script sized its batch by the world size: accumulate the 1-process batch as often as it takes.
+            factor, left = divmod(samples * factor, ref_samples)
+            if left or factor < 1:
+                raise UsageError(
+                    f"The script's first step trains on {samples} samples in {config.nproc} processes but on "
+                    f"{ref_samples} in 1, and no accumulation of the 1-process batch makes up {samples}; give the "
+                    "script a global batch that is a multiple of its 1-process batch."
+                )
+            one = _folder(tmp, "one-again")
+            ref = harness.run(target, module, 1, _reference(one, factor, samples, common))
+        return compare(config, ref, dist, _params(one), _params(many), factor)
+
+
+def _folder(tmp: str, name: str) -> Path:
+    folder = Path(tmp, name)
+    folder.mkdir()
+    return folder
+
+
+def _model_parallel(config: VerifyConfig) -> int:
+    """How many processes of the N-process run share one batch (its tensor x pipeline degree)."""
+    tp = config.tp_size or (config.nproc if config.strategy == "tp" else 1)
+    pp = config.pp_size or (config.nproc // tp if config.strategy == "pp" else 1)
+    return min(tp * pp, config.nproc)
+
+
+def _reference(folder: Path, factor: int, samples: int | None, common: dict[str, Any]) -> harness.Harness:
+    return harness.Harness(str(folder), "single", grad_accum_factor=factor, expect_samples=samples, **common)
 
 
 def _params(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -122,11 +178,13 @@ def _params(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tens
 
 def compare(
     config: VerifyConfig,
-    ref: dict[str, Any],
-    dist: dict[str, Any],
+    ref_ranks: list[dict[str, Any]],
+    dist_ranks: list[dict[str, Any]],
     ref_params: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
     dist_params: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
+    reference_grad_accum: int = 1,
 ) -> Verdict:
+    ref, dist = ref_ranks[0], dist_ranks[0]
     loss_tol, param_tol = TOLERANCES[dist["precision"]]
     loss_tol = config.loss_tolerance or loss_tol
     param_tol = config.param_tolerance or param_tol
@@ -147,11 +205,12 @@ def compare(
     if len(ref["steps"]) != len(dist["steps"]):
         reason = f"the runs made {len(ref['steps'])} and {len(dist['steps'])} optimizer steps"
     elif initial > 0:
-        reason = f"the parameters differ by up to {initial:.3g} before training: the model is built differently"
+        reason = f"the parameters differ by up to {initial:.3g} before training"
     elif first is not None:
         reason = f"the loss diverged at step {first}"
     elif not diffs[worst] <= param_tol:
         reason = f"the final parameters differ by {diffs[worst]:.3g} of the update (in {worst})"
+    causes, checked, unchecked = diagnose(ref_ranks, dist_ranks, initial)
     return Verdict(
         passed=not reason,
         nproc=dist["world_size"],
@@ -159,13 +218,86 @@ def compare(
         precision=dist["precision"],
         loss_tolerance=loss_tol,
         param_tolerance=param_tol,
+        samples_per_step=harness.step_samples(dist_ranks),
+        reference_grad_accum=reference_grad_accum,
         steps=steps,
         first_divergence=first,
         initial_param_diff=initial,
         param_diff=diffs[worst],
         worst_param=worst,
         reason=reason,
+        causes=causes,
+        checked=checked,
+        unchecked=unchecked,
     )
+
+
+def diagnose(
+    ref_ranks: list[dict[str, Any]], dist_ranks: list[dict[str, Any]], initial_param_diff: float
+) -> tuple[list[str], list[str], list[str]]:
+    """(causes found, checks passed, what verify cannot see) for the two runs' records."""
+    causes, checked, unchecked = [], [], []
+    if initial_param_diff > 0:
+        causes.append(
+            f"the parameters differ by up to {initial_param_diff:.3g} before the first step: the model is built "
+            "differently in 1 and in N processes (seed it before building it, the same on every rank)"
+        )
+    else:
+        checked.append("the parameters were equal before the first step")
+    samples = same_samples(harness.first_step_rows(ref_ranks), dist_ranks)
+    if samples is None:
+        unchecked.append("which samples each run read (its inputs never passed the model's own forward)")
+    elif samples:
+        causes.append(samples)
+    else:
+        checked.append("both runs' first step read the same samples")
+    layers = dist_ranks[0]["layers"]
+    if layers["batchnorm"]:
+        causes.append(
+            f"the model has BatchNorm ({', '.join(layers['batchnorm'][:3])}), which normalises over each process's "
+            "own batch (convert it with sync_batchnorm=True on GPUs, or use GroupNorm or LayerNorm)"
+        )
+    if layers["dropout"]:
+        causes.append(
+            f"the model has dropout ({', '.join(layers['dropout'][:3])}), whose masks come from each process's own "
+            "random stream (verify with dropout set to 0)"
+        )
+    if not layers["batchnorm"] and not layers["dropout"]:
+        checked.append("the model has no BatchNorm or dropout module")
+    if not any(step["tokens"] for rank in dist_ranks for step in rank["steps"]):
+        unchecked.append(
+            "whether the loss is a mean over tokens: engine.backward got no count=, so each process's loss counts as "
+            "a mean over its own batch; a mean over tokens, whose number differs between processes, must be returned "
+            "as (sum, count)"
+        )
+    return causes, checked, unchecked
+
+
+def same_samples(ref_rows: list[dict[str, Any]], dist_ranks: list[dict[str, Any]]) -> str | None:
+    """ "" when both runs' first step read the same samples; what differs, if they did not; None if unknown.
+
+    Rows are compared by their first or their last values (as many as the shortest row has), so that padding to
+    each batch's longest sample, on the right or on the left, does not count as a difference."""
+    dist_rows = harness.first_step_rows(dist_ranks)
+    if not ref_rows or not dist_rows:
+        return None
+    if len(ref_rows) != len(dist_rows):
+        return f"the first step trained on {len(ref_rows)} samples in 1 process and {len(dist_rows)} in N"
+    width = min(row["length"] for row in [*ref_rows, *dist_rows])
+    if any(_ends(ref_rows, end, width) == _ends(dist_rows, end, width) for end in ("head", "tail")):
+        return ""
+    readers = {rank["data_rank"]: rank["first_step_rows"] for rank in dist_ranks}
+    if len(readers) > 1 and all(rows == readers[0] for rows in readers.values()):
+        return (
+            "every process read the same samples in the first step: the data is not split between processes "
+            "(iterate engine.dataloader(...), or give your DataLoader a DistributedSampler)"
+        )
+    return "the two runs' first steps read different samples, though as many (a data order that depends on N)"
+
+
+def _ends(rows: list[dict[str, Any]], end: str, width: int) -> Counter:
+    """The multiset of the rows' first (`end` "head") or last ("tail") `width` values."""
+    return Counter(tuple(row["head"][:width] if end == "head" else row["tail"][-width:]) for row in rows)
 
 
 def print_verdict(verdict: Verdict, as_json: bool) -> None:
@@ -191,14 +323,15 @@ def print_verdict(verdict: Verdict, as_json: bool) -> None:
         f"parameters after the last step: max difference {verdict.param_diff:.3g} of the largest update "
         f"(tolerance {verdict.param_tolerance:g}); loss tolerance {verdict.loss_tolerance:g} relative"
     )
+    batch = "" if verdict.samples_per_step is None else f"global batch {verdict.samples_per_step} samples; "
+    console.print(f"{batch}the 1-process run accumulated {verdict.reference_grad_accum}x the script's micro-batches")
     if verdict.passed:
         console.print(f"[green]PASS[/green]: {n} processes compute what 1 process computes.")
-    else:
-        console.print(f"[red]FAIL[/red]: {verdict.reason}. {ADVICE}")
-
-
-ADVICE = (
-    "Usual causes: random numbers drawn per process (seed augmentation and dropout per sample, not per rank), "
-    "a loss averaged per rank over tokens (sum it and pass count= to engine.backward), or layers that "
-    "depend on the per-device batch (BatchNorm: use SyncBatchNorm or GroupNorm)."
-)
+        return
+    console.print(f"[red]FAIL[/red]: {verdict.reason}.")
+    for cause in verdict.causes:
+        console.print(f"  found: {cause}")
+    if not verdict.causes:
+        console.print(f"  verify found none of the causes it checks: {'; '.join(verdict.checked)}.")
+    for blind_spot in verdict.unchecked:
+        console.print(f"  not checked: {blind_spot}")
