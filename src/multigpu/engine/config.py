@@ -8,6 +8,7 @@ from typing import Any
 from multigpu.core.env import BACKENDS
 from multigpu.core.errors import UsageError
 from multigpu.core.precision import PRECISIONS, Precision
+from multigpu.engine.trackers import parse_log_to
 from multigpu.planner.layout import PP_SCHEDULES
 from multigpu.strategies import STRATEGIES
 from multigpu.strategies.deepspeed import DeepSpeedOptions
@@ -36,6 +37,11 @@ SEQUENCE_PARALLEL_HELP = (
 PP_SCHEDULE_HELP = "pp: gpipe (all forwards, then all backwards), 1f1b (less memory) or interleaved"
 PP_STAGES_HELP = "pp with schedule interleaved: stages per process (2 or more; a smaller pipeline bubble)"
 PP_MICROBATCHES_HELP = "pp: slices of each batch that flow through the pipeline (default: one per stage)"
+LOG_TO_HELP = (
+    "where the metrics go besides metrics.jsonl: a comma-separated subset of tensorboard, wandb, mlflow, jsonl "
+    "(jsonl alone: metrics.jsonl only); wandb and mlflow need pip install 'multigpu[trackers]'"
+)
+RUN_NAME_HELP = "the run's name in W&B and MLflow (default: the name of the folder the metrics go to)"
 SYNC_BATCHNORM_HELP = (
     "convert BatchNorm to SyncBatchNorm, so every process normalises with the global batch's statistics "
     "(process-group strategies on GPUs; one process has nothing to synchronise)"
@@ -70,8 +76,12 @@ class EngineConfig(DeepSpeedOptions):
     log_every: int = field(
         default=0, metadata={"help": "report memory, throughput and MFU every N optimizer steps (0: never)"}
     )
-    log_dir: str | None = field(default=None, metadata={"help": "also write those reports as JSONL and TensorBoard"})
+    log_dir: str | None = field(
+        default=None, metadata={"help": "also write those reports and engine.log's records as JSONL and to --log-to"}
+    )
     peak_tflops: float | None = field(default=None, metadata={"help": PEAK_TFLOPS_HELP})
+    log_to: str = field(default="tensorboard", metadata={"help": LOG_TO_HELP})
+    run_name: str | None = field(default=None, metadata={"help": RUN_NAME_HELP})
 
     def __post_init__(self) -> None:
         # Strategy names are checked where they are resolved (resolve_strategy), precisions by Precision.
@@ -93,6 +103,7 @@ class EngineConfig(DeepSpeedOptions):
             raise UsageError(f"log_every must be 0 or more (got {self.log_every}).")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise UsageError(f"peak_tflops must be positive (got {self.peak_tflops}).")
+        parse_log_to(self.log_to, self.log_dir)
 
     @classmethod
     def of(cls, strategy: str, settings: dict[str, Any]) -> EngineConfig:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -486,10 +486,24 @@ class Engine:
 
     def log(self, step: int, record: dict[str, Any]) -> None:
         """Hands `record` to the observers on the main process: the monitor writes it to log_dir's metrics.jsonl
-        and TensorBoard (nothing without log_dir)."""
+        and the trackers of log_to (TensorBoard by default; nothing without log_dir)."""
         if self.is_main_process:
             for observer in self.observers:
                 observer.on_log(step, record)
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        """Hands a recipe's or script's whole resolved configuration (plain values, nested mappings allowed) to the
+        experiment trackers of log_to: W&B's run config, MLflow's params. Main process only; nothing without
+        log_dir. The Engine's own settings are logged at its start, under "engine"."""
+        if self.is_main_process:
+            for observer in self.observers:
+                observer.on_config(config)
+
+    def close(self) -> None:
+        """Ends the run's logging on this process: flushes metrics.jsonl and finishes the trackers' runs (W&B,
+        MLflow). Without it they are closed at exit; call it to read them back, or to start another run."""
+        for observer in self.observers:
+            observer.on_close()
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """print() on the main process only."""

@@ -1,35 +1,16 @@
 """What the Engine reports as it trains: memory, throughput and MFU every `log_every` steps, and every record the
-loop logs, as one JSON line and in TensorBoard, from the main process."""
+loop logs, as one JSON line and to the experiment trackers `log_to` names, from the main process."""
 
 from __future__ import annotations
 
 import contextlib
-import json
+from collections.abc import Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from multigpu.engine.observe import StepObserver, StepStats
-
-
-class MetricsLog:
-    def __init__(self, directory: Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only where metrics are written
-
-        directory.mkdir(parents=True, exist_ok=True)
-        self._jsonl = (directory / "metrics.jsonl").open("a")
-        self._tensorboard = SummaryWriter(str(directory / "tensorboard"))
-
-    def write(self, step: int, record: dict[str, Any]) -> None:
-        self._jsonl.write(json.dumps({"step": step, **record}) + "\n")
-        self._jsonl.flush()
-        for key, value in record.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._tensorboard.add_scalar(key, value, step)
-        self._tensorboard.flush()
-
-    def close(self) -> None:
-        self._jsonl.close()
-        self._tensorboard.close()
+from multigpu.engine.trackers import MetricsLog, parse_log_to
 
 
 def peak_memory_bytes(device: Any) -> int:
@@ -250,7 +231,11 @@ class Monitor(StepObserver):
         self._scale = config.grad_accum_steps * engine.world_size  # one micro-step's FLOPs -> the whole step's
         self._untimed = engine.mark_untimed
         if config.log_dir is not None and engine.is_main_process:
-            self._log = MetricsLog(Path(config.log_dir))
+            self._log = MetricsLog(
+                Path(config.log_dir), parse_log_to(config.log_to, config.log_dir), config.run_name, engine.print
+            )
+            # Under its own key: a recipe's config (engine.log_config) repeats some names with other meanings.
+            self._log.log_config({"engine": asdict(config)})
         self.reports = StepMonitor(
             engine.rank,
             engine.world_size,
@@ -287,3 +272,11 @@ class Monitor(StepObserver):
     def on_log(self, step: int, record: dict[str, Any]) -> None:
         if self._log is not None:
             self._log.write(step, record)
+
+    def on_config(self, config: Mapping[str, Any]) -> None:
+        if self._log is not None:
+            self._log.log_config(config)
+
+    def on_close(self) -> None:
+        if self._log is not None:
+            self._log.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +70,12 @@ class StepObserver:
 
     def on_resume(self, step: int) -> None:
         """A checkpoint was loaded: the count of optimizer steps goes on from `step`."""
+
+    def on_config(self, config: Mapping[str, Any]) -> None:
+        """The script handed its whole resolved configuration to engine.log_config (main process only)."""
+
+    def on_close(self) -> None:
+        """engine.close() was called: the run is over; flush and finish what the observer opened."""
 
 
 _FACTORIES: list[Callable[[], StepObserver]] = []

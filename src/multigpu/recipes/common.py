@@ -48,6 +48,8 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
         replicate=config.replicate,
         tp_size=config.tp_size,
         **model_parallel_options(config),
+        log_dir=config.save_dir,
+        log_to=config.log_to,  # an unknown tracker is refused here, before any process starts
         **options,
     )
     start.check(engine_config, nproc)
@@ -117,6 +119,8 @@ def recipe_engine(config: Any, **settings: Any) -> Engine:
         log_every=config.log_every,
         peak_tflops=config.peak_tflops,
         log_dir=config.save_dir,
+        log_to=config.log_to,
+        run_name=config.run_name,
         **asdict(DeepSpeedOptions.of(config)),
         **settings,
     )

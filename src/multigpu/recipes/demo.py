@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     add_config_arguments(parser, EngineConfig)
     args = parser.parse_args(argv)
     engine = Engine(**vars(config_from_args(EngineConfig, args)))
-    train(engine, config_from_args(DemoConfig, args))
+    config = config_from_args(DemoConfig, args)
+    engine.log_config(asdict(config))
+    train(engine, config)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import functools
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +27,14 @@ from multigpu.core.errors import exit_on_usage_error, require
 from multigpu.core.precision import PRECISIONS
 from multigpu.core.schedule import SampleSchedule
 from multigpu.engine.config import (
+    LOG_TO_HELP,
     PEAK_TFLOPS_HELP,
     PP_MICROBATCHES_HELP,
     PP_SCHEDULE_HELP,
     PP_SIZE_HELP,
     PP_STAGES_HELP,
     REPLICATE_HELP,
+    RUN_NAME_HELP,
     SEQUENCE_PARALLEL_HELP,
     TP_SIZE_HELP,
     UNSHARDED_GRAD_ACCUM_HELP,
@@ -101,6 +103,8 @@ class FinetuneConfig(DeepSpeedOptions):
     seed: int = field(default=0, metadata={"help": "seed for initialisation and data order"})
     peak_tflops: float | None = field(default=None, metadata={"help": PEAK_TFLOPS_HELP})
     timeout_s: float = field(default=1800.0, metadata={"help": "seconds a collective may wait before the run fails"})
+    log_to: str = field(default="tensorboard", metadata={"help": LOG_TO_HELP})
+    run_name: str | None = field(default=None, metadata={"help": RUN_NAME_HELP})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -230,6 +234,7 @@ def save_result(config: FinetuneConfig, engine: Engine, model: nn.Module, tokeni
 
 def finetune(config: FinetuneConfig) -> dict[str, Any]:
     engine = recipe_engine(config)
+    engine.log_config(asdict(config))
     model, optimizer, tokenizer, data = build(config, engine)
     collate = functools.partial(lm_data.collate, pad_id=tokenizer.pad_token_id)
     train_loader = engine.dataloader(data.train, batch_size=config.batch_size, collate_fn=collate)

@@ -10,7 +10,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,7 +22,14 @@ from multigpu.core.config_file import save_run_config
 from multigpu.core.errors import exit_on_usage_error, require
 from multigpu.core.precision import PRECISIONS
 from multigpu.core.schedule import SampleSchedule
-from multigpu.engine.config import PEAK_TFLOPS_HELP, REPLICATE_HELP, TP_SIZE_HELP, UNSHARDED_GRAD_ACCUM_HELP
+from multigpu.engine.config import (
+    LOG_TO_HELP,
+    PEAK_TFLOPS_HELP,
+    REPLICATE_HELP,
+    RUN_NAME_HELP,
+    TP_SIZE_HELP,
+    UNSHARDED_GRAD_ACCUM_HELP,
+)
 from multigpu.engine.engine import Engine
 from multigpu.recipes import activity_data, activity_models
 from multigpu.recipes.activity_models import MODES
@@ -76,6 +83,8 @@ class TrainConfig(DeepSpeedOptions):
     log_every: int = field(
         default=100, metadata={"help": "report memory, throughput and imbalance every N optimizer steps (0: never)"}
     )
+    log_to: str = field(default="tensorboard", metadata={"help": LOG_TO_HELP})
+    run_name: str | None = field(default=None, metadata={"help": RUN_NAME_HELP})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -130,6 +139,7 @@ def export(engine: Engine, model: nn.Module, directory: Path, spec: list, data: 
 
 def train(config: TrainConfig) -> dict:
     engine = recipe_engine(config, max_grad_norm=config.max_grad_norm)
+    engine.log_config(asdict(config))
     resume_from = resolve_resume(config, engine.print)
     data = activity_data.load(config.data)
     spec = activity_models.layer_spec(config.mode, data.channels, data.window, len(data.labels))
