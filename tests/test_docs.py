@@ -14,21 +14,13 @@ import pytest
 import torch
 
 from multigpu.cli import build_parser
+from multigpu.core.config_file import verb_parsers
 from tests.dist import ROOT, run_command
 
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 GPU_ONLY = re.compile(r"#\s*GPU only\b")  # a trailing comment that starts "GPU only"
 COMMAND_TIMEOUT = 300
-
-
-def verbs(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    return {
-        name: sub
-        for action in parser._actions
-        if isinstance(action, argparse._SubParsersAction)
-        for name, sub in action.choices.items()
-    }
 
 
 def options(parser: argparse.ArgumentParser) -> set[str]:
@@ -45,10 +37,11 @@ def test_the_cli_reference_names_every_flag_of_every_verb_and_no_other() -> None
     parser = build_parser()
     text = (DOCS / "cli.md").read_text()
     sections = verb_sections(text)
-    problems = [f"no section for `multigpu {verb}`" for verb in verbs(parser) if verb not in sections]
-    problems += [f"a section for `multigpu {verb}`, which the parser lacks" for verb in sections.keys() - verbs(parser)]
+    parsers = verb_parsers(parser)
+    problems = [f"no section for `multigpu {verb}`" for verb in parsers if verb not in sections]
+    problems += [f"a section for `multigpu {verb}`, which the parser lacks" for verb in sections.keys() - parsers]
     problems += [f"`multigpu {option}`" for option in options(parser) if f"`{option}`" not in text]
-    for verb, sub in verbs(parser).items():
+    for verb, sub in parsers.items():
         section = sections.get(verb, "")
         problems += [f"`multigpu {verb} {option}`" for option in sorted(options(sub)) if f"`{option}`" not in section]
         # A flag the parser no longer has is as wrong as a missing one: check each table row's first cell.
