@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import multigpu as mg
-from multigpu.core.modules import materialize, on_meta
+from multigpu.core.modules import give_back_freed_memory, materialize, on_meta
 from tests.dist import run_in_processes
 
 SEED = 7
@@ -92,6 +92,7 @@ def rss_bytes(field: str) -> int:
 
 def setup_growth(engine: mg.Engine, meta: bool, **shape: int) -> tuple[nn.Module, torch.optim.Optimizer, int]:
     """Builds Net (under init_module when `meta`), sets it up; returns it and the peak RSS growth meanwhile."""
+    give_back_freed_memory()  # or what earlier builds freed would serve this one unseen
     Path("/proc/self/clear_refs").write_text("5")  # resets the peak (VmHWM) to what the process holds now
     before = rss_bytes("VmRSS")
     with engine.init_module() if meta else torch.no_grad():
@@ -110,18 +111,22 @@ def one_step(engine: mg.Engine, model: nn.Module, optimizer: torch.optim.Optimiz
 
 def meta_and_plain(strategies: list[str]) -> dict:
     """For each strategy: the weights after setup and after one step, meta build first, then a plain build; and
-    the setup's memory growth of the meta build (the first big allocation in the process: a small setup has paid
-    the one-time costs before)."""
+    under the first strategy, the setup's memory growth of the meta build, the smaller of two builds (a small
+    setup has paid the one-time costs before). What the allocator or the kernel keep a moment too long only ever
+    adds to one measurement (CI once saw a rank 5 MiB over, a run like it here never was); a build that holds too
+    much holds it every time."""
     setup_growth(mg.Engine(strategy=strategies[0]), meta=True, width=8, blocks=2)
-    out = {}
+    out: dict = {"growth": setup_growth(mg.Engine(strategy=strategies[0], seed=SEED), meta=True)[2]}
     for strategy in strategies:
         for meta in (True, False):
             engine = mg.Engine(strategy=strategy, seed=SEED)
             model, optimizer, growth = setup_growth(engine, meta)
+            if (strategy, meta) == (strategies[0], True):
+                out["growth"] = min(out["growth"], growth)
             assert not any(p.is_meta for p in model.parameters())
             initial = {name: tensor.clone() for name, tensor in engine.full_state_dict(model).items()}
             one_step(engine, model, optimizer)
-            out[(strategy, meta)] = {"initial": initial, "stepped": engine.full_state_dict(model), "growth": growth}
+            out[(strategy, meta)] = {"initial": initial, "stepped": engine.full_state_dict(model)}
     return out
 
 
@@ -145,15 +150,15 @@ def test_zero2_and_zero3_under_init_module_start_from_the_one_process_build(
         assert all(torch.equal(built["initial"][name], tensor) for name, tensor in expected.items())
         # The same shards train the same: one step after each build is bitwise the same.
         assert all(torch.equal(built["stepped"][name], plain["stepped"][name]) for name in expected)
-    # The first big setup of each process. Rank 0 makes the values: its shard of everything and one whole unit
-    # being built, and a padded copy of the last slice; every other rank receives: its shard, and the last rank a
-    # padded slice to receive into. 4 MiB for torch's own buffers. (Made to fail
+    # The meta build's setup under zero3 (the first strategy). Rank 0 makes the values: its shard of everything and
+    # one whole unit being built, and a padded copy of the last slice; every other rank receives: its shard, and the
+    # last rank a padded slice to receive into. 4 MiB for torch's own buffers. (Made to fail
     # by building every unit before sharding any: each rank then grows by the whole model; and by every rank
     # building each unit whole, as this did before: rank 1 then grows by more than a unit beyond its shard.)
     slack = 4 * 2**20
     rank0 = model_bytes / processes + unit_bytes + unit_bytes / processes + slack
     others = model_bytes / processes + unit_bytes / processes + slack
-    growth = [rank[("zero3", True)]["growth"] for rank in ranks]
+    growth = [rank["growth"] for rank in ranks]
     bounds = [rank0] + [others] * (processes - 1)
     mib = [(round(g / 2**20, 1), round(b / 2**20, 1)) for g, b in zip(growth, bounds, strict=True)]
     assert all(g <= b for g, b in mib), f"setup's growth per rank, MiB (measured, bound): {mib}"
