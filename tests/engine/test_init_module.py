@@ -113,8 +113,8 @@ def meta_and_plain(strategies: list[str]) -> dict:
     """For each strategy: the weights after setup and after one step, meta build first, then a plain build; and
     under the first strategy, the setup's memory growth of the meta build, the smaller of two builds (a small
     setup has paid the one-time costs before). What the allocator or the kernel keep a moment too long only ever
-    adds to one measurement (CI once saw a rank 5 MiB over, a run like it here never was); a build that holds too
-    much holds it every time."""
+    adds to one measurement (CI once measured a rank one 5 MiB slice over its bound; 30 runs elsewhere never
+    did); a build that holds too much holds it every time."""
     setup_growth(mg.Engine(strategy=strategies[0]), meta=True, width=8, blocks=2)
     out: dict = {"growth": setup_growth(mg.Engine(strategy=strategies[0], seed=SEED), meta=True)[2]}
     for strategy in strategies:
