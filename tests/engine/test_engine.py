@@ -269,11 +269,43 @@ def ddp_misuse() -> dict:
         engine.backward(model(torch.ones(2, 4)).sum())
         steps.append(engine.step(optimizer))
     said["step twice"] = refusal(lambda: engine.step(optimizer))
+    said["past the window"], window_step = step_once_per_window(mg.Engine(strategy="ddp", grad_accum_steps=4))
     _, said["unused"] = two_heads_steps(mg.Engine(strategy="ddp"), steps=2)
     fixed, said["unused allowed"] = two_heads_steps(mg.Engine(strategy="ddp", find_unused_parameters=True), steps=3)
     said["batchnorm"], _ = batchnorm_warnings("ddp")
     trained = {name: p.detach().clone() for name, p in fixed.module.named_parameters()}
-    return {"said": said, "steps": steps, "trained": trained, "wrapped": type(model.module).__name__}
+    return {
+        "said": said,
+        "steps": steps,
+        "trained": trained,
+        "wrapped": type(model.module).__name__,
+        "window step": window_step,
+    }
+
+
+def step_once_per_window(engine: mg.Engine) -> tuple[str, tuple[bool, torch.Tensor]]:
+    """nanoGPT's and torchtune's loop: the window's backwards (each rank its own inputs), then one engine.step; a
+    backward past the window in between is refused. Returns that refusal, the step's result and the weight."""
+    torch.manual_seed(0)
+    plain = nn.Linear(4, 1, bias=False)
+    model, optimizer = engine.setup(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+    for micro in range(4):
+        with engine.accumulate(model):
+            engine.backward(model(torch.full((2, 4), 1.0 + engine.rank + 2 * micro)).sum())
+    past = refusal(lambda: engine.backward(model(torch.ones(2, 4)).sum()))
+    return past, (engine.step(optimizer), plain.weight.detach().clone())
+
+
+def window_step_expected(ranks: int) -> torch.Tensor:
+    """step_once_per_window's weight after its step: the gradient of every rank's and micro-step's sum of 2 rows
+    of (1 + rank + 2 micro), averaged over both (DDP's mean over ranks, the engine's 1/4 per micro-step)."""
+    torch.manual_seed(0)
+    weight = nn.Linear(4, 1, bias=False).weight.detach()
+    mean_row = sum(2 * (1.0 + rank + 2 * micro) for rank in range(ranks) for micro in range(4)) / (4 * ranks)
+    return weight - 0.1 * mean_row
+
+
+PAST_THE_WINDOW = "engine.backward() was called after the last backward of its accumulation window (grad_accum_steps=4"
 
 
 def test_misuse_under_ddp_is_refused_at_the_call_with_what_to_do() -> None:
@@ -286,6 +318,9 @@ def test_misuse_under_ddp_is_refused_at_the_call_with_what_to_do() -> None:
         assert said["setup again"] == SETUP_TWICE and said["setup wrapped"] == SETUP_TWICE
         assert result["steps"] == [False, True] and result["wrapped"] == "Linear"  # nothing wrapped twice
         assert said["unused"].startswith("Parameters idle.weight, idle.bias got no gradient"), said["unused"]
+        assert said["past the window"].startswith(PAST_THE_WINDOW), said["past the window"]
+        applied, weight = result["window step"]  # one step per window: applied, and averaged over the ranks
+        assert applied and torch.allclose(weight, window_step_expected(ranks=2), rtol=0, atol=1e-6), weight
         assert "find_unused_parameters=True" in said["unused"] and "--find-unused-parameters" in said["unused"]
         assert said["unused allowed"] == "no error"
         trained = result["trained"]
@@ -306,6 +341,9 @@ def test_one_process_misuse_and_batchnorm_in_one_process() -> None:
         engine.step(optimizer)
     with pytest.raises(mg.UsageError, match="already called on this model"):
         engine.setup(model)
+    past, (applied, weight) = step_once_per_window(mg.Engine(strategy="single", grad_accum_steps=4))
+    assert past.startswith(PAST_THE_WINDOW) and applied, past
+    assert torch.allclose(weight, window_step_expected(ranks=1), rtol=0, atol=1e-6), weight
     # One process normalises over its whole batch already: no warning, and sync_batchnorm has nothing to do.
     for sync in (False, True):
         assert batchnorm_warnings("single", sync_batchnorm=sync) == ([], ["BatchNorm1d", "BatchNorm1d"])

@@ -67,7 +67,8 @@ class Engine:
         self.device = self.env.device
         start.join(self.env, self._strategy, config)
         self._scaler: torch.amp.GradScaler | None = None
-        self._micro_steps = 0  # micro-steps since the last optimizer step
+        self._window_backwards = 0  # backwards since the last optimizer step: the accumulation window's count
+        self._window_done = False  # the window's last backward has run: the next engine.step applies it
         self._backward_ran = False  # since the last engine.step
         self._batch: Batch | None = None  # the engine-loader batch being trained on, if any
         self._loader: DistributedLoader | None = None
@@ -210,10 +211,12 @@ class Engine:
             self.mark_untimed()  # an evaluation pass between two training steps
 
     def _syncs_now(self) -> bool:
-        """Whether this micro-step ends the accumulation window (and so must synchronise gradients)."""
+        """Whether the next backward ends the accumulation window (and so must synchronise gradients): the engine
+        loader's batch says so, or else it is the window's grad_accum_steps-th backward. Counting backwards, not
+        engine.step calls, serves both loops: a step after every micro-step, or one after the window's backwards."""
         if self._batch is not None:
             return self._batch.ends_window
-        return (self._micro_steps + 1) % self.config.grad_accum_steps == 0
+        return self._window_backwards + 1 >= self.config.grad_accum_steps
 
     @contextlib.contextmanager
     def accumulate(self, model: nn.Module) -> Iterator[None]:
@@ -238,6 +241,7 @@ class Engine:
         padding): the step's gradient is then divided by the units of all ranks and micro-batches together,
         the token-normalised loss one process would compute over the same global batch.
         """
+        syncs = self._begin_micro_step()
         weight = self._account(loss.detach(), count)
         loss = loss * weight
         if self._scaler is not None:
@@ -245,11 +249,26 @@ class Engine:
         for observer in self.observers:
             observer.on_backward_start()
         with watching(self.observers, "backward"):
-            self._strategy.backward(self._model, loss, self._syncs_now())
+            self._strategy.backward(self._model, loss, syncs)
         for observer in self.observers:
             observer.on_backward_end()
-        self._mark = time.perf_counter()
+        self._end_micro_step(syncs)
+
+    def _begin_micro_step(self) -> bool:
+        """Refuses a backward past the end of its accumulation window; returns whether this one ends it."""
+        if self._window_done:
+            raise UsageError(
+                "engine.backward() was called after the last backward of its accumulation window (grad_accum_steps="
+                f"{self.config.grad_accum_steps}, or the engine loader's last batches of an epoch); call "
+                "engine.step(optimizer) once a window's backwards are done, before the next backward."
+            )
+        return self._syncs_now()
+
+    def _end_micro_step(self, ended_window: bool) -> None:
+        self._window_backwards += 1
+        self._window_done = ended_window
         self._backward_ran = True
+        self._mark = time.perf_counter()
 
     def _account(self, loss: torch.Tensor, count: int | torch.Tensor | None) -> float:
         """Adds a micro-step's loss (and count) to its optimizer step's window; returns the weight its backward
@@ -259,7 +278,7 @@ class Engine:
             self._window.samples += self._batch.global_size
             self._train_loader = self._loader
         summed = count is not None
-        if self._micro_steps > 0 and summed != (self._window.count is not None):
+        if self._window_backwards > 0 and summed != (self._window.count is not None):
             raise UsageError("Pass count= to engine.backward on every micro-step of an optimizer step, or on none.")
         weight = self._weight(summed)
         if summed:
@@ -306,6 +325,7 @@ class Engine:
             summed = isinstance(result, tuple)
             return result[0] * self._weight(True) if summed else result * self._weight(False) * share
 
+        syncs = self._begin_micro_step()
         for observer in self.observers:
             observer.on_backward_start()
         with watching(self.observers, "pipeline step"), self._autocast():
@@ -313,8 +333,7 @@ class Engine:
         for observer in self.observers:
             observer.on_backward_end()
         self._account(loss, count)
-        self._mark = time.perf_counter()
-        self._backward_ran = True
+        self._end_micro_step(syncs)
         return loss.float()
 
     def forward_loss(
@@ -339,8 +358,9 @@ class Engine:
         return self.precision.autocast(self.device)
 
     def step(self, optimizer: torch.optim.Optimizer, scheduler: LRScheduler | None = None) -> bool:
-        """On the last micro-step of a window: unscale, clip, step, zero the gradients, advance `scheduler` and
-        return True; on the others, return False.
+        """Once the accumulation window's backwards are done: unscale, clip, step, zero the gradients, advance
+        `scheduler` and return True; before that, return False. Call it after every micro-step's backward, or once
+        after the window's grad_accum_steps backwards (as nanoGPT and torchtune loops do): both step alike.
 
         fp16-mixed skips the update of a step whose gradients overflowed (the loss scale is lowered instead): that
         step still ends its window and returns True, but leaves `scheduler` where it was, so the learning-rate
@@ -351,12 +371,10 @@ class Engine:
                 "engine.step() was called before engine.backward(loss) in this step; call engine.backward(loss) first."
             )
         self._backward_ran = False
-        syncs = self._syncs_now()
         self._batch = None
-        if not syncs:
-            self._micro_steps += 1
+        if not self._window_done:
             return False
-        self._micro_steps = 0
+        self._window_backwards, self._window_done = 0, False
         with watching(self.observers, "optimizer step"):
             count, loss = self._window_totals()
             outcome = self._strategy.optimizer_step(
