@@ -118,17 +118,39 @@ def test_token_normalised_loss_is_the_same_for_1x8_2x4_and_2x2x2(tmp_path: Path)
 
 
 def test_finetune_cli_resumes_and_merges(tmp_path: Path) -> None:
-    data = write_text(tmp_path / "text.txt")
+    data, run = write_text(tmp_path / "text.txt"), tmp_path / "run"
     common = ["finetune", "--model", "tiny", "--data", data, "--seq-len", "32", "--batch-size", "2"]
-    common += ["--save-dir", str(tmp_path / "run"), "--log-every", "0"]
+    common += ["--save-dir", str(run), "--log-every", "0"]
     first = multigpu(
-        *common, "--nproc", "2", "--multi-gpu", "ddp", "--max-steps", "2", "--gradient-checkpointing", timeout=240
+        *common,
+        "--nproc",
+        "2",
+        "--multi-gpu",
+        "ddp",
+        "--max-steps",
+        "2",
+        "--gradient-checkpointing",
+        "--resume",
+        "none",
+        timeout=240,
     )
     assert first.returncode == 0, first.stdout
-    second = multigpu(*common, "--max-steps", "4", "--merge", timeout=240)
+    # The run's own config.yaml continues it (started from --resume none, it records auto), and a new --max-steps
+    # is honoured: the schedule is planned anew from the samples done.
+    again = ["finetune", "--config", str(run / "config.yaml")]
+    second = multigpu(*again, "--max-steps", "4", "--merge", timeout=240)
     assert second.returncode == 0, second.stdout
     assert "resumed from" in second.stdout and "step-00000002" in second.stdout
-    assert (tmp_path / "run" / "merged" / "config.json").is_file()
+    assert "the lr schedule follows --max-steps 4" in second.stdout and "step 4: validation loss" in second.stdout
+    assert (run / "merged" / "config.json").is_file()
+    # Complete: nothing trains, and the adapter stays as written.
+    written = (run / "adapter" / "adapter_model.safetensors").stat().st_mtime_ns
+    third = multigpu(*again, timeout=240)
+    assert third.returncode == 0 and f"The run in {run} is complete at step 4; nothing to train" in third.stdout
+    assert (run / "adapter" / "adapter_model.safetensors").stat().st_mtime_ns == written
+    # Other data cannot continue the run's data: one sentence before anything starts.
+    other = multigpu(*again, "--data", write_text(tmp_path / "other.txt"))
+    assert other.returncode == 2 and f"--data {tmp_path / 'other.txt'} differs from {data}" in other.stdout
     bad = multigpu("finetune", "--method", "full", "--merge")
     assert bad.returncode == 2 and "--merge merges an adapter" in bad.stdout
 

@@ -102,14 +102,16 @@ print(repr(model(x).sum().item()), "multigpu" in sys.modules)
 
 
 def test_a_crash_with_restarts_ends_with_the_same_model_bitwise(har: Path, uninterrupted: Path, tmp_path: Path) -> None:
+    # Started with --resume none, as a new run is: the restart resumes from the run's own newest checkpoint.
+    restarts = ("--max-restarts", "1", "--resume", "none")
     result = multigpu(
-        *train_args(har, tmp_path, "--nproc", "2", "--save-every", "3", "--max-restarts", "1", "--log-every", "2"),
+        *train_args(har, tmp_path, "--nproc", "2", "--save-every", "3", *restarts, "--log-every", "2"),
         env={"MULTIGPU_FAULT": "crash,step=5,rank=1"},
         timeout=180,
     )
     assert result.returncode == 0, result.stdout
     assert "injected crash at step 5 on rank 1" in result.stdout
-    assert "resumed from" in result.stdout
+    assert f"resumed from {tmp_path / 'checkpoints' / 'step-00000003'} at step 3" in result.stdout, result.stdout
     # The workers record the launch they ran under too, so that --config of this file launches it again.
     ran = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert (ran["nproc"], ran["max_restarts"], ran["save_every"], ran["log_every"]) == (2, 1, 3, 2)

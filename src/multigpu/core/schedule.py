@@ -83,9 +83,14 @@ class SampleSchedule(LRScheduler):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Takes the saved plan; the lr follows from the loader's position (load the loader first)."""
-        self.warmup_samples, self.total_samples = int(state["warmup_samples"]), int(state["total_samples"])
         self.skipped_samples = int(state["skipped_samples"])
         self.base_lrs = [float(lr) for lr in state["base_lrs"]]
+        self.replan(int(state["warmup_samples"]), int(state["total_samples"]))
+
+    def replan(self, warmup_samples: int, total_samples: int) -> None:
+        """Another plan from here on (a resumed run told to train longer or shorter): the lr of the next update
+        follows the new warm-up and total at the samples already seen."""
+        self.warmup_samples, self.total_samples = warmup_samples, total_samples
         for group, lr in zip(self.optimizer.param_groups, self._lrs(), strict=True):
             group["lr"] = lr
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]

@@ -11,10 +11,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import yaml
 from safetensors.torch import save_file
 
 from multigpu.core.config import config_to_argv
+from multigpu.core.config_file import RUN_CONFIG, save_run_config
 from multigpu.core.errors import UsageError
+from multigpu.core.notes import LAST_CHECKPOINT, LAUNCHER_DIR, launched, launcher_note
+from multigpu.core.schedule import SampleSchedule
 from multigpu.engine import checkpoint, start
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
@@ -84,22 +88,111 @@ def model_parallel_options(config: Any) -> dict[str, Any]:
 def resolve_resume(config: RunDir, say: Callable[[str], None] = print) -> Path | None:
     """The checkpoint to start from, or None, once --save-dir is known to be writable; refuses to write over
     another run's checkpoints. With 'auto', the newest one that is whole (a damaged one is passed over and named
-    through `say`)."""
+    through `say`). A restart (--max-restarts) resumes from this run's newest complete checkpoint, whatever the
+    first start was told (see restart_checkpoint)."""
     directory = Path(config.save_dir) / "checkpoints"
-    if config.resume == "auto":
-        found = checkpoint.newest_usable(directory, say)
-    elif config.resume == "none":
+    found = restart_checkpoint(directory, say) if restarted() else None
+    if found is None:
+        # A restart before the run's first checkpoint: the start's --resume again, but 'none' would now find the
+        # checkpoints it made sure were absent (damaged ones of this run, at most).
+        resume = "auto" if restarted() and config.resume == "none" else config.resume
+        found = start_checkpoint(directory, resume, say)
+    checkpoint.check_writable(Path(config.save_dir), "--save-dir")
+    return found
+
+
+def start_checkpoint(directory: Path, resume: str, say: Callable[[str], None]) -> Path | None:
+    """What --resume `resume` starts from: 'auto' the newest whole checkpoint, 'none' nothing (refusing a directory
+    that holds another run's), else the checkpoint at that path."""
+    if resume == "auto":
+        return checkpoint.newest_usable(directory, say)
+    if resume == "none":
         if checkpoint.list_checkpoints(directory):
             raise UsageError(
                 f"{directory} already holds checkpoints of another run; pass --resume auto to continue it, "
                 "or choose another --save-dir."
             )
-        found = None
-    else:
-        found = Path(config.resume)
-        checkpoint.check_checkpoint(found)
-    checkpoint.check_writable(Path(config.save_dir), "--save-dir")
+        return None
+    found = Path(resume)
+    checkpoint.check_checkpoint(found)
     return found
+
+
+def restarted() -> bool:
+    """Whether this process is a restart of the run's workers (torchrun's --max-restarts)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def restart_checkpoint(directory: Path, say: Callable[[str], None]) -> Path | None:
+    """The newest complete checkpoint this run committed before the restart, or None if it committed none.
+
+    Under `multigpu run` the launcher keeps a note of the last checkpoint committed, so a run started from
+    --resume PATH goes on from its own newer checkpoints rather than back to PATH (which keep_last may have pruned
+    meanwhile). Under another launcher there is no note: the newest complete checkpoint in --save-dir is taken."""
+    if not launched():
+        return checkpoint.newest_usable(directory, say)
+    noted = launcher_note(os.environ[LAUNCHER_DIR], LAST_CHECKPOINT)
+    return Path(noted) if noted is not None and checkpoint.damage(Path(noted)) is None else None
+
+
+def run_record(resumed_from: Path) -> dict[str, Any]:
+    """The settings of the run that wrote the checkpoint `resumed_from` (its save dir's config.yaml); empty when
+    that run kept none (an older version) or the file is not ours to read."""
+    try:
+        record = yaml.safe_load((resumed_from.parent.parent / RUN_CONFIG).read_text("utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def check_same_data(config: Any, resumed_from: Path | None, names: tuple[str, ...]) -> None:
+    """Refuses to resume `resumed_from` with other data settings (`names`, e.g. data and seq_len) than the run that
+    wrote it: the checkpoint's loader position counts samples of that data, which another data set does not have."""
+    record = run_record(resumed_from) if resumed_from is not None else {}
+    for name in names:
+        if name in record and record[name] != getattr(config, name):
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(
+                f"{flag} {getattr(config, name)} differs from {record[name]}, which the run that wrote {resumed_from} "
+                f"trained on, and a resume continues that run's data; pass {flag} {record[name]} to resume it, or "
+                "start a new run with another --save-dir."
+            )
+
+
+def follow_new_plan(
+    scheduler: SampleSchedule, config: Any, resumed_from: Path, names: tuple[str, ...], plan: tuple[int, int]
+) -> str | None:
+    """Honours settings of the lr schedule's length (`names`: --max-steps, --epochs, warm-up) that differ from the
+    run's record: the schedule follows `plan` (warm-up and total samples, as a new run would plan them) from the
+    samples already seen. Unchanged settings keep the checkpoint's plan, so a resume at another world size stays
+    exact. Returns the line that says so, or None."""
+    record = run_record(resumed_from)
+    changed = [name for name in names if name in record and record[name] != getattr(config, name)]
+    if not changed:
+        return None
+    before = scheduler.total_samples
+    scheduler.replan(*plan)
+    flags = ", ".join(f"--{name.replace('_', '-')} {getattr(config, name)}" for name in changed)
+    return f"the lr schedule follows {flags}: {plan[1]} samples in all (planned: {before}), {scheduler.seen} done"
+
+
+def complete_line(config: Any, step: int, lengthen: str) -> str:
+    """What a resumed run that has nothing left to train says instead of training (and rewriting its outputs)."""
+    return (
+        f"The run in {config.save_dir} is complete at step {step}; nothing to train: pass a larger {lengthen} to "
+        "continue it, or another --save-dir for a new run."
+    )
+
+
+def record_run(config: Any, verb: str, after_save: bool = False) -> None:
+    """<save_dir>/config.yaml: the settings the run runs with, so that `--config` of it continues the run. Its
+    resume is 'auto' once the save dir holds a checkpoint (or when the run started from none); until then a run
+    started from --resume PATH keeps PATH. `after_save`: called after a save, when only that can change it."""
+    if after_save and config.resume in ("auto", "none"):
+        return
+    held = checkpoint.list_checkpoints(Path(config.save_dir) / "checkpoints")
+    resume = "auto" if config.resume == "none" or held else config.resume
+    save_run_config(replace(config, resume=resume), config.save_dir, verb)
 
 
 # -- in the training loop --------------------------------------------------------------------------------------

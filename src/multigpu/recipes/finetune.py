@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from multigpu.core.config import Parser, add_config_arguments, config_from_args
-from multigpu.core.config_file import save_run_config
 from multigpu.core.errors import exit_on_usage_error, require
 from multigpu.core.precision import PRECISIONS
 from multigpu.core.schedule import SampleSchedule
@@ -45,14 +44,22 @@ from multigpu.recipes import lm_data, lm_models
 from multigpu.recipes.common import (
     ProgressBar,
     as_launched,
+    check_same_data,
+    complete_line,
+    follow_new_plan,
     peak_memory_mb,
     recipe_engine,
+    record_run,
     resolve_resume,
     run_recipe,
     skipped_note,
     step_checkpoint,
 )
 from multigpu.strategies import STRATEGIES, DeepSpeedOptions
+
+# What a resume must keep (its loader counts samples of that data), and what it may change (the schedule follows).
+SAME_DATA = ("data", "seq_len")
+SCHEDULE_LENGTH = ("max_steps", "epochs", "warmup_steps")
 
 
 @dataclass
@@ -244,14 +251,22 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     data_samples = len(data.train) * config.epochs
     steps_samples = train_loader.samples_in_steps
     total_samples = min(steps_samples(config.max_steps), data_samples) if config.max_steps else data_samples
-    scheduler = SampleSchedule(optimizer, train_loader, steps_samples(config.warmup_steps), total_samples)
+    plan = (steps_samples(config.warmup_steps), total_samples)
+    scheduler = SampleSchedule(optimizer, train_loader, *plan)
     state = {"model": model, "optimizer": optimizer, "loader": train_loader, "scheduler": scheduler, "step": 0}
     resume_from = resolve_resume(config, engine.print)
     if resume_from is not None:
+        check_same_data(config, resume_from, SAME_DATA)
         engine.load(resume_from, state)
         engine.print(f"resumed from {resume_from} at step {state['step']} ({scheduler.seen} samples done)")
+        replanned = follow_new_plan(scheduler, config, resume_from, SCHEDULE_LENGTH, plan)
+        if replanned:
+            engine.print(replanned)
+        if scheduler.done:  # nothing to train: the adapter or model written at its end stays as it is
+            engine.print(complete_line(config, state["step"], "--max-steps or --epochs"))
+            return {"history": [], "steps": state["step"], "skipped_steps": 0, "output": None, "model": model}
     if engine.is_main_process:  # once the save dir and the checkpoint resumed from are known good
-        save_run_config(config, config.save_dir, "finetune")
+        record_run(config, "finetune")
     global_batch = config.batch_size * engine.data_parallel_size * config.grad_accum_steps
     total = state["step"] + math.ceil((scheduler.total_samples - scheduler.seen) / global_batch)  # for the bar
     # ZeRO-3 under DeepSpeed leaves each parameter empty outside forward; ds_numel is its real size.
@@ -278,11 +293,11 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
                 status = f"loss {loss.item() / max(float(count), 1):.3f} lr {scheduler.get_last_lr()[0]:.2e} "
                 progress.advance(state["step"], status + f"{rate:,.0f} tokens/s")
                 if config.save_every and state["step"] % config.save_every == 0:
-                    engine.save(step_checkpoint(config.save_dir, state["step"]), state, keep_last=2)
+                    save_step(engine, config, state)
                 if scheduler.done:
                     break
     progress.close()
-    engine.save(step_checkpoint(config.save_dir, state["step"]), state, keep_last=2)
+    save_step(engine, config, state)
     history.append({"step": state["step"], "val_loss": evaluate(engine, model, val_loader, config.eval_batches)})
     engine.log(state["step"], {"val_loss": history[-1]["val_loss"], "skipped_steps": engine.skipped_steps})
     engine.print(f"step {state['step']}: validation loss {history[-1]['val_loss']:.4f}" + skipped_note(engine))
@@ -299,12 +314,18 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     }
 
 
+def save_step(engine: Engine, config: FinetuneConfig, state: dict[str, Any]) -> None:
+    engine.save(step_checkpoint(config.save_dir, state["step"]), state, keep_last=2)
+    if engine.is_main_process:
+        record_run(config, "finetune", after_save=True)
+
+
 def check(config: FinetuneConfig) -> None:
     """What `multigpu finetune` refuses before any process starts: a model or data it cannot find, a --resume or
-    --save-dir that cannot work."""
+    --save-dir that cannot work, a resume with other data."""
     lm_models.check(config.model)
     lm_data.check(config.data)
-    resolve_resume(config)
+    check_same_data(config, resolve_resume(config), SAME_DATA)
 
 
 def run(config: FinetuneConfig) -> int:

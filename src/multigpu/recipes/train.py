@@ -18,7 +18,6 @@ from torch import nn
 
 from multigpu.core import faults
 from multigpu.core.config import Parser, add_config_arguments, config_from_args
-from multigpu.core.config_file import save_run_config
 from multigpu.core.errors import exit_on_usage_error, require
 from multigpu.core.precision import PRECISIONS
 from multigpu.core.schedule import SampleSchedule
@@ -36,8 +35,12 @@ from multigpu.recipes.activity_models import MODES
 from multigpu.recipes.common import (
     ProgressBar,
     as_launched,
+    check_same_data,
+    complete_line,
+    follow_new_plan,
     peak_memory_mb,
     recipe_engine,
+    record_run,
     resolve_resume,
     run_recipe,
     skipped_note,
@@ -47,6 +50,9 @@ from multigpu.recipes.common import (
 from multigpu.strategies import STRATEGIES, DeepSpeedOptions
 
 LR_SCALING = ("none", "linear", "sqrt")
+# What a resume must keep (its loader counts samples of that data), and what it may change (the schedule follows).
+SAME_DATA = ("data",)
+SCHEDULE_LENGTH = ("epochs", "warmup_epochs")
 
 
 @dataclass
@@ -141,6 +147,7 @@ def train(config: TrainConfig) -> dict:
     engine = recipe_engine(config, max_grad_norm=config.max_grad_norm)
     engine.log_config(asdict(config))
     resume_from = resolve_resume(config, engine.print)
+    check_same_data(config, resume_from, SAME_DATA)
     data = activity_data.load(config.data)
     spec = activity_models.layer_spec(config.mode, data.channels, data.window, len(data.labels))
     model = activity_models.build(spec)
@@ -158,9 +165,8 @@ def train(config: TrainConfig) -> dict:
     steps_per_epoch = math.ceil(len(train_loader) / config.grad_accum_steps)
     total_steps = steps_per_epoch * config.epochs
     epoch_samples = len(data.train)
-    scheduler = SampleSchedule(
-        optimizer, train_loader, round(config.warmup_epochs * epoch_samples), config.epochs * epoch_samples
-    )
+    plan = (round(config.warmup_epochs * epoch_samples), config.epochs * epoch_samples)
+    scheduler = SampleSchedule(optimizer, train_loader, *plan)
     # The loader before the scheduler: the schedule's lr on resume follows from the loader's restored position.
     # "epoch_loss": the running epoch's loss sum and sample count over all ranks, so a resume mid-epoch still
     # reports the loss of the whole epoch.
@@ -180,8 +186,14 @@ def train(config: TrainConfig) -> dict:
         )
         if scheduler.base_lrs[0] != lr:
             engine.print(f"the lr schedule keeps the run's planned lr {scheduler.base_lrs[0]:g} (not {lr:g})")
+        replanned = follow_new_plan(scheduler, config, resume_from, SCHEDULE_LENGTH, plan)
+        if replanned:
+            engine.print(replanned)
+        if scheduler.done:  # nothing to train: the model exported at its end stays as it is
+            engine.print(complete_line(config, state["step"], "--epochs"))
+            return {"history": [], "steps": state["step"], "world_size": engine.world_size}
     if engine.is_main_process:  # once the save dir and the checkpoint resumed from are known good
-        save_run_config(config, config.save_dir, "train")
+        record_run(config, "train")
     engine.print(
         f"{data.source}: {len(data.train)} training / {len(data.validation)} validation windows of "
         f"{data.channels}x{data.window}, {len(data.labels)} classes; {config.mode} model, "
@@ -195,6 +207,8 @@ def train(config: TrainConfig) -> dict:
     def save() -> None:
         state["epoch_loss"] = engine.reduce(epoch_loss, "sum").tolist()
         engine.save(step_checkpoint(save_dir, state["step"]), state, config.async_save, config.keep_last)
+        if engine.is_main_process:
+            record_run(config, "train", after_save=True)
 
     history = []
     while train_loader.epoch < config.epochs:
@@ -271,9 +285,9 @@ def print_summary(history: list[dict], save_dir: Path) -> None:
 
 def check(config: TrainConfig) -> None:
     """What `multigpu train` refuses before any process starts: data it cannot read, a --resume or --save-dir
-    that cannot work."""
+    that cannot work, a resume with other data."""
     activity_data.check(config.data)
-    resolve_resume(config)
+    check_same_data(config, resolve_resume(config), SAME_DATA)
 
 
 def run(config: TrainConfig) -> int:

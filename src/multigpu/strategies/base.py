@@ -222,7 +222,8 @@ class Strategy(ABC):
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
         keys = set_model_state_dict(model, state, options=StateDictOptions(strict=False))
         frozen = frozen_names(model)
-        missing = [key for key in keys.missing_keys if key not in frozen]
+        # Keyed as the wrapped module is (DDP's "module." prefix), as frozen_names is not.
+        missing = [key for key in keys.missing_keys if key.removeprefix("module.") not in frozen]
         if missing or keys.unexpected_keys:
             raise UsageError(
                 f"The checkpoint does not fit this model (missing {missing[:3]}, unexpected "
