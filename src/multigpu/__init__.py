@@ -1,12 +1,23 @@
 """multigpu: one training loop, any number of GPUs and machines, the same numbers."""
 
-from multigpu.core.env import DistEnv
-from multigpu.core.errors import UsageError
-from multigpu.core.precision import PRECISIONS
-from multigpu.core.schedule import SampleSchedule, warmup_cosine
-from multigpu.engine import Engine, EngineConfig, StepObserver, StepStats
-from multigpu.planner import plan
-from multigpu.strategies import STRATEGIES
+import importlib
+from typing import Any
+
+# Where each public name lives. They are imported on first use, not here: a process that imports one module of the
+# package (a worker of `multigpu run`, before the user's script) must not pay for, or be changed by, the rest.
+_PUBLIC = {
+    "DistEnv": "multigpu.core.env",
+    "UsageError": "multigpu.core.errors",
+    "PRECISIONS": "multigpu.core.precision",
+    "SampleSchedule": "multigpu.core.schedule",
+    "warmup_cosine": "multigpu.core.schedule",
+    "Engine": "multigpu.engine",
+    "EngineConfig": "multigpu.engine",
+    "StepObserver": "multigpu.engine",
+    "StepStats": "multigpu.engine",
+    "plan": "multigpu.planner",
+    "STRATEGIES": "multigpu.strategies",
+}
 
 __version__ = "0.1.0"
 __all__ = [
@@ -23,3 +34,9 @@ __all__ = [
     "plan",
     "warmup_cosine",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'multigpu' has no attribute {name!r}")
+    return getattr(importlib.import_module(_PUBLIC[name]), name)

@@ -8,11 +8,15 @@ raised (printed once by the launcher instead of once per rank, with a traceback 
 from __future__ import annotations
 
 import os
+import threading
+import time
+from dataclasses import astuple, dataclass
 
 #: Set by `multigpu run` for its own workers (not a user setting): a directory where they leave notes for it.
 LAUNCHER_DIR = "MULTIGPU_EXIT_DIR"
 LAST_CHECKPOINT = "last-checkpoint"  # the note naming the newest complete checkpoint
 USAGE_ERROR = "usage-error-rank"  # + the rank: the sentence of the UsageError that ended that rank's script
+STACKS = "stacks-rank"  # + the rank: its threads' Python stacks, written on the launcher's request after its script
 
 
 def launched() -> bool:
@@ -21,9 +25,10 @@ def launched() -> bool:
     return bool(folder) and os.path.isdir(folder) and "RANK" in os.environ
 
 
-def note_for_launcher(name: str, text: str) -> None:
-    """Leaves `text` for the launcher under `name` (nothing when not started by `multigpu run`); written whole."""
-    folder = os.environ.get(LAUNCHER_DIR)
+def note_for_launcher(name: str, text: str, folder: str | os.PathLike | None = None) -> None:
+    """Leaves `text` under `name` in the launcher's `folder` (default: this worker's; nothing when not started by
+    `multigpu run`); written whole."""
+    folder = folder if folder is not None else os.environ.get(LAUNCHER_DIR)
     if folder and os.path.isdir(folder):
         partial = os.path.join(folder, f".{name}.{os.getpid()}")
         with open(partial, "w") as file:
@@ -41,3 +46,29 @@ def usage_error_noted(folder: str | os.PathLike | None = None) -> bool:
     """Whether a rank of this run (of the launcher's `folder`, default this worker's) has left a UsageError."""
     folder = folder if folder is not None else os.environ.get(LAUNCHER_DIR)
     return bool(folder) and os.path.isdir(folder) and any(name.startswith(USAGE_ERROR) for name in os.listdir(folder))
+
+
+@dataclass(frozen=True)
+class ScriptEnd:
+    """How a rank's script ended, noted as `rank<R>`: when (ns), its exit code, the process and its attempt (a
+    restart is another), and the main thread's id (as Python's stack dumps name threads)."""
+
+    rank: int
+    stamp_ns: int
+    code: int
+    pid: int
+    attempt: int
+    main_thread: int
+
+    @classmethod
+    def now(cls, code: int) -> ScriptEnd:
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        return cls(int(os.environ["RANK"]), time.time_ns(), code, os.getpid(), attempt, threading.main_thread().ident)
+
+    def note(self, folder: str | os.PathLike | None = None) -> None:
+        note_for_launcher(f"rank{self.rank}", " ".join(map(str, astuple(self)[1:])), folder)
+
+    @classmethod
+    def read(cls, folder: str | os.PathLike, rank: int) -> ScriptEnd | None:
+        text = launcher_note(folder, f"rank{rank}")
+        return None if text is None else cls(rank, *map(int, text.split()))

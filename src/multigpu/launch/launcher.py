@@ -24,8 +24,9 @@ from torch.distributed.run import run as torch_run
 
 from multigpu.core.env import free_port
 from multigpu.core.errors import UsageError
-from multigpu.core.notes import LAUNCHER_DIR, USAGE_ERROR, launcher_note, usage_error_noted
+from multigpu.core.notes import LAUNCHER_DIR, USAGE_ERROR, ScriptEnd, launcher_note, usage_error_noted
 from multigpu.engine.progress import explain_nccl_timeout, nccl_watchdog_environment, read_nccl_traces
+from multigpu.launch.exit_watch import STUCK, ended_after_script, ending_stuck_workers, stuck_lines
 from multigpu.launch.stop import LAUNCHER_PID, checkpoint_note, raising_on_stop, report_stop
 
 WORKER = ("multigpu.launch.worker",)  # what each process runs: see its module doc
@@ -227,13 +228,16 @@ def launch(config: LaunchConfig, target: list[str], module: bool = False, worker
         if present:
             for name, value in nccl_watchdog_environment(Path(exits)).items():
                 os.environ.setdefault(name, value)
+        ranks = range(config.node_rank * nproc, (config.node_rank + 1) * nproc)
         try:
-            with raising_on_stop(), quiet_after_usage_error(Path(exits)):
+            with raising_on_stop(), quiet_after_usage_error(Path(exits)), ending_stuck_workers(Path(exits), ranks):
                 torch_run(args)
         except ChildFailedError as error:
             return report_failure(error, Path(exits))
         except SignalException as stopped:
             raise SystemExit(report_stop(stopped.sigval, Path(exits))) from None
+        for line in stuck_lines(Path(exits)):
+            print(line, file=sys.stderr)
     return 0
 
 
@@ -255,12 +259,13 @@ def use_cpu_for_accelerate(world: int) -> None:
 
 @contextlib.contextmanager
 def quiet_after_usage_error(exits: Path) -> Iterator[None]:
-    """Keeps torchrun's own lines about failed and stopped workers out of a run that a UsageError ended: the
-    launcher prints the error's sentence, and those lines would bury it (a crash still gets them)."""
+    """Keeps torchrun's own lines about failed and stopped workers out of a run that a UsageError ended, or whose
+    launcher ended a worker stuck after its script: the launcher says what happened in one sentence, and those lines
+    would bury it (a crash still gets them)."""
     logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
 
     def keep(record: logging.LogRecord) -> bool:
-        return not usage_error_noted(exits)
+        return not (usage_error_noted(exits) or any(exits.glob(f"{STUCK}*")))
 
     logger.addFilter(keep)
     try:
@@ -276,17 +281,22 @@ def report_failure(error: ChildFailedError, exits: Path) -> int:
     A crash makes its peers fail too, blocked in collectives, often within the same second; torchrun's own
     timestamps cannot order them, so each worker records the nanosecond its script ended (multigpu.launch.worker).
     """
+    for line in stuck_lines(exits):
+        print(line, file=sys.stderr)
+    stuck = {rank for rank in error.failures if ended_after_script(exits, rank)}
+    if stuck == set(error.failures):
+        return 0  # every script finished; the launcher ended the workers that then did not exit, and said so
     ended: dict[int, tuple[int, int]] = {}  # rank -> (nanosecond its script ended, the script's exit code)
     for rank in error.failures:
-        record = exits / f"rank{rank}"
-        if record.is_file():
-            stamp, code = map(int, record.read_text().split())
-            if code != 0:
-                ended[rank] = (stamp, code)
+        end = ScriptEnd.read(exits, rank)
+        if end is not None and end.code != 0:
+            ended[rank] = (end.stamp_ns, end.code)
     # Killed from outside (SIGKILL, the OOM killer, a segfault) before its script could end: that one came first.
     # torchrun itself only sends SIGTERM, to the survivors.
     killed = [
-        r for r, f in error.failures.items() if r not in ended and f.exitcode < 0 and -f.exitcode != signal.SIGTERM
+        r
+        for r, f in error.failures.items()
+        if r not in ended and r not in stuck and f.exitcode < 0 and -f.exitcode != signal.SIGTERM
     ]
     if killed:
         rank = min(killed, key=lambda r: error.failures[r].timestamp)

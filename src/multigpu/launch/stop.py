@@ -34,7 +34,6 @@ from types import FrameType
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from multigpu.core.notes import LAST_CHECKPOINT, launcher_note
-from multigpu.engine import checkpoint
 
 #: Set by `multigpu run` for its own workers (not a user setting): the launcher's pid.
 LAUNCHER_PID = "MULTIGPU_LAUNCHER_PID"
@@ -53,6 +52,8 @@ class Stopped(BaseException):
 
 
 def stopped_line(signum: int) -> str:
+    from multigpu.engine import checkpoint  # here, not above: see stop_signal
+
     last = checkpoint.last_committed()
     saved = f"the last complete checkpoint is {last}" if last else "no checkpoint was completed in this run"
     return f"multigpu: stopped by {signal.Signals(signum).name}; {saved}."
@@ -90,6 +91,9 @@ def _handling_stops(handler: Callable[[int, FrameType | None], None]) -> Iterato
 def stop_signal(error: BaseException) -> int | None:
     """The signal that stopped this process, if `error` is (or wraps) a stop. It may surface wrapped: DCP collects
     each rank's exception into its own, and a file being written may fail on its way out in its place."""
+    from multigpu.engine import checkpoint  # here, not above: the workers import this module before the script,
+    # which must neither wait for the engine's imports nor run after them (multigpu.launch.worker)
+
     for cause in checkpoint.causes(error):
         if isinstance(cause, Stopped):
             return cause.signum
@@ -119,8 +123,9 @@ def checkpoint_note(exits: Path) -> str | None:
 
 def report_stop(sig: signal.Signals, exits: Path) -> int:
     """Prints the one line that says the run was stopped; returns the shell's code for that signal (130 for SIGINT)."""
-    saved = checkpoint_note(exits) or "no checkpoint was completed in this run"
-    print(f"multigpu run: stopped by {sig.name}; every worker was stopped; {saved}.", file=sys.stderr)
+    # Only the checkpoints engine.save commits are known here: a script's own torch.save is not, so say nothing then.
+    saved = f"; {checkpoint_note(exits)}" if checkpoint_note(exits) else ""
+    print(f"multigpu run: stopped by {sig.name}; every worker was stopped{saved}.", file=sys.stderr)
     return 128 + sig
 
 
@@ -145,11 +150,11 @@ def die_with_launcher() -> None:
     # The launcher may have died before prctl took effect; this process was then handed to another parent.
     # Checked on the launcher too, so that a process between them (none today: torch's numactl wrapper execs)
     # cannot make a worker kill itself.
-    if os.getppid() != int(launcher) and not _alive(int(launcher)):
+    if os.getppid() != int(launcher) and not alive(int(launcher)):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """Whether `pid` runs: a zombie (dead, its parent has not collected it yet) does not."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

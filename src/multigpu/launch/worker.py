@@ -6,15 +6,23 @@
 (`multigpu bench` and `multigpu verify` run a script through multigpu.tools.harness, which prepares the process and
 then hands over to `main` here.)
 
-Why: if a process group is still alive when Python finalises, gloo's run-loop threads can release their last
-tensors after the interpreter has started shutting down; taking the GIL then kills the thread and aborts the
-process ("terminate called without an active exception", exit 134) after the work has finished. Measured with
-torch 2.13 on CPU: 2 in 30 runs of a script that never calls destroy_process_group, 6 in 30 of one that raises.
-Destroying the groups in an atexit handler, while the interpreter is whole, closes that window for the groups;
-threads of other libraries (DeepSpeed's among them) can still be running when the interpreter finalises. So once
-every exit handler has run, the worker flushes every open file and ends the process with the script's exit code,
-without finalising the interpreter: the work and its output are complete, and no library thread can race the
-teardown of the objects it uses.
+Why: a gloo process group's destructor (c10d::ProcessGroupGloo) locks the group's work queue and joins its threads
+while the thread that runs it holds the GIL. A gloo thread that has just finished a collective started inside
+backward (DDP's all-reduces) frees it while holding that lock, and freeing it needs the GIL: it drops the Python
+context autograd keeps with the work. When the script drops its last reference to the group right after a backward
+(a DDP model going out of scope at the end of `main()`, after `destroy_process_group()`), the two wait for each
+other forever; at the interpreter's teardown the same race aborts the process ("terminate called without an active
+exception"). So the worker keeps every process group the script destroys referenced until the process ends
+(`keep_destroyed_groups`), and ends the process itself once every exit handler has run, after flushing every open
+file, without finalising the interpreter (`end_process`): no group's destructor ever runs, and no library thread
+can race the teardown of the objects it uses. A rank that still has not ended some time after its script did is
+ended by its launcher, which says so (multigpu.launch.launcher).
+
+Why a plain `torchrun script.py` hangs there less often (measured with torch 2.13 on CPU, the DDP tutorial's
+shape, 2 processes: 0 hangs in 8 runs, against 3 in 8 under `multigpu run` before this): DDP imports torch._dynamo
+lazily while it is built, and that import leaves references to the group's Python object behind, so the group
+outlives the model and dies only at the interpreter's teardown. multigpu's modules import torch._dynamo before the
+script runs; then the model's reducer is the group's last holder, and the group dies with the model.
 
 Before the script runs, the worker also arranges to die with its launcher and to end at once when the launcher
 stops it (multigpu.launch.stop), and makes accelerate's PartialState use the CPU where Accelerator does (below).
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import functools
 import gc
 import importlib.abc
@@ -31,28 +40,54 @@ import importlib.machinery
 import io
 import os
 import runpy
+import signal
 import sys
-import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
 from multigpu.core.env import destroy_process_groups
 from multigpu.core.errors import UsageError, report_usage_error
-from multigpu.core.notes import LAUNCHER_DIR, usage_error_noted
+from multigpu.core.notes import LAUNCHER_DIR, STACKS, ScriptEnd, launched, usage_error_noted
 from multigpu.launch import stop
+from multigpu.launch.exit_watch import finished_already
 
 _exit_code = 1  # what the process ends with unless the script finishes: an unhandled exception's code
 
 
 def record_exit(code: int) -> None:
-    """Notes when and how the script ended, so the launcher can tell the first failure from its echoes."""
-    global _exit_code
+    """Notes when and how the script ended, so the launcher can tell the first failure from its echoes, and a rank
+    that does not end after its script did; from now on SIGUSR1 writes this process's stacks for the launcher."""
+    global _exit_code, _stacks
     _exit_code = code
-    folder = os.environ.get(LAUNCHER_DIR)
-    if folder and "RANK" in os.environ:
-        with open(os.path.join(folder, f"rank{os.environ['RANK']}"), "w") as file:
-            file.write(f"{time.time_ns()} {code}")
+    if not launched():
+        return
+    ScriptEnd.now(code).note()
+    # faulthandler writes from C, without the GIL: it works in a process stuck with the GIL held.
+    _stacks = open(os.path.join(os.environ[LAUNCHER_DIR], f"{STACKS}{os.environ['RANK']}"), "w")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=_stacks, all_threads=True)
+
+
+_stacks: io.TextIOWrapper | None = None  # open until the process ends, for faulthandler
+
+
+_kept_groups: list[dist.ProcessGroup] = []  # every group the script destroyed, referenced until the process ends
+
+
+def keep_destroyed_groups() -> None:
+    """Makes torch.distributed.destroy_process_group keep the groups it destroys referenced, so that no reference the
+    script drops can run a group's destructor (see the module's doc). Set before the script imports it."""
+    destroy = distributed_c10d.destroy_process_group
+
+    @functools.wraps(destroy)
+    def destroy_keeping_groups(group: dist.ProcessGroup | None = None) -> None:
+        _kept_groups.extend(distributed_c10d._world.pg_map)  # its keys are every group the process has
+        destroy(group)
+
+    dist.destroy_process_group = distributed_c10d.destroy_process_group = destroy_keeping_groups
 
 
 def end_process() -> None:
@@ -107,9 +142,12 @@ def use_cpu_in_partial_state(state: ModuleType) -> None:
 
 def main(argv: list[str] | None = None, after: Callable[[], None] | None = None) -> None:
     """Runs the script or module `argv` names (default: this process's arguments), then `after`, if given."""
+    if finished_already():
+        return  # a restart after every script had finished: nothing to do again (multigpu.launch.exit_watch)
     stop.die_with_launcher()
     stop.end_at_once_on_stop()
     sys.meta_path.insert(0, AccelerateOnCpu())
+    keep_destroyed_groups()
     atexit.register(end_process)  # registered first, so it runs after every other exit handler
     atexit.register(destroy_process_groups)
     args = sys.argv[1:] if argv is None else argv
