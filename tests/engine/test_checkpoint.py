@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 import multigpu as mg
+from multigpu.core import faults
 from multigpu.engine import checkpoint
 from tests.dist import run_in_processes
 from tests.reference import Case, Outcome, TinyNet, train_reference
@@ -256,6 +258,40 @@ def test_a_file_given_as_a_checkpoint_is_named_as_a_file(tmp_path: Path) -> None
         checkpoint.check_checkpoint(tmp_path / "model.safetensors")
     with pytest.raises(mg.UsageError, match="absent does not exist; pass a checkpoint directory"):
         checkpoint.check_checkpoint(tmp_path / "absent")
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """Writes past `limit` bytes of a file fail in this process, as on a full disk (EFBIG rather than ENOSPC)."""
+    before = faults.limit_file_size(limit)
+    try:
+        yield
+    finally:
+        faults.limit_file_size(before)
+
+
+@pytest.mark.parametrize(
+    ("limit", "async_save"),
+    [(8 << 10, False), (64 << 10, False), (64 << 10, True)],
+    ids=["rng-file", "shard", "shard-in-background"],  # rng-rank0.pt is 14 KiB, the shard 200 KiB
+)
+def test_a_write_the_disk_refuses_ends_in_one_sentence_and_keeps_the_last_checkpoint(
+    tmp_path: Path, limit: int, async_save: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine, state = single_engine_state(tmp_path, hidden=4096)
+    engine.save(tmp_path / "step-1", state)
+    with file_size_limit(limit), pytest.raises(mg.UsageError) as refusal:
+        engine.save(tmp_path / "step-2", state, async_save=async_save)
+        engine.wait_for_checkpoint()
+    assert re.fullmatch(
+        f"Could not write the checkpoint step-2 in {tmp_path}: File too large; the last complete checkpoint, "
+        f"{tmp_path / 'step-1'}, is intact\\. Free space .*",
+        str(refusal.value),
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["step-1"]  # the partial one removed
+    # ...and said once: not also logged, with a traceback, from the thread that finished the background write.
+    assert not [record.getMessage() for record in caplog.records if record.name == "concurrent.futures"]
+    engine.load(tmp_path / "step-1", state)
 
 
 def test_an_interrupt_is_found_behind_the_errors_that_wrap_it() -> None:

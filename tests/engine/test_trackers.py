@@ -3,11 +3,16 @@ MLflow (a local file store) recorded is read back and compared with metrics.json
 
 from __future__ import annotations
 
+import http.server
 import json
 import re
+import socket
 import struct
 import sys
+import threading
+import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +24,9 @@ from torch.utils.data import TensorDataset
 import multigpu as mg
 from multigpu.cli import build_parser
 from multigpu.core.errors import UsageError
+from multigpu.engine import trackers
 from multigpu.engine.config import EngineConfig
+from multigpu.recipes import common
 from multigpu.recipes.common import recipe_engine, run_recipe
 from multigpu.recipes.train import TrainConfig
 from tests.dist import ROOT, run_command
@@ -199,6 +206,141 @@ def test_an_mlflow_store_that_cannot_open_is_refused_in_one_sentence(
     assert message.startswith(f"--log-to mlflow could not open the tracking store {mlflow_store} (")
     assert "set MLFLOW_TRACKING_URI to a tracking server (http://host:5000)" in message
     assert "MLFLOW_ALLOW_FILE_STORE=true." in message and "\n" not in message
+
+
+# -- servers that cannot be reached ----------------------------------------------------------------------------
+# No test here needs the network: the servers are local ports that refuse, never answer, or answer.
+@pytest.fixture
+def refusing_url() -> str:
+    """An http URL where nothing listens (a port bound and let go): a connection is refused at once."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.fixture
+def silent_url() -> Iterator[str]:
+    """An http URL whose server takes connections (the kernel does, for a listening socket) and never answers."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+
+
+@pytest.fixture
+def answering() -> Iterator[Callable[[int], str]]:
+    """Starts local http servers that answer every request with a given status; returns their URLs."""
+    servers = []
+
+    def start(status: int) -> str:
+        class Answers(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_error(status)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        servers.append(http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answers))
+        threading.Thread(target=servers[-1].serve_forever, args=(0.05,), daemon=True).start()
+        return f"http://127.0.0.1:{servers[-1].server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_mlflow_server_that_refuses_connections_is_named_at_once(
+    tmp_path: Path, mlflow_store: str, monkeypatch: pytest.MonkeyPatch, refusing_url: str
+) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", refusing_url)
+    # MLflow alone would retry for minutes (260 s in the report): here one short try, should MLflow get to it.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    started = time.monotonic()
+    with pytest.raises(UsageError) as refused:
+        mg.Engine(strategy="single", log_dir=str(tmp_path / "run"), log_to="mlflow")
+    assert str(refused.value).startswith(
+        f"--log-to mlflow cannot reach the tracking server {refusing_url} (Connection refused); start the server, "
+        "or set MLFLOW_TRACKING_URI to a tracking server (http://host:5000)"
+    )
+    assert time.monotonic() - started < trackers.REACH_TIMEOUT_S  # refused at once, not waited out
+
+
+def test_a_wandb_server_that_refuses_connections_is_named_at_once_and_the_key_that_is_set_is_not_asked_for(
+    tmp_path: Path, wandb_offline, monkeypatch: pytest.MonkeyPatch, refusing_url: str
+) -> None:
+    import wandb  # imported before the clock starts: it takes seconds on a busy machine
+
+    monkeypatch.setenv("WANDB_MODE", "online")  # wandb_offline's isolation (W&B's files in tmp_path), but online
+    monkeypatch.setenv("WANDB_BASE_URL", refusing_url)
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "3")  # W&B alone would retry for 90 s: here 3, should W&B get to it
+    started = time.monotonic()
+    with pytest.raises(UsageError) as refused:
+        mg.Engine(strategy="single", log_dir=str(tmp_path / "run"), log_to="wandb")
+    assert str(refused.value) == (
+        f"--log-to wandb cannot reach the W&B server {refusing_url} (Connection refused); check the network and "
+        "WANDB_BASE_URL, or set WANDB_MODE=offline to keep the run on disk and `wandb sync` it later."
+    )
+    assert time.monotonic() - started < trackers.REACH_TIMEOUT_S
+    assert wandb.run is None
+
+
+def test_a_server_that_never_answers_is_refused_after_the_timeout_before_any_worker_starts(
+    tmp_path: Path, mlflow_store: str, monkeypatch: pytest.MonkeyPatch, silent_url: str
+) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://user:secret@{silent_url.removeprefix('http://')}/mlflow")
+    monkeypatch.setattr(trackers, "REACH_TIMEOUT_S", 0.5)
+
+    def launch(*args: Any, **kwargs: Any) -> int:
+        raise AssertionError("workers were launched")
+
+    monkeypatch.setattr(common, "launch", launch)
+    config = TrainConfig(save_dir=str(tmp_path), log_to="mlflow", nproc=2)
+    started = time.monotonic()
+    with pytest.raises(UsageError) as refused:
+        run_recipe(config, "multigpu.recipes.train", print, print)
+    assert 0.5 <= time.monotonic() - started < 3
+    # Named without the password its URI holds.
+    assert str(refused.value).startswith(
+        f"--log-to mlflow cannot reach the tracking server {silent_url}/mlflow (no answer within 0.5 s); "
+    )
+
+
+@pytest.mark.parametrize(
+    ("failure", "advice"),
+    [
+        ("CommError", "cannot reach the W&B server {url} (Timed out while retrying); check the network"),
+        ("AuthenticationError", "the W&B server {url} refused the API key (Timed out while retrying); log in again"),
+        ("UsageError", "could not start a W&B run (Timed out while retrying); log in with `wandb login` or set"),
+    ],
+)
+def test_a_server_that_answers_passes_and_a_wandb_run_that_cannot_start_gets_advice_that_fits(
+    tmp_path: Path, wandb_offline, monkeypatch: pytest.MonkeyPatch, answering, failure: str, advice: str
+) -> None:
+    import wandb
+
+    answering_url = answering(500)
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_BASE_URL", answering_url)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", answering_url)
+    trackers.check_servers(["wandb", "mlflow", "tensorboard"])  # any answer counts, a 500 too
+
+    def init(**settings: Any) -> None:
+        raise getattr(wandb.errors, failure)("Timed out while retrying\nConsider increasing the init_timeout setting")
+
+    monkeypatch.setattr(wandb, "init", init)
+    with pytest.raises(UsageError) as refused:
+        trackers.WandB(tmp_path, "run", print)
+    assert advice.format(url=answering_url) in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_proxy_that_could_not_reach_the_server_is_no_answer_from_it(
+    mlflow_store: str, monkeypatch: pytest.MonkeyPatch, answering
+) -> None:
+    gateway = answering(502)  # what a proxy in between answers when the server is down
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", gateway)
+    with pytest.raises(UsageError, match=re.escape(f"tracking server {gateway} (HTTP 502 Bad Gateway); start")):
+        trackers.check_servers(["mlflow"])
 
 
 # -- the process exit --------------------------------------------------------------------------------------------

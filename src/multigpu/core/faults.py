@@ -3,14 +3,15 @@
     MULTIGPU_FAULT="crash,step=5,rank=1"   rank 1 raises after optimizer step 5 (first attempt only)
     MULTIGPU_FAULT="hang,step=3,rank=1"    rank 1 stops reaching collectives after step 3
     MULTIGPU_FAULT="kill-in-save,step=4"   rank 0 is SIGKILLed while the checkpoint of step 4 is being written
-    MULTIGPU_FAULT="disk-full,step=4,rank=1"   rank 1's disk is full when it writes the checkpoint of step 4
+    MULTIGPU_FAULT="disk-full,step=4,rank=1"   rank 1's disk fills as it writes the checkpoint of step 4: from
+                                               then on, no file it writes can pass 1 KiB (bytes=N: N bytes)
 Faults fire only on a job's first attempt, so that a restarted job can show that it recovers.
 """
 
 from __future__ import annotations
 
-import errno
 import os
+import resource
 import signal
 import time
 
@@ -37,6 +38,19 @@ def inject(point: str, step: int, rank: int) -> None:
         while True:
             time.sleep(60)
     if point == "write" and kind == "disk-full":
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        # The default leaves room for the launcher's notes (a sentence each), not for a checkpoint's files.
+        limit_file_size(where.get("bytes", 1024))
     if point == "save" and kind == "kill-in-save":
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def limit_file_size(limit: int) -> int:
+    """From now on, writing past `limit` bytes of any file fails in this process; returns the limit before.
+
+    A real write failure, not a raised one: the kernel refuses each write past the limit (EFBIG, as a full disk
+    refuses with ENOSPC), so it reaches multigpu through every layer that writes (torch.save's zip writer, DCP's
+    writer) the way a full disk does. Python ignores SIGXFSZ, which would otherwise kill the process.
+    """
+    before, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    return before

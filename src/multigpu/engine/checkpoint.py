@@ -29,6 +29,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
 
 from multigpu.core import faults
 from multigpu.core.errors import UsageError
@@ -69,9 +72,43 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def _disk_errors_raised() -> Iterator[None]:
+    """Raises a failed write as the OSError the kernel gave (a full disk, a file too large, a read-only directory).
+
+    torch.save into a file object fails on its way out: its zip writer raises a RuntimeError ("unexpected pos")
+    while the OSError that stopped it is only that RuntimeError's __context__. DCP then pickles each rank's failure
+    to share it with every rank, which drops the context, so the OSError must be raised here, in the process whose
+    write failed. The OSError is found by its type and errno, never by its text.
+    """
+    try:
+        yield
+    except Exception as error:
+        cause = disk_error(error)
+        if cause is None or cause is error:
+            raise
+        raise OSError(cause.errno, cause.strerror, cause.filename) from error
+
+
 def _save_synced(obj: Any, file: Path) -> None:
-    torch.save(obj, file)
-    _fsync(file)
+    # Through a file object of ours: given a path, torch.save writes with C++ streams, whose failure says only
+    # "basic_ios::clear: iostream error", without the OS's reason.
+    with _disk_errors_raised(), open(file, "wb") as stream:
+        torch.save(obj, stream)
+        stream.flush()
+        os.fsync(stream.fileno())
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer (one file per rank, each synced to disk), whose failed writes raise their OSError."""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        with _disk_errors_raised():
+            return super().write_data(plan, planner)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        with _disk_errors_raised():  # .metadata, written by rank 0 alone
+            super().finish(metadata, results)
 
 
 def _load_data(file: Path) -> Any:
@@ -276,7 +313,7 @@ def save(path: str | Path, state: dict[str, Any], strategy: Strategy, keep_last:
     path = Path(path)
     tmp, tensors = begin_save(path, state, strategy)
     try:
-        dcp.save(tensors, checkpoint_id=tmp)
+        dcp.save(tensors, storage_writer=_Writer(tmp))
     except (Exception, CheckpointException) as error:
         raise translate_write_error(path, error) from error
     _barrier()
@@ -298,11 +335,14 @@ def save_async(path: Path, state: dict[str, Any], strategy: Strategy, keep_last:
         _background_group = dist.new_group(backend="gloo")
     tmp, tensors = begin_save(path, state, strategy)
     _barrier()  # every rank's small files are on disk before rank 0 may commit
-    future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=_background_group)
-    if _rank() == 0:
-        # Rank 0's future completes after the metadata, i.e. after every rank's shards are written.
-        future.add_done_callback(lambda done: _commit_when_written(done, path, keep_last))
-    return future
+    future = dcp.async_save(tensors, storage_writer=_Writer(tmp), process_group=_background_group)
+    if _rank() != 0:
+        return future
+    # Rank 0's future completes after the metadata, i.e. after every rank's shards are written; the future it
+    # returns completes once the checkpoint is committed, so that wait() raises a failed commit too.
+    committed: Future = Future()
+    future.add_done_callback(lambda written: _commit_when_written(written, committed, path, keep_last))
+    return committed
 
 
 _background_group: dist.ProcessGroup | None = None
@@ -316,11 +356,17 @@ def wait(pending: Future, path: Path) -> None:
         raise translate_write_error(path, error) from error
 
 
-def _commit_when_written(done: Future, path: Path, keep_last: int | None) -> None:
-    done.result()  # a failed write raises here, and never becomes a checkpoint
-    commit(path)
-    if keep_last:
-        prune(path.parent, keep_last)
+def _commit_when_written(written: Future, committed: Future, path: Path, keep_last: int | None) -> None:
+    # Nothing may raise out of here: concurrent.futures would only log it, with a traceback, and lose it.
+    try:
+        written.result()  # a failed write raises here, and never becomes a checkpoint
+        commit(path)
+        if keep_last:
+            prune(path.parent, keep_last)
+    except BaseException as error:
+        committed.set_exception(error)
+    else:
+        committed.set_result(None)
 
 
 def translate_write_error(path: Path, error: BaseException) -> BaseException:
@@ -331,7 +377,17 @@ def translate_write_error(path: Path, error: BaseException) -> BaseException:
         return error
     if _rank() == 0:
         shutil.rmtree(partial_path(path), ignore_errors=True)
-    return write_failed(path, cause)
+    return write_failed(path, cause, _failed_rank(error) if _grouped() else None)
+
+
+def _failed_rank(error: BaseException) -> int | None:
+    """The first rank whose write DCP reports as refused by the disk, if DCP reported it."""
+    for current in causes(error):
+        if isinstance(current, CheckpointException):
+            refused = [rank for rank, (failure, _) in current.failures.items() if disk_error(failure) is not None]
+            if refused:
+                return min(refused)
+    return None
 
 
 def check_checkpoint(path: Path) -> None:

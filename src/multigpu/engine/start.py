@@ -23,6 +23,7 @@ from multigpu.core.modules import MetaValues, materialize, on_meta, parameters_o
 from multigpu.core.precision import Precision
 from multigpu.core.pretrained import SafetensorsCheckpoint
 from multigpu.engine.config import EngineConfig
+from multigpu.engine.trackers import check_servers, parse_log_to
 from multigpu.planner import choose_strategy
 from multigpu.strategies import DataParallel, DeepSpeed, Strategy, resolve_strategy
 from multigpu.strategies.deepspeed import DeepSpeedOptions
@@ -59,6 +60,8 @@ def check(config: EngineConfig, nproc: int) -> None:
         strategy.config(Precision(config.precision), env.device)
     if config.backend is not None:
         check_backend(config.backend, env.device)
+    if config.log_dir is not None:  # the main worker would refuse it after the launch, and the others wait meanwhile
+        check_servers(parse_log_to(config.log_to, config.log_dir))
 
 
 def join(env: DistEnv, strategy: Strategy, config: EngineConfig) -> None:

@@ -10,11 +10,19 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import http
+import http.client
 import importlib.util
 import json
 import os
 import re
+import ssl
+import sys
+import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +32,7 @@ from multigpu.core.errors import UsageError
 TRACKERS = ("tensorboard", "wandb", "mlflow", "jsonl")  # jsonl: metrics.jsonl, written whenever log_dir is set
 NEEDS_PACKAGE = {"wandb": "wandb", "mlflow": "mlflow-skinny"}  # tracker -> the pip package that provides it
 DEFAULT_PROJECT = "multigpu"  # W&B project and MLflow experiment unless WANDB_PROJECT / MLFLOW_EXPERIMENT_* say
+REACH_TIMEOUT_S = 5.0  # how long a tracker's server may take to answer before the run is refused
 
 
 def parse_log_to(log_to: str, log_dir: str | None) -> tuple[str, ...]:
@@ -42,6 +51,113 @@ def parse_log_to(log_to: str, log_dir: str | None) -> tuple[str, ...]:
             "and the tracker's local files; pass one."
         )
     return tuple(dict.fromkeys(names))
+
+
+# -- can the trackers' servers be reached? -------------------------------------------------------------------------
+def check_servers(log_to: Sequence[str]) -> None:
+    """Refuses, within seconds, a tracker of `log_to` whose server does not answer (W&B's, unless offline; MLflow's
+    when its tracking URI is http or https), naming the server: W&B and MLflow would retry for minutes first.
+
+    Called where the trackers are about to be opened (the main process alone: the other workers never open them)
+    and by the launcher's checks, before any worker starts.
+    """
+    for tracker in log_to:
+        server = SERVERS[tracker]() if tracker in SERVERS else None
+        if server is None:
+            continue
+        server = shown(server)  # asked without credentials: any answer, a refusal of them too, will do
+        problem = unreachable(server)
+        if problem is not None:
+            raise UsageError(unreachable_server(tracker, server, problem))
+
+
+def wandb_server() -> str | None:
+    """The W&B server runs will talk to (WANDB_BASE_URL, `wandb login --host`, else W&B's default), or None when
+    runs stay on disk (WANDB_MODE offline or disabled, or `wandb offline`): read as wandb.init reads it."""
+    try:
+        import wandb
+    except ImportError:
+        raise missing_package("wandb") from None
+    settings = wandb.sdk.wandb_setup.singleton().settings  # loads the settings; starts no W&B process
+    return None if settings.mode in ("offline", "dryrun", "disabled") else settings.base_url
+
+
+def mlflow_server() -> str | None:
+    """MLflow's tracking URI when it is a server (http or https; local stores need no network): the one a script
+    set with mlflow.set_tracking_uri, else MLFLOW_TRACKING_URI."""
+    mlflow = sys.modules.get("mlflow")  # imported only if the script did: importing it takes seconds
+    uri = mlflow.get_tracking_uri() if mlflow is not None else os.environ.get("MLFLOW_TRACKING_URI", "")
+    return uri if urllib.parse.urlsplit(uri).scheme in ("http", "https") else None
+
+
+SERVERS: dict[str, Callable[[], str | None]] = {"wandb": wandb_server, "mlflow": mlflow_server}
+WANDB_OFFLINE = "set WANDB_MODE=offline to keep the run on disk and `wandb sync` it later"
+
+
+def unreachable_server(tracker: str, server: str, problem: str) -> str:
+    """The sentence for a tracker whose server did not answer."""
+    if tracker == "wandb":
+        return (
+            f"--log-to wandb cannot reach the W&B server {server} ({problem}); check the network and WANDB_BASE_URL, "
+            f"or {WANDB_OFFLINE}."
+        )
+    return (
+        f"--log-to mlflow cannot reach the tracking server {server} ({problem}); start the server, or {MLFLOW_STORES}."
+    )
+
+
+def shown(url: str) -> str:
+    """`url` without the user name and password it may hold, for a message."""
+    parts = urllib.parse.urlsplit(url)
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+
+
+def unreachable(url: str) -> str | None:
+    """Why nothing at `url` answers an HTTP request within REACH_TIMEOUT_S, in a few words, or None once anything
+    answers, with any status. The environment's proxies apply, as they do for W&B and MLflow.
+
+    The request runs in a thread of its own, so that the name lookup, which no socket timeout bounds, is bounded
+    too: a thread still waiting past the time is left behind (a daemon: it cannot delay the exit).
+    """
+    timeout_s = REACH_TIMEOUT_S
+    outcome: list[str | None] = []
+    probe = threading.Thread(target=lambda: outcome.append(request_problem(url, timeout_s)), daemon=True)
+    probe.start()
+    probe.join(timeout_s)
+    return outcome[0] if outcome else f"no answer within {timeout_s:g} s"
+
+
+GATEWAY_FAILURES = (http.HTTPStatus.BAD_GATEWAY, http.HTTPStatus.GATEWAY_TIMEOUT)
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None  # a redirect is an answer: the server is there
+
+
+def request_problem(url: str, timeout_s: float) -> str | None:
+    """What stopped a GET of `url` from being answered, or None when it was answered (any status)."""
+    try:
+        urllib.request.build_opener(_NoRedirect).open(url, timeout=timeout_s).close()
+    except urllib.error.HTTPError as error:
+        # Any status is the server's answer, but a gateway's 502 or 504: a proxy in between could not reach it.
+        return f"HTTP {error.code} {error.reason}" if error.code in GATEWAY_FAILURES else None
+    except urllib.error.URLError as error:
+        if isinstance(error.reason, ssl.SSLError):
+            return None  # the server answered; whether its certificate is trusted is the tracker client's matter
+        return failure(error.reason, timeout_s)
+    except (OSError, http.client.HTTPException, ValueError) as error:
+        return failure(error, timeout_s)
+    return None
+
+
+def failure(error: BaseException | str, timeout_s: float) -> str:
+    """`error` in a few words: the OS's, where it has them."""
+    if isinstance(error, TimeoutError):
+        return f"no answer within {timeout_s:g} s"
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return str(error) or type(error).__name__
 
 
 class Tracker:
@@ -116,10 +232,7 @@ class WandB(Tracker):
                 reinit="create_new",
             )
         except wandb.errors.Error as error:
-            raise UsageError(
-                f"--log-to wandb could not start a W&B run ({error}); log in with `wandb login` or set "
-                "WANDB_API_KEY, or set WANDB_MODE=offline to keep the run on disk and `wandb sync` it later."
-            ) from error
+            raise UsageError(wandb_refusal(error, wandb_server() or "")) from error
 
     def write(self, step: int, record: Mapping[str, Any]) -> None:
         self._run.log(dict(record), step=step)  # None is kept (as JSON null), as in metrics.jsonl
@@ -130,6 +243,24 @@ class WandB(Tracker):
     def close(self) -> None:
         # The exit code is W&B's own guess (it hooks sys.exit and the excepthook): a crashed run shows as failed.
         self._run.finish()
+
+
+def wandb_refusal(error: Exception, server: str) -> str:
+    """The sentence for a W&B run that could not start: a key to fix only where the key was the trouble."""
+    import wandb
+
+    said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if isinstance(error, wandb.errors.AuthenticationError):
+        return (
+            f"--log-to wandb: the W&B server {shown(server)} refused the API key ({said}); log in again with "
+            f"`wandb login --relogin` or set WANDB_API_KEY to a valid key, or {WANDB_OFFLINE}."
+        )
+    if isinstance(error, wandb.errors.CommError):  # no answer, after W&B's retries until its init_timeout
+        return unreachable_server("wandb", shown(server), said)
+    return (
+        f"--log-to wandb could not start a W&B run ({said}); log in with `wandb login` or set WANDB_API_KEY, "
+        f"or {WANDB_OFFLINE}."
+    )
 
 
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -257,6 +388,7 @@ class MetricsLog:
         run_name: str | None = None,
         say: Callable[[str], None] = print,
     ) -> None:
+        check_servers(log_to)  # before any tracker opens: W&B and MLflow would retry for minutes
         directory.mkdir(parents=True, exist_ok=True)
         run_name = run_name or directory.resolve().name
         self._closing = contextlib.ExitStack()
