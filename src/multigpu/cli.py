@@ -71,7 +71,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    common.export_checkpoint(Path(args.checkpoint), Path(args.out), key=args.key)
+    checkpoint, out = Path(args.checkpoint), Path(args.out)
+    if finetune.holds_adapter(checkpoint, args.key):  # a lora or qlora finetune's: a peft adapter directory
+        finetune.export_adapter(checkpoint, out, args.key)
+    else:
+        common.export_checkpoint(checkpoint, out, key=args.key)
     return 0
 
 
@@ -282,11 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = verbs.add_parser(
         "export",
-        help="consolidate a sharded checkpoint's model into one safetensors file",
-        description="Read every shard of CHECKPOINT's model in one process and write OUT (.safetensors).",
+        help="consolidate a sharded checkpoint's model into one safetensors file (or a LoRA one into an adapter)",
+        description="Read every shard of CHECKPOINT's model in one process and write OUT (.safetensors). A lora or "
+        "qlora finetune's checkpoint becomes a peft adapter directory OUT instead, as the finetune writes "
+        "SAVE_DIR/adapter at its end. OUT must not exist yet.",
     )
     export.add_argument("checkpoint", help="a checkpoint directory (e.g. checkpoints/run/checkpoints/step-00000100)")
-    export.add_argument("out", help="the .safetensors file to write")
+    export.add_argument("out", help="the .safetensors file to write (a LoRA checkpoint: the adapter directory)")
     export.add_argument("--key", default="model", help="the model's key in the saved state (default: model)")
     export.set_defaults(handler=cmd_export)
 

@@ -206,3 +206,29 @@ def test_load_pretrained_fills_a_model_and_says_what_it_read_kept_and_left(
         engine.load_pretrained(model, checkpoint)
     with pytest.raises(mg.UsageError, match=r"holds no .safetensors file; pass a Hugging Face model directory"):
         engine.load_pretrained(build_everything(), tmp_path / "nothing")
+
+
+@pytest.mark.parametrize("meta", [False, True])
+def test_load_pretrained_refuses_a_checkpoint_of_other_shapes_or_cut_short(tmp_path: Path, meta: bool) -> None:
+    """Before any value is read, on the meta device too (where setup would read it): a stored tensor of another
+    shape, which copy_ would broadcast into the model unnoticed ([1, 8] into [8, 8]) or fail on deep in setup."""
+    stored = dict(build_everything().state_dict())
+    stored["1.weight"] = stored["1.weight"][:1]
+    checkpoint = write_checkpoint(tmp_path / "model.safetensors", stored)
+    engine = mg.Engine(strategy="single", seed=SEED)
+    with engine.init_module(meta=meta):
+        model = build_everything()
+    with pytest.raises(mg.UsageError) as refused:
+        engine.load_pretrained(model, checkpoint)
+    assert str(refused.value) == (
+        f"1.weight is [1, 8] in {checkpoint} but [8, 8] in the model; load the checkpoint saved from this model, "
+        "or build the model it fits."
+    )
+    data = checkpoint.read_bytes()
+    checkpoint.write_bytes(data[:-10])
+    with pytest.raises(mg.UsageError) as refused:
+        engine.load_pretrained(model, checkpoint)
+    assert str(refused.value) == (
+        f"{checkpoint} is cut short: {len(data) - 10:,} of the {len(data):,} bytes its header describes are there; "
+        "copy or save it again."
+    )

@@ -3,10 +3,12 @@ token-normalised loss that makes 1 x 8, 2 x 4 and 2 x 2 x 2 the same step."""
 
 import functools
 import json
+import stat
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.dist import multigpu, run_in_processes
 
@@ -47,7 +49,9 @@ def train_and_probe(**options: object) -> dict:
 
 @pytest.mark.parametrize("method", ["lora", "qlora"])
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_adapter_trained_on_two_processes_reloads_with_peft(tmp_path: Path, method: str, strategy: str) -> None:
+def test_adapter_trained_on_two_processes_reloads_with_peft_as_written_and_as_exported(
+    tmp_path: Path, method: str, strategy: str
+) -> None:
     from multigpu.recipes.lm_models import load_model
 
     data = write_text(tmp_path / "text.txt")
@@ -65,17 +69,43 @@ def test_adapter_trained_on_two_processes_reloads_with_peft(tmp_path: Path, meth
     assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])
     adapter = Path(ranks[0]["output"])
     assert (adapter / "adapter_config.json").is_file()
-    from safetensors.torch import load_file
 
     weights = load_file(adapter / "adapter_model.safetensors")
     lora_b = [w for name, w in weights.items() if "lora_B" in name]
     assert len(lora_b) == 2 * 7 and all(w.abs().sum() > 0 for w in lora_b)  # trained, never empty
+    modes = {file.name: stat.S_IMODE(file.stat().st_mode) for file in adapter.iterdir()}
+    assert modes["adapter_model.safetensors"] == modes["adapter_config.json"]  # not 0600 (safetensors 0.8)
+    if strategy == "zero3":  # where the checkpoint is sharded: `multigpu export` writes the same adapter
+        exported = export_adapter(tmp_path / "run", tmp_path / "exported")
+        exported_weights = load_file(exported / "adapter_model.safetensors")
+        assert exported_weights.keys() == weights.keys()
+        assert all(torch.equal(exported_weights[name], weight) for name, weight in weights.items())
+        assert adapter_settings(exported) == adapter_settings(adapter)
+        adapter = exported  # ...which peft loads as it loads the finetune's
     reloaded = load_model("tiny", method, adapter=str(adapter)).eval()
     with torch.no_grad():
         logits = reloaded(input_ids=PROBE).logits
     torch.testing.assert_close(logits, ranks[0]["logits"], atol=1e-5, rtol=1e-5)
     history = ranks[0]["history"]
     assert [h["step"] for h in history] == [0, 3]
+
+
+def export_adapter(save_dir: Path, out: Path) -> Path:
+    """`multigpu export` of a finetune's last checkpoint, in this process; a .safetensors OUT is refused."""
+    from multigpu.cli import main
+    from multigpu.engine.checkpoint import list_checkpoints
+
+    last = list_checkpoints(save_dir / "checkpoints")[-1]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", str(last), str(out.with_suffix(".safetensors"))])
+    assert exit_info.value.code == 2
+    assert main(["export", str(last), str(out)]) == 0
+    return out
+
+
+def adapter_settings(adapter: Path) -> dict:
+    settings = json.loads((adapter / "adapter_config.json").read_text())
+    return {**settings, "target_modules": sorted(settings["target_modules"])}  # a set, saved in any order
 
 
 def one_step(data: str, strategy: str, batch_size: int, accum: int) -> dict:
@@ -169,8 +199,6 @@ def test_lora_under_deepspeed_zero3_writes_the_adapter_ddp_writes(tmp_path: Path
             **common,
             **options,
         )
-        from safetensors.torch import load_file
-
         adapters[strategy] = load_file(Path(ranks[0]["output"]) / "adapter_model.safetensors")
     assert set(adapters["ddp"]) == set(adapters["deepspeed"])
     for name, weight in adapters["ddp"].items():

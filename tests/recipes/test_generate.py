@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -314,3 +315,48 @@ def test_a_path_of_the_wrong_kind_is_named_as_what_it_is(
         cli(["generate", *(part for pair in args.items() for part in pair)])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.startswith(f"multigpu: error: {flag} {wrong} {message}")
+
+
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_an_out_that_exists_or_cannot_be_written_is_refused_before_generating(
+    tmp_path: Path, tiny: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, nproc: str
+) -> None:
+    from multigpu.cli import main as cli
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr(lm_models, "load_model", no_model)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    existing, under_a_file = tmp_path / "out.jsonl", tmp_path / "p.jsonl" / "out.jsonl"
+    existing.write_text("the outputs of an earlier run\n")
+    refusals = {
+        existing: f"--out {existing} exists already; remove it, or choose another --out.",
+        under_a_file: f"--out {under_a_file} cannot be created: {prompts} is a file; choose another --out.",
+    }
+    for out, message in refusals.items():
+        with pytest.raises(SystemExit) as exit_info:  # --nproc 2: refused before any worker starts
+            cli(["generate", *cli_args(prompts, out, "--nproc", nproc)])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.splitlines() == [f"multigpu: error: {message}"]
+    assert existing.read_text() == "the outputs of an earlier run\n"
+
+
+def test_the_time_reported_is_the_generations_to_three_digits(
+    tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A tiny model generates in hundredths of a second, which one decimal showed as "0.0 s"."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Hi"}\n')
+    generate_here(prompts, tmp_path / "out.jsonl", max_new_tokens=2)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    found = re.fullmatch(
+        r"wrote 1 outputs to .*: (\d+) tokens in ([\d.e+-]+) s of generation, ([\d.]+) tokens/s over 1 process\(es\); "
+        r"([\d.e+-]+) s in all, with loading the model",
+        line,
+    )
+    assert found, line
+    tokens, seconds, rate, overall = int(found[1]), float(found[2]), float(found[3]), float(found[4])
+    assert seconds > 0 and rate == pytest.approx(tokens / seconds, rel=0.01)  # the time shown is the one measured
+    assert overall > seconds

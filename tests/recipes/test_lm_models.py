@@ -1,13 +1,20 @@
 """The language models finetune trains: 4-bit layers that stay as quantised, in the run's precision; the cache
-directories they are built into, from any rank."""
+directories they are built into, from any rank; model and adapter directories refused in one sentence where they
+would fail or load wrongly."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shutil
+import stat
 from pathlib import Path
 
 import pytest
 import torch
 
+from multigpu.core.errors import UsageError
 from multigpu.recipes import lm_models
 from tests.dist import run_in_processes
 
@@ -100,3 +107,183 @@ def test_an_incomplete_cache_directory_is_replaced(tmp_path: Path) -> None:
     (target / "tokenizer.json").write_text("{}")  # what such a run left: the tokenizer alone
     lm_models._publish(lambda directory: (directory.mkdir(), (directory / "config.json").write_text("{}")), target)
     assert sorted(p.name for p in target.iterdir()) == ["config.json"]
+
+
+# -- model and adapter directories that do not fit together: one sentence naming the file and the tensor --------
+def model_copy(directory: Path, change=None) -> Path:
+    """The tiny model's directory under `directory`: its config.json copied (to be changed), the rest linked;
+    `change(directory)` then damages it as a user's copy might be."""
+    directory.mkdir()
+    for file in lm_models.model_dir("tiny").iterdir():
+        if file.name == "config.json":
+            (directory / file.name).write_text(file.read_text())
+        else:
+            (directory / file.name).symlink_to(file)
+    if change is not None:
+        change(directory)
+    return directory
+
+
+def edit_config(directory: Path, **changes: object) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+def cut_short(file: Path) -> None:
+    data = file.read_bytes()
+    file.unlink()  # a link to the cache: replaced by a copy, never written through
+    file.write_bytes(data[: len(data) // 2])
+
+
+MODEL_FAULTS = {
+    "shapes that differ from the config": (
+        lambda d: edit_config(d, intermediate_size=256),
+        r"model\.layers\.0\.mlp\.gate_proj\.weight is \[128, 64\] in {d}/model\.safetensors but \[256, 64\] by "
+        r"{d}/config\.json; pass the config\.json saved with these weights\.",
+    ),
+    "a truncated safetensors file": (
+        lambda d: cut_short(d / "model.safetensors"),
+        r"{d}/model\.safetensors is cut short: 6,440,628 of the 12,881,256 bytes its header describes are there; "
+        r"copy or save it again\.",
+    ),
+    "a config.json that is not JSON": (
+        lambda d: (d / "config.json").write_text('{"model_type": "llama",'),
+        r"{d}/config\.json is not valid JSON \(Expecting property name enclosed in double quotes at line 1\); "
+        r"fix it\.",
+    ),
+    "a config.json transformers cannot build": (
+        lambda d: edit_config(d, num_attention_heads=3),
+        r"{d}/config\.json does not describe a causal language model transformers can build \(.*The hidden size "
+        r"\(64\) is not a multiple of the number of attention heads \(3\)\); pass a directory that save_pretrained "
+        r"wrote\.",
+    ),
+    "no weights": (
+        lambda d: (d / "model.safetensors").unlink(),
+        r"--model {d} holds no weights \(model\.safetensors\); pass a directory that save_pretrained wrote, "
+        r"weights included\.",
+    ),
+}
+
+
+@pytest.mark.parametrize("fault", MODEL_FAULTS)
+def test_a_model_directory_that_would_fail_or_load_wrongly_is_one_sentence(tmp_path: Path, fault: str) -> None:
+    change, message = MODEL_FAULTS[fault]
+    directory = model_copy(tmp_path / "model", change)
+    with pytest.raises(UsageError) as refused:
+        lm_models.check(str(directory))
+    assert re.fullmatch(message.format(d=re.escape(str(directory))), str(refused.value))
+
+
+def test_a_whole_model_directory_passes_its_check(tmp_path: Path) -> None:
+    lm_models.check(str(model_copy(tmp_path / "model")))
+
+
+def write_adapter(directory: Path, model: torch.nn.Module, base: str) -> Path:
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=lm_models.lora_targets(model), task_type="CAUSAL_LM")
+    get_peft_model(model, config).save_pretrained(directory)
+    edit_adapter_config(directory, base_model_name_or_path=base)
+    return directory
+
+
+def edit_adapter_config(directory: Path, **changes: object) -> None:
+    config = json.loads((directory / "adapter_config.json").read_text())
+    (directory / "adapter_config.json").write_text(json.dumps({**config, **changes}))
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """An adapter of the tiny model, and one of a smaller Llama (hidden size 32, not 64)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("adapters")
+    smaller = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    return {
+        "tiny": write_adapter(root / "tiny", lm_models.load_model("tiny"), str(lm_models.model_dir("tiny"))),
+        "smaller": write_adapter(root / "smaller", LlamaForCausalLM(smaller), "/models/smaller-llama"),
+    }
+
+
+ADAPTER_FAULTS = {
+    "trained on a model of other shapes": (
+        "smaller",
+        None,
+        r"base_model\.model\.model\.layers\.0\.mlp\.down_proj\.lora_A\.weight is \[4, 64\] in "
+        r"{d}/adapter_model\.safetensors but \[4, 128\] for --model tiny \({d}/adapter_config\.json names "
+        r"/models/smaller-llama as its base\); pass the --model it was trained on\.",
+    ),
+    "for modules the model does not have": (
+        "tiny",
+        lambda d: edit_adapter_config(d, target_modules=["fc1"]),
+        r"--adapter {d} does not fit --model tiny \({d}/adapter_config\.json names .*tiny-llama as its base\): "
+        r"Target modules \{{'fc1'\}} not found in the base model; pass the --model it was trained on\.",
+    ),
+    "without weights": (
+        "tiny",
+        lambda d: (d / "adapter_model.safetensors").unlink(),
+        r"--adapter {d} holds no adapter weights \(adapter_model\.safetensors\); pass the whole directory peft "
+        r"saved \(a finetune writes SAVE_DIR/adapter\)\.",
+    ),
+    "with its weights cut short": (
+        "tiny",
+        lambda d: cut_short(d / "adapter_model.safetensors"),
+        r"{d}/adapter_model\.safetensors is cut short: [\d,]+ of the [\d,]+ bytes its header describes are there; "
+        r"copy or save it again\.",
+    ),
+    "with an adapter_config.json that is not JSON": (
+        "tiny",
+        lambda d: (d / "adapter_config.json").write_text("{"),
+        r"{d}/adapter_config\.json is not valid JSON \(.*\); fix it\.",
+    ),
+}
+
+
+@pytest.mark.parametrize("fault", ADAPTER_FAULTS)
+def test_an_adapter_peft_would_fail_on_or_load_wrongly_is_one_sentence(
+    adapters: dict[str, Path], tmp_path: Path, fault: str
+) -> None:
+    source, change, message = ADAPTER_FAULTS[fault]
+    directory = Path(shutil.copytree(adapters[source], tmp_path / "adapter"))
+    if change is not None:
+        change(directory)
+    with pytest.raises(UsageError) as refused:
+        lm_models.check_adapter(str(directory), "tiny")
+    assert re.fullmatch(message.format(d=re.escape(str(directory))), str(refused.value))
+
+
+def test_an_adapter_of_the_model_passes_its_check(adapters: dict[str, Path]) -> None:
+    lm_models.check_adapter(str(adapters["tiny"]), "tiny")
+
+
+def test_a_bad_model_directory_is_refused_before_any_worker_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from multigpu.cli import main
+
+    directory = model_copy(tmp_path / "model", lambda d: edit_config(d, intermediate_size=256))
+    with pytest.raises(SystemExit) as exit_info:  # a launch would start 2 workers, each failing its own way
+        main(["finetune", "--model", str(directory), "--nproc", "2", "--save-dir", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"multigpu: error: model.layers.0.mlp.gate_proj.weight is [128, 64] in {directory}/model.safetensors but "
+        f"[256, 64] by {directory}/config.json; pass the config.json saved with these weights."
+    ]
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_model_files_written_get_the_mode_the_umask_gives(tmp_path: Path) -> None:
+    """safetensors 0.8 writes its files 0o600 (through a temporary file); every other file is 0o666 less the umask."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    previous = os.umask(0o027)
+    try:
+        lm_models.save_model_files(LlamaForCausalLM(config), tmp_path / "model")
+    finally:
+        os.umask(previous)
+    modes = {file.name: stat.S_IMODE(file.stat().st_mode) for file in (tmp_path / "model").iterdir()}
+    assert modes == {"config.json": 0o640, "generation_config.json": 0o640, "model.safetensors": 0o640}

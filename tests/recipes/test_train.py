@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -200,6 +202,32 @@ def test_export_cli_consolidates_a_checkpoint(uninterrupted: Path, tmp_path: Pat
     assert result.returncode == 0, result.stdout
     exported, want = load_file(tmp_path / "out.safetensors"), final_weights(uninterrupted)
     assert set(exported) == set(want) and all((exported[n] == want[n]).all() for n in want)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "out.safetensors").stat().st_mode) == 0o666 & ~umask  # as any file it writes
+
+
+def test_export_refuses_an_out_that_exists_or_cannot_be_written_before_reading(
+    uninterrupted: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    def no_reading(*args, **kwargs):
+        raise AssertionError("the checkpoint was read before OUT was checked")
+
+    monkeypatch.setattr(checkpoint, "full_model_state", no_reading)
+    last = checkpoint.list_checkpoints(uninterrupted / "checkpoints")[-1]
+    existing, under_a_file = tmp_path / "model.safetensors", tmp_path / "model.safetensors" / "model.safetensors"
+    existing.write_bytes(b"an earlier export")
+    refusals = {
+        existing: f"OUT {existing} exists already; remove it, or choose another OUT.",
+        under_a_file: f"OUT {under_a_file} cannot be created: {existing} is a file; choose another OUT.",
+        tmp_path: f"OUT {tmp_path} is a directory; pass a name that does not exist yet, such as {existing}.",
+    }
+    for out, message in refusals.items():
+        with pytest.raises(SystemExit) as exit_info:
+            main(["export", str(last), str(out)])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.splitlines() == [f"multigpu: error: {message}"]
+    assert existing.read_bytes() == b"an earlier export"
 
 
 @pytest.mark.parametrize(

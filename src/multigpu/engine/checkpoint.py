@@ -18,7 +18,8 @@ import random
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -264,19 +265,21 @@ def write_failed(path: Path, error: OSError, rank: int | None = None) -> UsageEr
     return refusal
 
 
-def check_writable(directory: Path, flag: str) -> None:
-    """Refuses, before any training, a directory where nothing can be written (read-only, forbidden, a file)."""
+def check_writable(directory: Path, flag: str, named: Path | None = None) -> None:
+    """Refuses, before any training, a directory where nothing can be written (read-only, forbidden, a file).
+    `named`: what the message calls `flag`'s value, where that is a file to be written in `directory`."""
+    named = directory if named is None else named
     existing = directory
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise UsageError(f"{flag} {directory} cannot be created: {existing} is a file; choose another {flag}.")
+        raise UsageError(f"{flag} {named} cannot be created: {existing} is a file; choose another {flag}.")
     try:
         with tempfile.NamedTemporaryFile(dir=existing, prefix=".multigpu-write-test-"):
             pass
     except OSError as error:
         raise UsageError(
-            f"{flag} {directory} is not writable ({error.strerror} in {existing}); choose a directory you can write "
+            f"{flag} {named} is not writable ({error.strerror} in {existing}); choose a directory you can write "
             "to, or fix its permissions."
         ) from None
 
@@ -538,17 +541,33 @@ def prune(directory: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def full_model_state(checkpoint: Path, key: str = "model") -> dict[str, torch.Tensor]:
-    """One process reads the whole of `key` from a sharded checkpoint (the consolidation for export)."""
+def model_metadata(checkpoint: Path, key: str = "model") -> dict[str, Any]:
+    """`key`'s tensors in a checkpoint, by name within `key`: their metadata (`.size`, `.properties.dtype`),
+    read without any tensor."""
     check_checkpoint(checkpoint)
     metadata = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
     prefix = f"{key}."
-    wanted = {
-        name: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    found = {
+        name.removeprefix(prefix): meta
         for name, meta in metadata.items()
         if name.startswith(prefix) and hasattr(meta, "size")
     }
-    if not wanted:
+    if not found:
         raise UsageError(f"The checkpoint {checkpoint} holds no {key!r} tensors; name the model's key in the state.")
-    dcp.load(wanted, checkpoint_id=checkpoint, no_dist=True)
-    return {name.removeprefix(prefix): tensor for name, tensor in wanted.items()}
+    return found
+
+
+def full_model_state(
+    checkpoint: Path, key: str = "model", names: Iterable[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """One process reads the whole of `key` (or of its tensors `names`) from a sharded checkpoint (the
+    consolidation for export)."""
+    stored = model_metadata(checkpoint, key)
+    wanted = {
+        f"{key}.{name}": torch.empty(tuple(stored[name].size), dtype=stored[name].properties.dtype)
+        for name in (stored if names is None else names)
+    }
+    with warnings.catch_warnings():  # no_dist=True says so already
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(wanted, checkpoint_id=checkpoint, no_dist=True)
+    return {name.removeprefix(f"{key}."): tensor for name, tensor in wanted.items()}

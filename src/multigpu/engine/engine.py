@@ -168,6 +168,7 @@ class Engine:
         if any(model is known for known in self._set_up):
             raise UsageError("engine.load_pretrained() fills a model before setup; call it before engine.setup().")
         read = SafetensorsCheckpoint(path)
+        start.check_loadable(model, read)
         if on_meta(model):
             self._pretrained[id(model)] = read
         else:

@@ -122,14 +122,21 @@ def build_context(
     return strategy.build_context(env, precision) if meta is None else contextlib.nullcontext()
 
 
-def load_whole(model: nn.Module, read: SafetensorsCheckpoint) -> list[str]:
-    """Copies the checkpoint into a model that holds all its weights, a tensor at a time; returns the names it
-    does not hold (left as built)."""
+def check_loadable(model: nn.Module, read: SafetensorsCheckpoint) -> None:
+    """Refuses, before any value is read, a model the checkpoint cannot fill: one already partitioned, or one
+    whose tensors have other shapes than the stored ones of the same names."""
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         raise UsageError(
             "A model built in DeepSpeed's zero.Init is already partitioned; build it under "
             "engine.init_module(meta=True) to load pretrained weights into it."
         )
+    shapes = {name: tensor.shape for name, tensor in model.state_dict(keep_vars=True).items()}
+    read.check_fits(shapes, "in the model", "load the checkpoint saved from this model, or build the model it fits")
+
+
+def load_whole(model: nn.Module, read: SafetensorsCheckpoint) -> list[str]:
+    """Copies the checkpoint into a model that holds all its weights (check_loadable's), a tensor at a time;
+    returns the names it does not hold (left as built)."""
     kept = []
     with torch.no_grad():
         for name, tensor in model.state_dict(keep_vars=True).items():

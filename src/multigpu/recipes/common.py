@@ -18,6 +18,7 @@ from multigpu.core.config import config_to_argv
 from multigpu.core.config_file import RUN_CONFIG, save_run_config
 from multigpu.core.errors import UsageError
 from multigpu.core.notes import LAST_CHECKPOINT, LAUNCHER_DIR, launched, launcher_note
+from multigpu.core.pretrained import give_usual_mode
 from multigpu.core.schedule import SampleSchedule
 from multigpu.engine import checkpoint, start
 from multigpu.engine.config import EngineConfig
@@ -195,6 +196,17 @@ def record_run(config: Any, verb: str, after_save: bool = False) -> None:
     save_run_config(replace(config, resume=resume), config.save_dir, verb)
 
 
+def check_new_output(path: Path, flag: str, example: str | None = None) -> None:
+    """Refuses, before any work, an output that would be lost at the end: `path` exists already (nothing here
+    overwrites a user's file; for a file, `example` names a fresh one where `path` is a directory), or its
+    directory cannot be made or written."""
+    if path.is_dir() and example is not None:
+        raise UsageError(f"{flag} {path} is a directory; pass a name that does not exist yet, such as {example}.")
+    if path.exists() or path.is_symlink():
+        raise UsageError(f"{flag} {path} exists already; remove it, or choose another {flag}.")
+    checkpoint.check_writable(path.parent, flag, named=path)
+
+
 # -- in the training loop --------------------------------------------------------------------------------------
 def recipe_engine(config: Any, **settings: Any) -> Engine:
     """The Engine of a recipe's config (TrainConfig, FinetuneConfig), logging into its --save-dir; `settings`:
@@ -275,10 +287,14 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """`tensors` as one safetensors file (which needs contiguous tensors), its directory made if missing."""
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(path))
+    give_usual_mode([path])
 
 
 def export_checkpoint(directory: Path, out: Path, key: str = "model") -> None:
-    """`multigpu export`: every shard of a checkpoint's model, read in this process, written to `out`."""
+    """`multigpu export`: every shard of a checkpoint's model, read in this process, written to `out`, which is
+    checked before anything is read."""
+    checkpoint.model_metadata(directory, key)  # a checkpoint, and one that holds `key`
+    check_new_output(out, "OUT", f"{out}/model.safetensors")
     tensors = checkpoint.full_model_state(directory, key=key)
     write_safetensors(tensors, out)
     print(f"wrote {len(tensors)} tensors ({sum(t.numel() for t in tensors.values()):,} values) to {out}")

@@ -22,9 +22,12 @@ import torch
 from torch import nn
 
 from multigpu.core.config import Parser, add_config_arguments, config_from_args
-from multigpu.core.errors import exit_on_usage_error, require
+from multigpu.core.config_file import RUN_CONFIG
+from multigpu.core.errors import UsageError, exit_on_usage_error, require
 from multigpu.core.precision import PRECISIONS
+from multigpu.core.pretrained import give_usual_mode
 from multigpu.core.schedule import SampleSchedule
+from multigpu.engine.checkpoint import full_model_state, model_metadata
 from multigpu.engine.config import (
     LOG_TO_HELP,
     PEAK_TFLOPS_HELP,
@@ -44,6 +47,7 @@ from multigpu.recipes import lm_data, lm_models
 from multigpu.recipes.common import (
     ProgressBar,
     as_launched,
+    check_new_output,
     check_same_data,
     complete_line,
     follow_new_plan,
@@ -52,6 +56,7 @@ from multigpu.recipes.common import (
     record_run,
     resolve_resume,
     run_recipe,
+    run_record,
     skipped_note,
     step_checkpoint,
 )
@@ -228,6 +233,7 @@ def save_result(config: FinetuneConfig, engine: Engine, model: nn.Module, tokeni
     if engine.is_main_process:
         unwrap(model).save_pretrained(out, state_dict=state)
         tokenizer.save_pretrained(out)
+        give_usual_mode(out.glob("*.safetensors"))
         if config.merge:
             merged = lm_models.load_model(config.model, "full")
             from peft import PeftModel
@@ -235,6 +241,7 @@ def save_result(config: FinetuneConfig, engine: Engine, model: nn.Module, tokeni
             merged = PeftModel.from_pretrained(merged, out).merge_and_unload()
             merged.save_pretrained(Path(config.save_dir) / "merged")
             tokenizer.save_pretrained(Path(config.save_dir) / "merged")
+            give_usual_mode((Path(config.save_dir) / "merged").glob("*.safetensors"))
     engine.barrier()
     return out
 
@@ -318,6 +325,56 @@ def save_step(engine: Engine, config: FinetuneConfig, state: dict[str, Any]) -> 
     engine.save(step_checkpoint(config.save_dir, state["step"]), state, keep_last=2)
     if engine.is_main_process:
         record_run(config, "finetune", after_save=True)
+
+
+def holds_adapter(checkpoint: Path, key: str = "model") -> bool:
+    """Whether a checkpoint's model is a peft LoRA model: a lora or qlora finetune's."""
+    return any(".lora_A." in name for name in model_metadata(checkpoint, key))
+
+
+def export_adapter(checkpoint: Path, out: Path, key: str = "model") -> None:
+    """`multigpu export` of a lora or qlora finetune's checkpoint: the peft adapter directory the finetune writes
+    at its end (SAVE_DIR/adapter), for that checkpoint's step. peft writes it, from the adapted model built as the
+    finetune builds it (on the meta device: no weights read), so its tensors have the names peft and
+    transformers load and adapter_config.json the run's settings, read from the run's config.yaml."""
+    if out.suffix == ".safetensors":
+        raise UsageError(
+            f"{checkpoint} holds a LoRA adapter, which peft loads from a directory; pass a directory name as OUT, "
+            f"such as {out.with_suffix('')}, for adapter_model.safetensors and adapter_config.json."
+        )
+    check_new_output(out, "OUT")
+    run = finetune_of(checkpoint)
+    with torch.device("meta"):
+        model = lm_models.load_model(run.model, "lora", run.lora_r, run.lora_alpha, skeleton=True)
+    stored = model_metadata(checkpoint, key)
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad and (name not in stored or list(stored[name].size) != list(parameter.shape)):
+            found = f"is {list(stored[name].size)}" if name in stored else "is missing"
+            raise UsageError(
+                f"{name} {found} in {checkpoint} but {list(parameter.shape)} in a --lora-r {run.lora_r} adapter "
+                f"of --model {run.model}, as its run's config.yaml gives them; export a checkpoint of that run."
+            )
+    state = full_model_state(checkpoint, key, [n for n, p in model.named_parameters() if p.requires_grad])
+    model.save_pretrained(out, state_dict=state)
+    lm_models.load_tokenizer(run.model).save_pretrained(out)
+    give_usual_mode(out.glob("*.safetensors"))
+    print(
+        f"wrote the LoRA adapter of {checkpoint} ({len(state)} tensors) to {out}; apply it with "
+        f"`multigpu generate --model {run.model} --adapter {out}` or peft's PeftModel.from_pretrained"
+    )
+
+
+def finetune_of(checkpoint: Path) -> FinetuneConfig:
+    """The settings of the finetune that wrote `checkpoint` (SAVE_DIR/checkpoints/step-N): its SAVE_DIR/config.yaml."""
+    settings = run_record(checkpoint.absolute())
+    if not settings:
+        raise UsageError(
+            f"{checkpoint} holds a LoRA adapter, whose --model, --lora-r and --lora-alpha export reads from its "
+            f"run's {RUN_CONFIG}, and {checkpoint.absolute().parent.parent / RUN_CONFIG} does not exist; export the "
+            "checkpoint where its finetune wrote it, or use the adapter the finetune wrote at its end "
+            "(SAVE_DIR/adapter)."
+        )
+    return FinetuneConfig(**{name: settings[name] for name in ("model", "lora_r", "lora_alpha") if name in settings})
 
 
 def check(config: FinetuneConfig) -> None:

@@ -36,6 +36,7 @@ from multigpu.core.config import Parser, add_config_arguments, check_path, confi
 from multigpu.core.env import DistEnv, init_process_group
 from multigpu.core.errors import UsageError, exit_on_usage_error
 from multigpu.recipes import lm_data, lm_models
+from multigpu.recipes.common import check_new_output
 
 DEVICE_MAPS = ("auto", "balanced", "sequential")
 GATHER_TIMEOUT_S = 3600.0  # how long rank 0 waits for the slowest rank's last batch
@@ -56,7 +57,10 @@ class GenerateConfig:
     )
     out: str | None = field(
         default=None,
-        metadata={"help": "required: JSONL to write, one line per prompt in input order", "metavar": "FILE"},
+        metadata={
+            "help": "required: JSONL to write (not there yet), one line per prompt in input order",
+            "metavar": "FILE",
+        },
     )
     nproc: int | None = field(
         default=None, metadata={"help": "processes to launch when not under a launcher, one model copy each (unset: 1)"}
@@ -144,12 +148,10 @@ def load_split_model(name: str, adapter: str | None, device_map: str) -> Any:
 def check_inputs(config: GenerateConfig) -> list[dict[str, Any]]:
     """The prompts, once the files the run reads and writes are known to be usable."""
     prompts = read_prompts(config.prompts)
-    if Path(config.out).is_dir():
-        raise UsageError(f"--out {config.out} is a directory; pass a file name such as {config.out}/out.jsonl.")
+    check_new_output(Path(config.out), "--out", f"{config.out}/out.jsonl")
+    lm_models.check(config.model)
     if config.adapter is not None:
-        check_path(config.adapter, "directory", "--adapter", "a peft adapter directory")
-        if not (Path(config.adapter) / "adapter_config.json").is_file():
-            raise UsageError(f"--adapter {config.adapter} has no adapter_config.json; pass a directory saved by peft.")
+        lm_models.check_adapter(config.adapter, config.model)
     return prompts
 
 
@@ -242,6 +244,7 @@ def generate_batch(
 
 def generate(config: GenerateConfig) -> None:
     """Generates this process's share of the prompts; rank 0 gathers all outputs and writes --out."""
+    began = time.perf_counter()
     env = DistEnv.from_environ()
     if config.device_map is not None and env.world_size > 1:
         raise UsageError(
@@ -308,10 +311,17 @@ def generate(config: GenerateConfig) -> None:
     total = sum(count for _, count in merged.values())
     write_outputs(Path(config.out), prompts, merged)
     print(
-        f"wrote {len(merged)} outputs to {config.out}: {total} tokens in {seconds:.1f} s, "
-        f"{total / seconds:.1f} tokens/s over {env.world_size} process(es)",
+        f"wrote {len(merged)} outputs to {config.out}: {total} tokens in {duration(seconds)} of generation, "
+        f"{total / seconds:.1f} tokens/s over {env.world_size} process(es); "
+        f"{duration(time.perf_counter() - began)} in all, with loading the model",
         flush=True,
     )
+
+
+def duration(seconds: float) -> str:
+    """Seconds to three significant digits under 10 s (a short run on a fast model takes hundredths of a second,
+    which one decimal would show as 0.0 s), to a tenth above."""
+    return f"{seconds:.3g} s" if seconds < 10 else f"{seconds:.1f} s"
 
 
 def write_outputs(out: Path, prompts: list[dict[str, Any]], results: dict[int, tuple[str, int]]) -> None:

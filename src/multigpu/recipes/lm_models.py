@@ -13,14 +13,16 @@ import importlib.util
 import math
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from multigpu.core.config import check_path
+from multigpu.core.config import check_path, read_json
 from multigpu.core.errors import UsageError
 from multigpu.core.precision import Precision
+from multigpu.core.pretrained import SafetensorsCheckpoint, give_usual_mode
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing file must fail here, never turn into a download
 
@@ -65,11 +67,99 @@ def model_dir(name: str) -> Path:
 
 
 def check(name: str) -> None:
-    """The cheap part of `model_dir`: that the model's files are there (before any process starts)."""
+    """The cheap part of `model_dir`, before any process starts: that the model's files are there and fit
+    together (check_model_files; the built-in models are written by this module, whole or not at all)."""
     if name not in BUILT:
-        model_dir(name)
+        check_model_files(model_dir(name))
     elif not (cache_root() / BUILT[name] / "config.json").is_file():
         smollm2_gguf()  # both are built from its GGUF file (tiny takes its tokenizer)
+
+
+def check_model_files(directory: Path) -> None:
+    """Refuses, in one sentence naming the file (and the tensor), a model directory that would fail or load
+    wrongly: a config.json that is not JSON or that transformers cannot build a causal LM from, no weights, a
+    safetensors file cut short, or a stored tensor whose shape differs from the one the config gives it. Reads
+    the safetensors headers only, and builds the model on the meta device (no memory, no values)."""
+    shapes = {name: tensor.shape for name, tensor in skeleton_of(directory).state_dict().items()}
+    if not any(directory.glob("*.safetensors")):
+        if not any(directory.glob("*.bin")):
+            raise UsageError(
+                f"--model {directory} holds no weights (model.safetensors); pass a directory that save_pretrained "
+                "wrote, weights included."
+            )
+        return  # pickled weights: transformers reads them whole, and says what does not fit
+    weights = SafetensorsCheckpoint(directory)
+    weights.check_fits(shapes, f"by {directory / 'config.json'}", "pass the config.json saved with these weights")
+
+
+def skeleton_of(directory: Path) -> Any:
+    """The causal LM that `directory`'s config.json describes, built on the meta device; a config that is not
+    JSON, or that transformers cannot build a causal LM from, is one sentence naming the file."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_file = directory / "config.json"
+    read_json(config_file, f"pass {directory} with the config.json save_pretrained wrote", what="a model's config")
+    try:
+        config = AutoConfig.from_pretrained(directory)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except Exception as error:  # transformers raises many kinds; each is about the user's file
+        raise UsageError(
+            f"{config_file} does not describe a causal language model transformers can build "
+            f"({first_sentence(error)}); pass a directory that save_pretrained wrote."
+        ) from None
+
+
+def check_adapter(adapter: str, name: str) -> None:
+    """Refuses, in one sentence, an adapter directory peft would fail on or load wrongly: no adapter_config.json,
+    no weights, a weights file cut short, or tensors that do not fit `name`'s model (trained on another base).
+    Builds the adapted model on the meta device and compares the stored shapes (safetensors headers) with the
+    ones peft saves for it."""
+    from peft import PeftConfig, get_peft_model, get_peft_model_state_dict
+
+    directory = check_path(adapter, "directory", "--adapter", "a peft adapter directory")
+    config_file = directory / "adapter_config.json"
+    if not config_file.is_file():
+        raise UsageError(f"--adapter {adapter} has no adapter_config.json; pass a directory saved by peft.")
+    read_json(config_file, "pass a directory saved by peft", what="a peft adapter's config")
+    if not (directory / "adapter_model.safetensors").is_file():
+        if (directory / "adapter_model.bin").is_file():
+            return  # pickled weights: peft reads them whole, and says what does not fit
+        raise UsageError(
+            f"--adapter {adapter} holds no adapter weights (adapter_model.safetensors); pass the whole directory "
+            "peft saved (a finetune writes SAVE_DIR/adapter)."
+        )
+    try:
+        config = PeftConfig.from_pretrained(directory)
+    except (ValueError, KeyError, TypeError) as error:  # JSON, but not a peft config
+        raise UsageError(
+            f"{config_file} is not a peft adapter's config ({first_sentence(error)}); pass a directory saved by peft."
+        ) from None
+    trained_on = config.base_model_name_or_path
+    base = f"--model {name}" + (f" ({config_file} names {trained_on} as its base)" if trained_on else "")
+    advice = "pass the --model it was trained on"
+    quiet_transformers()
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            # peft's note that the config's base is now `name`'s: this copy of the config is only for the check.
+            warnings.filterwarnings("ignore", "The PEFT config's `base_model_name_or_path` was renamed", UserWarning)
+            expected = get_peft_model_state_dict(get_peft_model(skeleton_of(model_dir(name)), config))
+    except (ValueError, KeyError, RuntimeError) as error:  # e.g. target modules the model does not have
+        raise UsageError(f"--adapter {adapter} does not fit {base}: {first_sentence(error)}; {advice}.") from None
+    weights = SafetensorsCheckpoint(directory / "adapter_model.safetensors")
+    stray = sorted(set(weights.shapes) - set(expected))
+    if stray:
+        raise UsageError(
+            f"--adapter {adapter} does not fit {base}: {stray[0]} in {weights.file(stray[0])} has no place in it; "
+            f"{advice}."
+        )
+    weights.check_fits({key: expected[key].shape for key in weights.shapes}, f"for {base}", advice)
+
+
+def first_sentence(error: BaseException) -> str:
+    """An exception's message as one line, up to its first full stop (library messages go on with advice)."""
+    text = " ".join(str(error).split())
+    return text.split(". ", 1)[0].rstrip(".") or type(error).__name__
 
 
 def save_model_files(model: Any, directory: Path) -> None:
@@ -88,6 +178,7 @@ def save_model_files(model: Any, directory: Path) -> None:
             stored.add(tensor.data_ptr())
             weights[name] = tensor.detach().contiguous()
     save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    give_usual_mode([directory / "model.safetensors"])
 
 
 def _publish(build: Any, target: Path) -> None:
@@ -150,8 +241,6 @@ def write_tiny(target: Path) -> None:
 def quiet_transformers() -> None:
     """No per-file progress bars in every rank's output; peft's deprecation notice about transformers' own renamed
     gradient-checkpointing attribute is not ours to act on."""
-    import warnings
-
     from transformers.utils import logging
 
     logging.disable_progress_bar()
