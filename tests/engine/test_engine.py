@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import itertools
 import json
 import sys
@@ -68,15 +70,21 @@ def test_auto_is_single_in_one_process(capsys) -> None:
     assert "strategy auto -> single" in capsys.readouterr().out
 
 
-def auto_two() -> tuple[str, str]:
+def auto_two() -> tuple[str, str, str]:
     engine = mg.Engine()
     before = engine.strategy
-    engine.setup(torch.nn.Linear(4, 4), None)
-    return before, engine.strategy
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        engine.setup(torch.nn.Linear(4, 4), None)
+    return before, engine.strategy, said.getvalue()
 
 
 def test_auto_with_two_processes_asks_the_planner_at_setup() -> None:
-    assert run_in_processes("tests.engine.test_engine:auto_two", 2, timeout=60) == [("auto", "ddp")] * 2
+    results = run_in_processes("tests.engine.test_engine:auto_two", 2, timeout=60)
+    assert [result[:2] for result in results] == [("auto", "ddp")] * 2
+    # The reason names what the memory is: a GPU's, or on CPU each process's share of the RAM.
+    per = "per GPU" if torch.cuda.is_available() else "per process"
+    assert results[0][2].startswith("strategy auto -> ddp: ddp needs ") and per in results[0][2], results[0][2]
 
 
 class Tokens(torch.utils.data.Dataset):

@@ -32,7 +32,9 @@ def epochs(samples: list[int]) -> list[list[int]]:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() == 1, reason="2 processes need 2 GPUs, or none")
-@pytest.mark.parametrize("script", ["plain_torch_distributed.py", "hf_trainer.py", "accelerate_script.py"])
+@pytest.mark.parametrize(
+    "script", ["plain_torch_distributed.py", "hf_trainer.py", "accelerate_script.py", "lightning_script.py"]
+)
 def test_script_trains_in_two_cooperating_processes(script: str, tmp_path: Path) -> None:
     result = multigpu("run", "-n", "2", str(SCRIPTS / script), str(tmp_path), timeout=180)
     assert result.returncode == 0, result.stdout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -63,11 +64,18 @@ def test_two_processes_get_ranks_zero_and_one(tmp_path: Path) -> None:
 
 
 def test_a_failing_worker_fails_the_run_with_its_traceback(tmp_path: Path) -> None:
-    result = multigpu("run", "-n", "2", write_script(tmp_path), "fail", timeout=90)
+    script = write_script(tmp_path)
+    result = multigpu("run", "-n", "2", script, "fail", timeout=90)
     assert result.returncode == 1
     assert "RuntimeError: rank one broke on purpose" in result.stdout
     assert result.stdout.count("RuntimeError: rank one broke on purpose") == 1
     assert "multigpu run: worker rank 1 " in result.stdout  # the originator, not the peer that failed after it
+    # The traceback starts at the script: the worker's and runpy's frames above it are not the user's business.
+    # (torch's excepthook prefixes each line with the rank once the process group exists.)
+    lines = result.stdout.splitlines()
+    first_frame = lines[lines.index("[rank1]: Traceback (most recent call last):") + 1]
+    assert first_frame.startswith(f'[rank1]:   File "{script}", line '), result.stdout
+    assert "runpy" not in result.stdout and "multigpu/launch/worker.py" not in result.stdout, result.stdout
 
 
 def test_a_usage_error_in_the_script_is_one_line_and_exit_code_2(tmp_path: Path) -> None:
@@ -334,9 +342,21 @@ def test_a_signal_stops_every_worker_in_one_line_naming_the_last_checkpoint(
     output = (tmp_path / "output.txt").read_text()
     assert stopped and launcher.returncode == code, output
     line = f"multigpu run: stopped by {stop.name}; every worker was stopped; the last complete checkpoint is "
-    assert f"{line}/checkpoints/step-7." in output.splitlines(), output
-    assert "Traceback" not in output, output
+    # The one line alone: no traceback, and none of torch elastic's lines about the signal and its forwarding.
+    assert output.splitlines() == [f"{line}/checkpoints/step-7."], output
     assert not any(map(running, workers))
+
+
+def test_only_a_stop_keeps_torch_elastics_lines_about_signalling_the_workers(caplog: pytest.LogCaptureFixture) -> None:
+    """After a crash torchrun's lines name the survivors it sends SIGTERM: those stay."""
+    agent = logging.getLogger(launching.ELASTIC_AGENT_LOG)
+    workers = logging.getLogger(launching.ELASTIC_WORKERS_LOG)
+    with caplog.at_level(logging.WARNING), launching.quiet_when_stopped():
+        workers.warning("Sending process %s closing signal %s", 41, "SIGTERM")  # a crash's survivor
+        workers.error("failed (exitcode: %s) local_rank: %s", 1, 1)
+        agent.warning("Received %s death signal, shutting down workers", "SIGINT")
+        workers.warning("Sending process %s closing signal %s", 42, "SIGINT")
+    assert caplog.messages == ["Sending process 41 closing signal SIGTERM", "failed (exitcode: 1) local_rank: 1"]
 
 
 def test_the_failure_and_stop_lines_name_the_last_complete_checkpoint_if_any(
@@ -393,6 +413,16 @@ def test_a_script_that_spawns_its_own_processes_runs() -> None:
     result = multigpu("run", "-n", "1", str(SCRIPTS / "ddp_spawn.py"), str(free_port()), timeout=120)
     assert result.returncode == 0, result.stdout
     assert "spawned rank 0 of 2: sum 3" in result.stdout and "spawned rank 1 of 2: sum 3" in result.stdout
+
+
+def test_a_script_that_spawns_its_own_processes_in_two_workers_is_one_sentence() -> None:
+    """Each worker would start the script's 2 processes on the same port: one set fails with EADDRINUSE."""
+    result = multigpu("run", "-n", "2", str(SCRIPTS / "ddp_spawn.py"), str(free_port()), timeout=90)
+    assert result.returncode == 2, result.stdout
+    assert result.stdout.splitlines() == [
+        "multigpu: error: This script starts its own processes (torch.multiprocessing.spawn), so each of the 2 "
+        "processes multigpu started would start them again on the same port; run it in one: multigpu run -n 1."
+    ]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() == 1, reason="2 processes need 2 GPUs, or none")
@@ -462,6 +492,22 @@ def test_launch_gives_the_workers_the_gpu_the_user_meant(monkeypatch: pytest.Mon
     with pytest.raises(UsageError, match="--nproc 4"):
         launching.launch(LaunchConfig(nproc=4), [script])
     assert len(started) == 1  # refused before any process started
+
+
+def test_lightning_trainers_default_to_the_launched_processes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Each launch gives its own size (bench launches several from one process); a value the user set stays."""
+    script = write_script(tmp_path)
+    names = ("PL_TRAINER_DEVICES", "PL_TRAINER_NUM_NODES")
+    started = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(launching, "torch_run", lambda args: started.append([os.environ.get(n) for n in names]))
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in names})
+    launching.launch(LaunchConfig(nproc=1), [script])
+    launching.launch(LaunchConfig(nproc=3), [script])
+    assert started == [["1", "1"], ["3", "1"]] and not any(name in os.environ for name in names)
+    os.environ["PL_TRAINER_DEVICES"] = "2"
+    launching.launch(LaunchConfig(nproc=3), [script])
+    assert started[-1] == ["2", "1"] and os.environ["PL_TRAINER_DEVICES"] == "2"
 
 
 # The NCCL watchdog's flight-recorder dumps, written here in torch's format: NCCL itself needs GPUs.

@@ -33,6 +33,22 @@ def test_seven_billion_fp32_adam_on_two_gpus() -> None:
     assert result.recommendation == "zero3"
 
 
+def test_the_recommendation_agrees_with_the_fits_column_when_only_offload_fits() -> None:
+    """At batch 2 x 4096 only zero3+offload fits 80 GB: the table says so, and so must the reason, which names the
+    flag that allows it; where not even offload fits, --cpu-offload would change nothing and goes unmentioned."""
+    settings = {"gpus": 8, "gpu_memory": "80GB", "batch_size": 2, "seq_len": 4096}
+    result = plan("llama-3.1-8b", **settings)
+    assert [m.strategy for m in result.strategies if m.fits] == ["zero3+offload"]
+    assert result.recommendation is None
+    assert result.reason.startswith("only zero3+offload fits 80.00 GiB per GPU at batch size 2, and it keeps the ")
+    assert "pass --cpu-offload to allow it" in result.reason, result.reason
+    assert plan("llama-3.1-8b", **settings, cpu_offload=True).recommendation == "zero3+offload"
+    nothing = plan("llama-3.1-8b", **{**settings, "batch_size": 8})
+    assert not any(m.fits for m in nothing.strategies)
+    assert nothing.reason.startswith("nothing fits 80.00 GiB per GPU at batch size 8: lower --batch-size")
+    assert "--cpu-offload" not in nothing.reason
+
+
 def test_smollm2_config_gives_its_published_parameter_count() -> None:
     assert from_transformer(BUILTIN["smollm2-135m"], "smollm2").params == 134_515_008
 

@@ -1,9 +1,11 @@
 """`multigpu verify` passes correct scripts under every strategy and fails the classic mistakes at step 1."""
 
 import json
+from pathlib import Path
 
 import pytest
 
+from multigpu.tools.verify import Verdict, print_verdict
 from tests.dist import multigpu
 
 SCRIPT = "tests/scripts/next_token.py"
@@ -92,3 +94,75 @@ def test_one_process_under_a_strategy_against_the_plain_run() -> None:
     """What one GPU can check: the strategy's wrapping and precision path in a group of one."""
     code, report = verify("--nproc", "1", "--strategy", "zero3")
     assert code == 0 and report["passed"] and report["strategy"] == "zero3", report
+
+
+def verdict_of(losses: list[tuple[float, float]]) -> Verdict:
+    steps = [
+        {"step": i + 1, "loss_1": a, "loss_n": b, "relative_diff": abs(a - b) / a} for i, (a, b) in enumerate(losses)
+    ]
+    first = next((s["step"] for s in steps if s["relative_diff"] > 1e-4), None)
+    return Verdict(
+        passed=first is None,
+        nproc=2,
+        strategy="ddp",
+        precision="32",
+        loss_tolerance=1e-4,
+        param_tolerance=1e-3,
+        samples_per_step=8,
+        reference_grad_accum=2,
+        steps=steps,
+        first_divergence=first,
+        initial_param_diff=0.0,
+        param_diff=0.0,
+        worst_param="weight",
+        reason="" if first is None else f"the loss diverged at step {first}",
+        causes=[],
+        checked=[],
+        unchecked=[],
+    )
+
+
+def header_cells(output: str) -> list[str]:
+    """The cells of the table's header row (rich draws it between ┃ characters)."""
+    header = next(line for line in output.splitlines() if line.startswith("┃"))
+    return [cell.strip() for cell in header.strip("┃").split("┃")]
+
+
+def test_the_table_has_no_empty_column(capsys: pytest.CaptureFixture) -> None:
+    """A passing run's table has no column for steps beyond the tolerance; a failing one names it and marks them."""
+    print_verdict(verdict_of([(1.0, 1.0), (0.9, 0.9)]), as_json=False)
+    passed = capsys.readouterr().out
+    assert header_cells(passed) == ["step", "loss, 1 process", "loss, 2 processes", "relative difference"], passed
+    print_verdict(verdict_of([(1.0, 1.0), (0.9, 0.8), (0.8, 0.7)]), as_json=False)
+    failed = capsys.readouterr().out
+    assert header_cells(failed)[-1] == "beyond tolerance", failed
+    rows = [line for line in failed.splitlines() if line.startswith("│")]
+    assert [row.strip("│").split("│")[-1].strip() for row in rows] == ["no", "first divergence", "yes"], failed
+
+
+NO_ENGINE = """
+# Plain torch, no Engine, and long: 100,000 steps of at least 10 ms each.
+import time
+import torch
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(100_000):
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    time.sleep(0.01)
+"""
+
+
+def test_a_script_without_an_engine_is_refused_at_its_first_step(tmp_path: Path) -> None:
+    """Not after it ran to its end: its first optimizer step already shows that there is nothing to compare.
+    (Each process refuses alike: one process is enough to show it, and cheaper.)"""
+    script = tmp_path / "plain.py"
+    script.write_text(NO_ENGINE)
+    result = multigpu("verify", "--nproc", "1", "--strategy", "ddp", "--steps", "2", str(script), timeout=90)
+    assert result.returncode == 2, result.stdout
+    assert result.stdout.splitlines() == [
+        f"multigpu: error: {script} took an optimizer step without a multigpu Engine, and bench and verify measure "
+        "only scripts that train through one; build an Engine in it (docs/guide.md, from one GPU to many), or run "
+        "it as it is with multigpu run."
+    ]

@@ -100,6 +100,7 @@ def strategy_for(
         offload_possible=env.device.type == "cuda",
         grad_accum_steps=config.grad_accum_steps,
         unsharded_grad_accum=config.unsharded_grad_accum,
+        per="GPU" if env.device.type == "cuda" else "process",
     )
     say(f"strategy auto -> {name}: {reason}")
     offload = name == "zero3+offload"

@@ -12,7 +12,7 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -230,7 +230,13 @@ def launch(config: LaunchConfig, target: list[str], module: bool = False, worker
                 os.environ.setdefault(name, value)
         ranks = range(config.node_rank * nproc, (config.node_rank + 1) * nproc)
         try:
-            with raising_on_stop(), quiet_after_usage_error(Path(exits)), ending_stuck_workers(Path(exits), ranks):
+            with (
+                lightning_defaults(nproc, config.nnodes),
+                raising_on_stop(),
+                quiet_after_usage_error(Path(exits)),
+                quiet_when_stopped(),
+                ending_stuck_workers(Path(exits), ranks),
+            ):
                 torch_run(args)
         except ChildFailedError as error:
             return report_failure(error, Path(exits))
@@ -258,20 +264,67 @@ def use_cpu_for_accelerate(world: int) -> None:
 
 
 @contextlib.contextmanager
-def quiet_after_usage_error(exits: Path) -> Iterator[None]:
-    """Keeps torchrun's own lines about failed and stopped workers out of a run that a UsageError ended, or whose
-    launcher ended a worker stuck after its script: the launcher says what happened in one sentence, and those lines
-    would bury it (a crash still gets them)."""
-    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+def lightning_defaults(nproc: int, nnodes: int) -> Iterator[None]:
+    """Within it, Lightning Trainer scripts cooperate: the processes per node and the nodes are the defaults of
+    Trainer's devices and num_nodes, unless the user has set them; after it, the environment is as it was (bench
+    launches runs of several sizes from one process).
 
-    def keep(record: logging.LogRecord) -> bool:
-        return not (usage_error_noted(exits) or any(exits.glob(f"{STUCK}*")))
+    Measured with Lightning 2.6 on CPU: Trainer()'s default devices="auto" counts one CPU device, so each worker
+    picks a single-device strategy, never joins a group and trains alone on the whole dataset, without an error.
+    On GPUs "auto" counts every visible GPU, which is not the processes per node under `-n` or `--gpu-ids`, and
+    num_nodes stays 1 on several nodes; either way the DistributedSampler splits the data into the wrong number
+    of parts. The Trainer takes its defaults from PL_TRAINER_<ARGUMENT>; arguments the script passes win.
+    """
+    defaults = {"PL_TRAINER_DEVICES": str(nproc), "PL_TRAINER_NUM_NODES": str(nnodes)}
+    unset = [name for name in defaults if name not in os.environ]
+    os.environ.update({name: defaults[name] for name in unset})
+    try:
+        yield
+    finally:
+        for name in unset:
+            os.environ.pop(name, None)
 
+
+@contextlib.contextmanager
+def filtering(logger_name: str, keep: Callable[[logging.LogRecord], bool]) -> Iterator[None]:
+    """Within it, the records of the logger `logger_name` that `keep` refuses are dropped."""
+    logger = logging.getLogger(logger_name)
     logger.addFilter(keep)
     try:
         yield
     finally:
         logger.removeFilter(keep)
+
+
+ELASTIC_WORKERS_LOG = "torch.distributed.elastic.multiprocessing.api"  # torchrun's lines about each worker
+ELASTIC_AGENT_LOG = "torch.distributed.elastic.agent.server.api"
+
+
+def quiet_after_usage_error(exits: Path) -> contextlib.AbstractContextManager[None]:
+    """Keeps torchrun's own lines about failed and stopped workers out of a run that a UsageError ended, or whose
+    launcher ended a worker stuck after its script: the launcher says what happened in one sentence, and those lines
+    would bury it (a crash still gets them)."""
+    return filtering(ELASTIC_WORKERS_LOG, lambda record: not (usage_error_noted(exits) or any(exits.glob(f"{STUCK}*"))))
+
+
+@contextlib.contextmanager
+def quiet_when_stopped() -> Iterator[None]:
+    """Keeps torchrun's warnings about a SIGINT or SIGTERM (the signal received, then each worker sent it) out of
+    the run that it stopped: report_stop says it in one line. A crash's lines, which name the survivors it sent
+    SIGTERM, stay: they only go once the agent has said that it received a stop signal."""
+    stopping = False
+
+    def not_the_signal(record: logging.LogRecord) -> bool:
+        nonlocal stopping
+        signal_line = str(record.msg).startswith("Received %s death signal")
+        stopping = stopping or signal_line
+        return not signal_line
+
+    def not_its_forwarding(record: logging.LogRecord) -> bool:
+        return not (stopping and str(record.msg).startswith("Sending process %s closing signal"))
+
+    with filtering(ELASTIC_AGENT_LOG, not_the_signal), filtering(ELASTIC_WORKERS_LOG, not_its_forwarding):
+        yield
 
 
 def report_failure(error: ChildFailedError, exits: Path) -> int:

@@ -25,7 +25,9 @@ outlives the model and dies only at the interpreter's teardown. multigpu's modul
 script runs; then the model's reducer is the group's last holder, and the group dies with the model.
 
 Before the script runs, the worker also arranges to die with its launcher and to end at once when the launcher
-stops it (multigpu.launch.stop), and makes accelerate's PartialState use the CPU where Accelerator does (below).
+stops it (multigpu.launch.stop), makes accelerate's PartialState use the CPU where Accelerator does, and refuses
+torch.multiprocessing.spawn in a group of several (below). A script's uncaught exception is printed from the
+script's own first frame: the worker's and runpy's frames above it say nothing to the script's author.
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ import runpy
 import signal
 import sys
 from collections.abc import Callable
-from types import ModuleType
-from typing import Any
+from types import FrameType, ModuleType
+from typing import Any, NoReturn
 
 import torch.distributed as dist
+import torch.multiprocessing
 from torch.distributed import distributed_c10d
 
 from multigpu.core.env import destroy_process_groups
@@ -140,6 +143,43 @@ def use_cpu_in_partial_state(state: ModuleType) -> None:
     state.PartialState.__init__ = __init__
 
 
+def refuse_own_processes(world_size: int) -> None:
+    """In a group of several, makes torch.multiprocessing.spawn (and start_processes) raise a UsageError.
+
+    A script that starts its own processes (the PyTorch DDP tutorial's way) would start them once in every worker
+    of `multigpu run -n 2`: each set names the same MASTER_PORT, so one fails with EADDRINUSE, or both run the
+    whole job. In one worker (`-n 1`) it runs as it would under `python`.
+    """
+    if world_size <= 1:
+        return
+
+    def refused(*args: Any, **kwargs: Any) -> NoReturn:
+        raise UsageError(
+            f"This script starts its own processes (torch.multiprocessing.spawn), so each of the {world_size} "
+            "processes multigpu started would start them again on the same port; run it in one: multigpu run -n 1."
+        )
+
+    # mp.spawn calls the start_processes of its own module; torch.multiprocessing re-exports that function.
+    sys.modules["torch.multiprocessing.spawn"].start_processes = refused  # type: ignore[attr-defined]
+    torch.multiprocessing.start_processes = refused  # type: ignore[assignment]
+
+
+def print_from_the_script(error: BaseException) -> None:
+    """Prints `error` as Python would, its traceback starting at the script's first frame."""
+    traceback = error.__traceback__
+    while traceback is not None and _is_launching(traceback.tb_frame):
+        traceback = traceback.tb_next
+    # Python prints the exception's own traceback, whichever one it is handed. None (no frame of the script, as for
+    # a SyntaxError in it) prints the exception alone, as `python SCRIPT` does.
+    error.__traceback__ = traceback
+    sys.excepthook(type(error), error, traceback)
+
+
+def _is_launching(frame: FrameType) -> bool:
+    """Whether `frame` is this module's or runpy's: the frames between the worker's main and the script."""
+    return frame.f_code.co_filename in (__file__, runpy.__file__, "<frozen runpy>")
+
+
 def main(argv: list[str] | None = None, after: Callable[[], None] | None = None) -> None:
     """Runs the script or module `argv` names (default: this process's arguments), then `after`, if given."""
     if finished_already():
@@ -148,6 +188,7 @@ def main(argv: list[str] | None = None, after: Callable[[], None] | None = None)
     stop.end_at_once_on_stop()
     sys.meta_path.insert(0, AccelerateOnCpu())
     keep_destroyed_groups()
+    refuse_own_processes(int(os.environ.get("WORLD_SIZE", "1")))
     atexit.register(end_process)  # registered first, so it runs after every other exit handler
     atexit.register(destroy_process_groups)
     args = sys.argv[1:] if argv is None else argv
@@ -169,12 +210,12 @@ def main(argv: list[str] | None = None, after: Callable[[], None] | None = None)
         code = exit_.code
         record_exit(code if isinstance(code, int) else (0 if code is None else 1))
         raise
-    except BaseException:
+    except BaseException as error:
         record_exit(1)
-        if usage_error_noted():
-            # A peer that lost the rank which raised a UsageError: its traceback would only bury that sentence.
-            raise SystemExit(1) from None
-        raise
+        if not usage_error_noted():
+            # (A peer that lost the rank which raised a UsageError prints nothing: it would only bury that sentence.)
+            print_from_the_script(error)
+        raise SystemExit(1) from None
     record_exit(0)
 
 

@@ -28,14 +28,15 @@ def plan(model: Any, sample_input: Any = None, **options: Any) -> Plan:
     `options` are PlanConfig's fields (gpus, nodes, gpu_memory such as "80GB", precision, optimizer, batch_size,
     seq_len, grad_accum_steps, unsharded_grad_accum, activation_checkpointing, lora_r, qlora, cpu_offload).
     """
-    config = PlanConfig(**options)
+    return plan_shape(_shape(model, sample_input), PlanConfig(**options))
+
+
+def _shape(model: Any, sample_input: Any = None) -> ModelShape:
     if isinstance(model, ModelShape):
-        shape = model
-    elif isinstance(model, str):
-        shape = load_shape(model)
-    else:
-        shape = from_module(model, sample_input)
-    return plan_shape(shape, config)
+        return model
+    if isinstance(model, str):
+        return load_shape(model)
+    return from_module(model, sample_input)
 
 
 def _built_on_meta(model: Any) -> bool:
@@ -55,15 +56,16 @@ def choose_strategy(
     offload_possible: bool,
     grad_accum_steps: int = 1,
     unsharded_grad_accum: bool = False,
+    per: str = "GPU",
 ) -> tuple[str, str]:
     """`auto`: the fastest strategy whose model states and buffers fit (activations depend on the batch, unknown
-    here, so leave room for them). Returns the strategy name and the reason, for the user.
+    here, so leave room for them). Returns the strategy name and the reason, for the user. `per`: what `gpu_bytes`
+    is the memory of, in the reason ("process" on CPU, where it is each process's share of the RAM).
 
     The choice is on training memory alone; the reason adds the setup warning where a model built whole would not
     fit the strategy's setup, unless `model` already lies on the meta device (built under engine.init_module()).
     """
-    result = plan(
-        model,
+    config = PlanConfig(
         gpus=gpus,
         nodes=nodes,
         gpu_memory=f"{gpu_bytes / 2**30}GiB",
@@ -75,6 +77,7 @@ def choose_strategy(
         grad_accum_steps=grad_accum_steps,
         unsharded_grad_accum=unsharded_grad_accum,
     )
+    result = plan_shape(_shape(model), config, per)
     if result.recommendation is None:
         raise UsageError(f"No strategy fits this model: {result.reason}.")
     if result.setup_warning and not _built_on_meta(model):

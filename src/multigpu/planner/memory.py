@@ -189,7 +189,8 @@ def _stage_memory(name: str, whole: ModelShape, config: PlanConfig, batch: int, 
     return memory
 
 
-def plan_shape(shape: ModelShape, config: PlanConfig) -> Plan:
+def plan_shape(shape: ModelShape, config: PlanConfig, per: str = "GPU") -> Plan:
+    """`per`: what the memory is of, in the reasons ("GPU"; "process" for `auto` on CPU, where it is RAM)."""
     _, _, _, trainable = model_states(shape, config)
     plan = Plan(shape.name, shape.params, trainable, config)
     _check_tp_divides_heads(shape, config.tp_size)
@@ -201,30 +202,35 @@ def plan_shape(shape: ModelShape, config: PlanConfig) -> Plan:
         plan.strategies.append(memory)
     # One GPU: single unless only offload fits; several: the guides' order, fastest first.
     candidates = ("single", "zero3+offload") if config.world == 1 else _rows(config) if config.model_parallel else ORDER
-    fitting = [
-        m
-        for m in plan.strategies
-        if m.strategy in candidates and m.fits and (m.strategy != "zero3+offload" or config.cpu_offload)
-    ]
-    if fitting:
-        best = fitting[0]
+    fitting = [m for m in plan.strategies if m.strategy in candidates and m.fits]
+    allowed = [m for m in fitting if m.strategy != "zero3+offload" or config.cpu_offload]
+    memory = f"{config.gpu_bytes / 2**30:.2f} GiB per {per}"
+    if allowed:
+        best = allowed[0]
         plan.recommendation = best.strategy
         faster = ", ".join(
             m.strategy for m in plan.strategies if m.strategy in candidates[: candidates.index(best.strategy)]
         )
-        plan.reason = (
-            f"{best.strategy} needs {best.total / 2**30:.2f} GiB of {config.gpu_bytes / 2**30:.2f} GiB per GPU"
-            + (f"; {faster} would not fit" if faster else " and is the fastest choice")
+        plan.reason = f"{best.strategy} needs {best.total / 2**30:.2f} GiB of {memory}" + (
+            f"; {faster} would not fit" if faster else " and is the fastest choice"
         )
         # The choice stays on training memory: whether the model is built whole is the user's choice, not the
         # config's, and the warning says how to build it when it matters.
-        plan.setup_warning = setup_warning(best, config.gpu_bytes, config.precision)
-    else:
+        plan.setup_warning = setup_warning(best, config.gpu_bytes, config.precision, per)
+        return plan
+    more = "GPUs" if per == "GPU" else "machines"
+    instead = (
+        f"lower --batch-size or --seq-len, add --activation-checkpointing, more {more} or --tp-size/--pp-size, "
+        "LoRA/QLoRA"
+    )
+    if fitting:  # zero3+offload alone, which the config does not allow: the table says it fits, and so must this
         plan.reason = (
-            f"nothing fits {config.gpu_bytes / 2**30:.2f} GiB per GPU at batch size {config.batch_size}: lower "
-            "--batch-size or --seq-len, add --activation-checkpointing, more GPUs or --tp-size/--pp-size, LoRA/QLoRA"
-            + ("" if config.cpu_offload else ", or allow --cpu-offload")
+            f"only zero3+offload fits {memory} at batch size {config.batch_size}, and it keeps the model states "
+            f"in host memory ({fitting[0].cpu / 2**30:.2f} GiB per process): pass --cpu-offload to allow it, "
+            f"or {instead}"
         )
+    else:
+        plan.reason = f"nothing fits {memory} at batch size {config.batch_size}: {instead}"
     return plan
 
 

@@ -69,14 +69,15 @@ def setup_fits(memory: StrategyMemory, gpu_bytes: float, overhead: float) -> str
     return WITH_INIT_MODULE if memory.setup_init_module + overhead <= gpu_bytes else NO
 
 
-def setup_warning(memory: StrategyMemory, gpu_bytes: float, precision: str) -> str:
-    """One sentence for a strategy whose training fits but whose plain build does not; empty otherwise."""
+def setup_warning(memory: StrategyMemory, gpu_bytes: float, precision: str, per: str = "GPU") -> str:
+    """One sentence for a strategy whose training fits but whose plain build does not; empty otherwise. `per`:
+    what the memory is of ("GPU", or "process" on CPU)."""
     if not memory.fits or memory.setup_fits == FITS:
         return ""
     gib = 2**30
     head = (
         f"{memory.strategy}'s training fits, but setup does not: building the whole model on every rank takes "
-        f"{memory.setup / gib:.2f} GiB per GPU plus 1 GiB of overhead, over {gpu_bytes / gib:.2f} GiB"
+        f"{memory.setup / gib:.2f} GiB per {per} plus 1 GiB of overhead, over {gpu_bytes / gib:.2f} GiB"
     )
     if memory.setup_fits == WITH_INIT_MODULE:
         return (
@@ -87,4 +88,4 @@ def setup_warning(memory: StrategyMemory, gpu_bytes: float, precision: str) -> s
         head += f", and {memory.setup_init_module / gib:.2f} GiB under engine.init_module()"
     if precision == "bf16-true":
         return f"{head}; build the model in bf16 directly (the planner counts an fp32 build cast afterwards)"
-    return f"{head}; use more GPUs"
+    return f"{head}; use more {'GPUs' if per == 'GPU' else 'machines'}"

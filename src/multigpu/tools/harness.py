@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from multigpu.core.errors import UsageError
 from multigpu.engine import Engine, EngineConfig, StepObserver, StepStats, observe_every_engine
@@ -177,11 +178,29 @@ def finish_recorders() -> None:
         _RECORDERS[-1].finish()
 
 
+def refuse_steps_without_an_engine(target: list[str]) -> None:
+    """Makes the first optimizer step taken before any Engine was built raise a UsageError: a script that trains
+    without an Engine gives the harness nothing to record, and would otherwise be run to its end to find that out.
+    (Every torch optimizer, the ones Trainer, accelerate and Lightning drive included, calls the global hook.)"""
+    name = target[1] if target[0] == "-m" else target[0]
+
+    def before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict[str, Any]) -> None:
+        if not _RECORDERS:
+            raise UsageError(
+                f"{name} took an optimizer step without a multigpu Engine, and bench and verify measure only scripts "
+                "that train through one; build an Engine in it (docs/guide.md, from one GPU to many), or run it as "
+                "it is with multigpu run."
+            )
+
+    register_optimizer_step_pre_hook(before_step)
+
+
 def main() -> None:
     """`python -m multigpu.tools.harness DIR [-m] TARGET [ARGS...]`: one process of a bench or verify run."""
     directory, *target = sys.argv[1:]
     harness = Harness(**json.loads(Path(directory, "harness.json").read_text()))
     observe_every_engine(lambda: Recorder(harness))
+    refuse_steps_without_an_engine(target)
     worker.main(target, after=finish_recorders)
 
 

@@ -13,6 +13,7 @@ samples read, parameters built differently, BatchNorm, dropout) and says what it
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -309,15 +310,17 @@ def print_verdict(verdict: Verdict, as_json: bool) -> None:
 
     n = verdict.nproc
     table = Table(title=f"1 process vs {n} ({verdict.strategy}, precision {verdict.precision})")
-    for column in ("step", "loss, 1 process", f"loss, {n} processes", "relative difference", ""):
+    beyond = [not s["relative_diff"] <= verdict.loss_tolerance for s in verdict.steps]  # NaN is beyond too
+    columns = ["step", "loss, 1 process", f"loss, {n} processes", "relative difference"]
+    for column in [*columns, "beyond tolerance"] if any(beyond) else columns:  # a column only where it says something
         table.add_column(column, justify="right")
-    for s in verdict.steps:
-        ok = s["relative_diff"] <= verdict.loss_tolerance
-        mark = (
-            "" if ok else ("[red]first divergence[/red]" if s["step"] == verdict.first_divergence else "[red]x[/red]")
-        )
-        table.add_row(str(s["step"]), f"{s['loss_1']:.6f}", f"{s['loss_n']:.6f}", f"{s['relative_diff']:.2e}", mark)
-    console = Console()
+    for s, over in zip(verdict.steps, beyond, strict=True):
+        row = [str(s["step"]), f"{s['loss_1']:.6f}", f"{s['loss_n']:.6f}", f"{s['relative_diff']:.2e}"]
+        if any(beyond):
+            first = s["step"] == verdict.first_divergence
+            row.append("[red]first divergence[/red]" if first else "[red]yes[/red]" if over else "no")
+        table.add_row(*row)
+    console = Console(width=None if sys.stdout.isatty() else 150)  # a log or a pipe gets whole lines, as plan's
     console.print(table)
     console.print(
         f"parameters after the last step: max difference {verdict.param_diff:.3g} of the largest update "
