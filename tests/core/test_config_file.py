@@ -120,8 +120,12 @@ def test_a_wrong_key_exits_2_with_one_line(tmp_path: Path, capsys: pytest.Captur
         ("grad_accum_steps: 2.5", "2.5", "an integer"),
         ("grad_accum_steps: true", "true", "an integer"),
         ("grad_accum_steps: null", "null", "an integer"),  # null only where the default is None
-        ("lr: abc", '"abc"', "a number"),
-        ("lr: false", "false", "a number"),
+        ("lr: abc", '"abc"', "a finite number"),
+        ("lr: false", "false", "a finite number"),
+        ("lr: .nan", "nan", "a finite number"),  # YAML's NaN and infinities, which float() would take
+        ("timeout_s: .inf", "inf", "a finite number"),
+        ("max_grad_norm: -.inf", "-inf", "a finite number or null"),
+        ("warmup_epochs: 1e999", '"1e999"', "a finite number"),  # float("1e999") is inf
         ("async_save: 1", "1", "true or false"),
         ('async_save: "true"', '"true"', "true or false"),
         ("multi_gpu: fsdp3", '"fsdp3"', 'one of "auto", "single"'),

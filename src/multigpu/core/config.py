@@ -31,8 +31,26 @@ def _base_type(annotation: Any) -> type:
     return annotation
 
 
+def finite_float(text: str | float) -> float:
+    """The type of every float flag: a number, and a finite one. float() also reads nan and inf, which no setting
+    means: nan passes every range check (each comparison is false) and inf overflows what it reaches."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a number, not {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"takes a finite number, not {text}")
+    return value
+
+
+def with_default(help_text: str, default: Any) -> str:
+    """A flag's help ending in its default, unless the help already says in words what the default is (as
+    "(default: one per node)", which says more than "None")."""
+    return help_text if "(default" in help_text else f"{help_text} (default: {default})"
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """One `--field-name` flag per dataclass field of `cls`."""
+    """One `--field-name` flag per dataclass field of `cls`; a float field's flag takes finite numbers only."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__)
     for field in dataclasses.fields(cls):
@@ -46,11 +64,11 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple
             continue
         group.add_argument(
             flag,
-            type=kind,
+            type=finite_float if kind is float else kind,
             default=field.default,
             choices=field.metadata.get("choices"),
             metavar=field.metadata.get("metavar"),
-            help=f"{help_text} (default: {field.default})",
+            help=with_default(help_text, field.default),
         )
 
 
