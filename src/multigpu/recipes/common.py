@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,7 +20,6 @@ from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
 from multigpu.engine.monitor import peak_memory_bytes
 from multigpu.launch.launcher import LaunchConfig, launch
-from multigpu.strategies import DeepSpeedOptions
 
 
 class RunDir(Protocol):
@@ -40,19 +39,7 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
         return 0
     named_gpus = [part for part in (config.gpu_ids or "").split(",") if part.strip()]
     nproc = config.nproc or len(named_gpus) or 1
-    options = asdict(DeepSpeedOptions.of(config))
-    engine_config = EngineConfig(
-        strategy=config.multi_gpu,
-        precision=config.precision,
-        unsharded_grad_accum=config.unsharded_grad_accum,
-        replicate=config.replicate,
-        tp_size=config.tp_size,
-        **model_parallel_options(config),
-        log_dir=config.save_dir,
-        log_to=config.log_to,  # an unknown tracker is refused here, before any process starts
-        **options,
-    )
-    start.check(engine_config, nproc)
+    start.check(EngineConfig(**engine_settings(config)), nproc)
     check(config)
     restarts = getattr(config, "max_restarts", 0)
     if nproc == 1 and config.gpu_ids is None and restarts == 0:
@@ -75,10 +62,13 @@ def as_launched(config: Any) -> Any:
     return replace(config, **launch)
 
 
-def model_parallel_options(config: Any) -> dict[str, Any]:
-    """The pipeline and sequence-parallel settings of a recipe whose config has them (finetune), for its Engine."""
-    names = ("pp_size", "pp_schedule", "pp_stages_per_rank", "pp_microbatches", "sequence_parallel")
-    return {name: getattr(config, name) for name in names if hasattr(config, name)}
+def engine_settings(config: Any) -> dict[str, Any]:
+    """The Engine settings of a recipe's config (TrainConfig, FinetuneConfig): every EngineConfig field it has,
+    with --multi-gpu as the strategy and --save-dir for the logs. The check before launching (run_recipe) and the
+    workers' Engine (recipe_engine) both take them from here, so EngineConfig refuses a bad one before any worker
+    starts."""
+    names = [field.name for field in fields(EngineConfig) if hasattr(config, field.name)]
+    return {name: getattr(config, name) for name in names} | {"strategy": config.multi_gpu, "log_dir": config.save_dir}
 
 
 def resolve_resume(config: RunDir, say: Callable[[str], None] = print) -> Path | None:
@@ -103,27 +93,9 @@ def resolve_resume(config: RunDir, say: Callable[[str], None] = print) -> Path |
 
 
 # -- in the training loop --------------------------------------------------------------------------------------
-def recipe_engine(config: Any, **settings: Any) -> Engine:
-    """The Engine of a recipe's config (TrainConfig, FinetuneConfig), logging into its --save-dir; `settings`:
-    the Engine settings that only some recipes have."""
-    return Engine(
-        strategy=config.multi_gpu,
-        precision=config.precision,
-        grad_accum_steps=config.grad_accum_steps,
-        unsharded_grad_accum=config.unsharded_grad_accum,
-        replicate=config.replicate,
-        tp_size=config.tp_size,
-        **model_parallel_options(config),
-        seed=config.seed,
-        timeout_s=config.timeout_s,
-        log_every=config.log_every,
-        peak_tflops=config.peak_tflops,
-        log_dir=config.save_dir,
-        log_to=config.log_to,
-        run_name=config.run_name,
-        **asdict(DeepSpeedOptions.of(config)),
-        **settings,
-    )
+def recipe_engine(config: Any) -> Engine:
+    """The Engine of a recipe's config (TrainConfig, FinetuneConfig), logging into its --save-dir."""
+    return Engine(**engine_settings(config))
 
 
 def step_checkpoint(save_dir: str | Path, step: int) -> Path:
