@@ -19,7 +19,7 @@ from multigpu.engine import checkpoint, start
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
 from multigpu.engine.monitor import peak_memory_bytes
-from multigpu.launch.launcher import LaunchConfig, launch
+from multigpu.launch.launcher import LaunchConfig, launch, select_gpus
 
 
 class RunDir(Protocol):
@@ -32,20 +32,24 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
     """Runs a recipe in this process (under a launcher already, or 1 process), or launches --nproc of `module`.
 
     `config` is a recipe's (TrainConfig, FinetuneConfig); `check(config)` refuses its bad input before anything
-    starts, as the Engine's settings are refused here, so that a mistake is one line rather than one per worker.
+    starts, as the GPUs named and the Engine's settings are refused here, so that a mistake is one line rather
+    than one per worker.
     """
     if "RANK" in os.environ:  # already under torchrun / multigpu run / accelerate launch
         run(as_launched(config))
         return 0
+    # dp drives every GPU named from one process; the others run a process per GPU.
     named_gpus = [part for part in (config.gpu_ids or "").split(",") if part.strip()]
-    nproc = config.nproc or len(named_gpus) or 1
+    nproc = config.nproc or (1 if config.multi_gpu == "dp" else len(named_gpus)) or 1
+    restarts = getattr(config, "max_restarts", 0)
+    launch_config = LaunchConfig(nproc=nproc, gpu_ids=config.gpu_ids, max_restarts=restarts)
+    if config.gpu_ids is not None:  # GPUs that are not there, before the strategies count them
+        select_gpus(launch_config, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
     start.check(EngineConfig(**engine_settings(config)), nproc)
     check(config)
-    restarts = getattr(config, "max_restarts", 0)
     if nproc == 1 and config.gpu_ids is None and restarts == 0:
         run(config)
         return 0
-    launch_config = LaunchConfig(nproc=nproc, gpu_ids=config.gpu_ids, max_restarts=restarts)
     # torchrun would take --nproc and --max-restarts for its own; the workers read them from it (as_launched).
     argv = config_to_argv(config, skip=("nproc", "max_restarts"))
     return launch(launch_config, [module, *argv], module=True)
