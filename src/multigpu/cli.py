@@ -5,6 +5,7 @@ becomes one line and exit code 2 in `multigpu.core.errors.exit_on_usage_error`."
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import sys
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from typing import Any
 from multigpu import __version__
 from multigpu.core import config_file
 from multigpu.core.config import Parser, add_config_arguments, config_from_args, finite_float
-from multigpu.core.errors import UsageError, exit_on_usage_error
+from multigpu.core.errors import UsageError, exit_on_usage_error, shown_path
 from multigpu.engine.config import EngineConfig
 from multigpu.launch import stop
 from multigpu.launch.launcher import LaunchConfig, launch
@@ -331,7 +332,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_verb(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     args = config_file.parse_args(parser, argv)
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except OSError as error:
+        # A path given longer than the file system takes, wherever a verb first touches it (the readers that
+        # check their paths name the flag as well).
+        if error.errno != errno.ENAMETOOLONG:
+            raise
+        raise UsageError(
+            f"The path {shown_path(error.filename)} is longer than the file system allows ({error.strerror}); "
+            "pass a shorter one."
+        ) from None
 
 
 if __name__ == "__main__":

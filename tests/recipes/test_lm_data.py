@@ -164,6 +164,10 @@ def test_long_answer_is_truncated_to_seq_len(tokenizer: Any, tmp_path: Path) -> 
         ([RECORDS[0], {"instruction": "word " * 300, "output": "x"}], "line 2: its prompt fills --seq-len 128"),
         ([RECORDS[0]], "too few to validate"),
         (["", "  "], "has no records"),
+        # Half of a surrogate pair: json reads it into a string that the tokenizer refuses with a TypeError.
+        ([RECORDS[0], '{"instruction": "a\\ud800b", "output": "x"}'], r"line 2 holds \\ud800, half of a UTF-16"),
+        ([RECORDS[0], '{"instruction": "a", "output": "\\udfff"}'], r"line 2 holds \\udfff, half of a UTF-16"),
+        ([RECORDS[0], '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"], "line 2 nests lists or objects deeper than"),
     ],
 )
 def test_bad_records(tokenizer: Any, tmp_path: Path, lines: list[Any], message: str) -> None:
@@ -172,13 +176,18 @@ def test_bad_records(tokenizer: Any, tmp_path: Path, lines: list[Any], message: 
         lm_data.load(str(path), tokenizer, 128)
 
 
+def test_a_whole_surrogate_pair_is_one_character(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "emoji.jsonl", ['{"instruction": "smile \\ud83d\\ude00", "output": "\\u00e9"}'])
+    assert lm_data.load_corpus(str(path)).items[0][1][0]["content"] == "smile \U0001f600"
+
+
 def test_bad_sources(tokenizer: Any, tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="does not exist"):
         lm_data.load(str(tmp_path / "missing.txt"), tokenizer, 128)
     with pytest.raises(UsageError, match=r"is not shakespeare, a \.txt file or a \.jsonl file"):
         lm_data.load("shakespear", tokenizer, 128)
-    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
-    with pytest.raises(UsageError, match="not UTF-8"):
+    (tmp_path / "latin1.txt").write_bytes("tea\ncaf\xe9 au lait".encode("latin-1"))
+    with pytest.raises(UsageError, match=r"latin1\.txt line 2 is not UTF-8 \(invalid continuation byte at byte 7\)"):
         lm_data.load(str(tmp_path / "latin1.txt"), tokenizer, 128)
     (tmp_path / "short.txt").write_text("Too short for two blocks.")
     with pytest.raises(UsageError, match="too few to validate"):

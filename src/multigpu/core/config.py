@@ -11,7 +11,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar
 
-from multigpu.core.errors import UsageError
+from multigpu.core.errors import UsageError, shown_path
 
 T = TypeVar("T")
 
@@ -103,9 +103,13 @@ def check_path(
     """`path` if it is the file or directory expected; else one sentence: that it does not exist (and `advice`),
     or what it is instead and what was expected (`what`, e.g. "a JSONL file of prompts")."""
     path = Path(path)
-    if path.is_file() if expect == "file" else path.is_dir():
-        return path
     name = f"{flag} {path}" if flag else str(path)
+    try:
+        if path.is_file() if expect == "file" else path.is_dir():
+            return path
+    except OSError as error:  # a name longer than the file system takes (ENAMETOOLONG), a loop of links, ...
+        shown = f"{flag} {shown_path(path)}" if flag else shown_path(path)
+        raise UsageError(f"{shown} cannot be looked up ({error.strerror}); pass another path.") from None
     if not path.exists():
         raise UsageError(f"{name} does not exist; {advice}.")
     found = "a directory" if path.is_dir() else "a file" if path.is_file() else "neither a file nor a directory"
@@ -118,13 +122,15 @@ def read_json(path: str | Path, how_to_get_it: str, flag: str = "", what: str = 
     path = check_path(path, "file", flag, what, how_to_get_it)
     try:
         data = json.loads(path.read_text("utf-8"))
+        found = _non_finite(data, "")
     except UnicodeDecodeError as error:
         raise UsageError(f"{path} is not UTF-8 text ({error.reason} at byte {error.start}); pass {what}.") from None
     except json.JSONDecodeError as error:
         raise UsageError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}); fix it.") from None
     except OSError as error:
         raise UsageError(f"{path} cannot be read ({error.strerror}); {how_to_get_it}.") from None
-    found = _non_finite(data, "")
+    except RecursionError:  # from the reader, or from the walk over what it read
+        raise UsageError(f"{path} nests lists or objects deeper than Python can follow; pass {what}.") from None
     if found is not None:
         key, value = found
         raise UsageError(

@@ -175,15 +175,20 @@ def convert(action: argparse.Action, value: Any, where: str) -> Any:
 # -- reading ---------------------------------------------------------------------------------------------------
 class UniqueKeyLoader(yaml.SafeLoader):
     """yaml.safe_load's loader, refusing a key given twice, where safe_load keeps the last silently (as TOML
-    refuses it)."""
+    refuses it), and a key that is a list or mapping, which names no setting. Refused before it is built: one
+    built from aliases of aliases (a "billion laughs" of a few hundred bytes) would take minutes to compare."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: list[Any] = []  # a list: a YAML key may be unhashable, which the base class then refuses
+        seen = set()
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise yaml.constructor.ConstructorError(
+                    None, None, "found a list or mapping as a key, where a name is expected", key_node.start_mark
+                )
+            key = self.construct_object(key_node)
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"found {key!r} twice", key_node.start_mark)
-            seen.append(key)
+            seen.add(key)
         return super().construct_mapping(node, deep)
 
 
@@ -209,13 +214,15 @@ def read_mapping(path: str | Path, verb: str) -> dict[Any, Any]:
         raise UsageError(f"--config {path} cannot be read ({error.strerror}); fix its permissions.") from None
     except UnicodeDecodeError as error:
         raise UsageError(f"--config {path} is not UTF-8 text ({error.reason} at byte {error.start}); fix it.") from None
-    if fmt == "toml":
-        try:
-            return tomllib.loads(text)
-        except tomllib.TOMLDecodeError as error:
-            raise UsageError(f"--config {path} is not valid TOML ({error}); fix it.") from None
     try:
-        data = yaml.load(text, Loader=UniqueKeyLoader)
+        data = tomllib.loads(text) if fmt == "toml" else yaml.load(text, Loader=UniqueKeyLoader)
+    except RecursionError:
+        raise UsageError(
+            f"--config {path} nests lists or mappings deeper than its reader can follow; a config file holds one "
+            "`key: value` per setting, so flatten it."
+        ) from None
+    except tomllib.TOMLDecodeError as error:
+        raise UsageError(f"--config {path} is not valid TOML ({error}); fix it.") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
