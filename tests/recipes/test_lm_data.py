@@ -143,6 +143,18 @@ def test_chat_and_instruction_records(tokenizer: Any, tmp_path: Path) -> None:
         assert batch["attention_mask"][row].tolist() == [1] * n + [0] * (max(lengths) - n)
 
 
+def test_a_batch_pads_to_a_multiple_for_sequence_parallelism() -> None:
+    """Under sequence parallelism every tp process takes an equal slice of the positions: finetune pads each
+    batch to a multiple of tp, the padding masked out of attention (mask 0) and the loss (label -100)."""
+    samples = [{"input_ids": torch.arange(1, n + 1), "labels": torch.arange(2, n + 2)} for n in (5, 3)]
+    batch = lm_data.collate(samples, pad_id=0, multiple=4)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 0, 0, 0], [1, 2, 3, 0, 0, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[2, 3, 4, 5, 6] + [-100] * 3, [2, 3, 4] + [-100] * 5]
+    assert batch["attention_mask"].tolist() == [[1] * 5 + [0] * 3, [1] * 3 + [0] * 5]
+    assert lm_data.collate(samples, pad_id=0, multiple=5)["input_ids"].shape == (2, 5)  # a multiple already
+    assert lm_data.collate(samples, pad_id=0)["input_ids"].shape == (2, 5)
+
+
 def test_long_answer_is_truncated_to_seq_len(tokenizer: Any, tmp_path: Path) -> None:
     long = {"instruction": "Count.", "output": " ".join(str(i) for i in range(200))}
     data = lm_data.load(str(write_jsonl(tmp_path / "long.jsonl", [long, long])), tokenizer, 64, 0.5)

@@ -238,7 +238,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     engine = recipe_engine(config)
     engine.log_config(asdict(config))
     model, optimizer, tokenizer, data = build(config, engine)
-    collate = functools.partial(lm_data.collate, pad_id=tokenizer.pad_token_id)
+    collate = functools.partial(lm_data.collate, pad_id=tokenizer.pad_token_id, multiple=engine.sequence_multiple)
     train_loader = engine.dataloader(data.train, batch_size=config.batch_size, collate_fn=collate)
     val_loader = engine.dataloader(data.validation, batch_size=config.batch_size, shuffle=False, collate_fn=collate)
     # The schedule and --max-steps are planned in samples at the start (those of that many steps at this world

@@ -96,9 +96,12 @@ def load(spec: str, tokenizer: Any, seq_len: int, validation_fraction: float = 0
     return LMData(train, validation, payload["kind"], payload["source"], targets, pad_id, path, from_cache)
 
 
-def collate(samples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pads a batch: input_ids with pad_id, labels with -100, and an attention_mask of 1 on real tokens."""
-    input_ids = torch.full((len(samples), max(len(s["input_ids"]) for s in samples)), pad_id, dtype=torch.long)
+def collate(samples: list[dict[str, torch.Tensor]], pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Right-pads a batch to its longest sample, rounded up to a `multiple` (sequence parallelism splits the
+    positions over that many processes): input_ids with pad_id, labels with -100, and an attention_mask of 1 on
+    real tokens. Right padding changes nothing a real token sees: causal attention looks only backwards."""
+    longest = max(len(s["input_ids"]) for s in samples)
+    input_ids = torch.full((len(samples), -(-longest // multiple) * multiple), pad_id, dtype=torch.long)
     labels, attention_mask = torch.full_like(input_ids, IGNORE), torch.zeros_like(input_ids)
     for row, sample in enumerate(samples):
         n = len(sample["input_ids"])
