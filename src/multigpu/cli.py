@@ -5,6 +5,7 @@ becomes one line and exit code 2 in `multigpu.core.errors.exit_on_usage_error`."
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import sys
 from collections.abc import Callable
@@ -14,8 +15,8 @@ from typing import Any
 
 from multigpu import __version__
 from multigpu.core import config_file
-from multigpu.core.config import Parser, add_config_arguments, config_from_args
-from multigpu.core.errors import UsageError, exit_on_usage_error
+from multigpu.core.config import Parser, add_config_arguments, config_from_args, finite_float
+from multigpu.core.errors import UsageError, exit_on_usage_error, shown_path
 from multigpu.engine.config import EngineConfig
 from multigpu.launch import stop
 from multigpu.launch.launcher import LaunchConfig, launch
@@ -222,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         "every strategy, without loading weights; recommend the fastest that fits.",
     )
     plan.add_argument("--model", help=f"a built-in ({', '.join(BUILTIN)}), a config.json, or a directory with one")
-    plan.add_argument("--params", type=float, help="parameter count instead of --model, e.g. 7e9")
+    plan.add_argument("--params", type=finite_float, help="parameter count instead of --model, e.g. 7e9")
     for dim in ("layers", "hidden", "heads", "vocab"):
         plan.add_argument(f"--{dim}", type=int, help=f"with --params: the transformer's {dim} (for activations)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -235,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Check this machine before a run; exits 1 with advice when something is wrong.",
     )
     env.add_argument("--nproc", type=int, default=2, help="processes for the all-reduce smoke test (default: 2)")
-    env.add_argument("--size-mb", type=float, default=64, help="all-reduce message size in MB (default: 64)")
+    env.add_argument("--size-mb", type=finite_float, default=64, help="all-reduce message size in MB (default: 64)")
     env.add_argument("--iterations", type=int, default=10, help="timed all-reduces (default: 10)")
     env.add_argument("--json", action="store_true", help="print the findings as JSON")
     env.set_defaults(handler=cmd_env)
@@ -337,7 +338,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_verb(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     args = config_file.parse_args(parser, argv)
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except OSError as error:
+        # A path given longer than the file system takes, wherever a verb first touches it (the readers that
+        # check their paths name the flag as well).
+        if error.errno != errno.ENAMETOOLONG:
+            raise
+        raise UsageError(
+            f"The path {shown_path(error.filename)} is longer than the file system allows ({error.strerror}); "
+            "pass a shorter one."
+        ) from None
 
 
 if __name__ == "__main__":

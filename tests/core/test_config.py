@@ -31,6 +31,11 @@ def test_check_path_says_what_the_path_is_and_what_was_expected(tmp_path: Path) 
         f"--x {tmp_path / 'none'} does not exist; write it first."
     )
     assert refusal(check_path, "/dev/null", "file", "--x").startswith("--x /dev/null is neither a file nor a directory")
+    long = tmp_path / ("x" * 300)  # a name longer than any Linux file system takes (ENAMETOOLONG)
+    assert refusal(check_path, long, "file", "--x") == (
+        f"--x {str(long)[:60]}[...] ({len(str(long))} characters) cannot be looked up (File name too long); "
+        "pass another path."
+    )
 
 
 @pytest.mark.parametrize(
@@ -56,6 +61,10 @@ def test_read_json_refuses_what_is_not_json_text(tmp_path: Path) -> None:
     )
     assert refusal(read_json, tmp_path, "make it", "--bench", "a bench.json") == (
         f"--bench {tmp_path} is a directory, but a bench.json is expected; pass the file's path."
+    )
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert refusal(read_json, tmp_path / "deep.json", "make it", what="a bench.json") == (
+        f"{tmp_path / 'deep.json'} nests lists or objects deeper than Python can follow; pass a bench.json."
     )
     (tmp_path / "ok.json").write_text('{"a": [1.5, null, true, "NaN"]}')
     assert read_json(tmp_path / "ok.json", "make it") == {"a": [1.5, None, True, "NaN"]}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import time
 from pathlib import Path
 
 import pytest
@@ -120,8 +121,12 @@ def test_a_wrong_key_exits_2_with_one_line(tmp_path: Path, capsys: pytest.Captur
         ("grad_accum_steps: 2.5", "2.5", "an integer"),
         ("grad_accum_steps: true", "true", "an integer"),
         ("grad_accum_steps: null", "null", "an integer"),  # null only where the default is None
-        ("lr: abc", '"abc"', "a number"),
-        ("lr: false", "false", "a number"),
+        ("lr: abc", '"abc"', "a finite number"),
+        ("lr: false", "false", "a finite number"),
+        ("lr: .nan", "nan", "a finite number"),  # YAML's NaN and infinities, which float() would take
+        ("timeout_s: .inf", "inf", "a finite number"),
+        ("max_grad_norm: -.inf", "-inf", "a finite number or null"),
+        ("warmup_epochs: 1e999", '"1e999"', "a finite number"),  # float("1e999") is inf
         ("async_save: 1", "1", "true or false"),
         ('async_save: "true"', '"true"', "true or false"),
         ("multi_gpu: fsdp3", '"fsdp3"', 'one of "auto", "single"'),
@@ -172,6 +177,10 @@ def test_values_convert_as_the_command_line_would(tmp_path: Path) -> None:
         ("list.yaml", "- 1\n- 2\n", "--config {path} holds a list at the top level, but a mapping of settings"),
         ("text.yaml", "epochs\n", '--config {path} holds "epochs" at the top level'),
         ("latin.yaml", b"data: caf\xe9\n", "--config {path} is not UTF-8 text"),
+        # Lists in lists, in block style: flow style ([[[...) costs PyYAML's scanner seconds before it fails.
+        ("deep.yaml", "a:\n" + "- " * 1500 + "x\n", "--config {path} nests lists or mappings deeper than"),
+        ("deep.toml", "a = " + "[" * 1500 + "]" * 1500, "--config {path} nests lists or mappings deeper than"),
+        ("x" * 300 + ".yaml", None, "cannot be looked up (File name too long); pass another path."),
     ],
 )
 def test_a_file_that_cannot_be_read_is_one_sentence(tmp_path: Path, name: str, content, message: str) -> None:
@@ -185,6 +194,28 @@ def test_a_file_that_cannot_be_read_is_one_sentence(tmp_path: Path, name: str, c
     got = refusal(parse_args, build_parser(), ["train", "--config", str(path)])
     assert message.format(path=path) in got
     assert got.count(". ") == 0 and got.endswith(".")  # one sentence
+
+
+def alias_chain(name: str, levels: int, width: int = 9) -> str:
+    """YAML lists of `width` aliases of the list before: the last one expands to width**levels strings."""
+    lines = [f"{name}0: &{name}0 [{', '.join(['lol'] * width)}]"]
+    lines += [f"{name}{i}: &{name}{i} [{', '.join([f'*{name}{i - 1}'] * width)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+def test_keys_built_of_aliases_are_refused_at_once(tmp_path: Path) -> None:
+    """Two equal keys built from separate chains of aliases: comparing them walks 9**8 strings (a minute or two,
+    and the message's repr of the key as long again), though the file has fewer than 900 bytes."""
+    text = alias_chain("a", 8) + alias_chain("b", 8) + "? [*a7]\n: 1\n? [*b7]\n: 2\n"
+    path = write(tmp_path / "laughs.yaml", text)
+    assert len(text.encode()) < 900
+    start = time.perf_counter()
+    got = refusal(parse_args, build_parser(), ["train", "--config", str(path)])
+    assert time.perf_counter() - start < 2
+    assert got == (
+        f"--config {path} is not valid YAML (found a list or mapping as a key, where a name is expected at line 17, "
+        "column 3); fix it."
+    )
 
 
 def test_an_empty_yaml_file_sets_nothing(tmp_path: Path) -> None:

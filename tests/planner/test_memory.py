@@ -127,7 +127,7 @@ def test_json_output(capsys: pytest.CaptureFixture) -> None:
     [
         (["--model", "/no/such/model"], "--model /no/such/model does not exist; pass a built-in (llama-2-7b"),
         (["--params=-7e9"], "--params must be positive"),
-        (["--params", "nan"], "--params must be positive and finite (got nan)"),
+        (["--params", "nan"], "argument --params: takes a finite number, not nan"),
         (["--params", "7e9", "--layers", "32"], "--layers, --hidden, --heads and --vocab go together"),
         (["--model", "smollm2-135m", "--batch-size", "-1"], "--batch-size must be 1 or more (got -1)"),
         (["--model", "smollm2-135m", "--gpu-memory", "lots"], "Cannot read the size 'lots'"),

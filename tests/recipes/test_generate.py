@@ -211,6 +211,8 @@ def test_the_device_map_loader_gives_the_same_outputs(tiny: Path, reference: lis
         ('{"messages": [{"role": "user"}]}\n', 'every message needs a "role" and a "content"'),
         ('{"messages": []}\n', '"messages" must be a non-empty list'),
         ("\n\n", "has no records"),
+        ('{"prompt": "fine"}\n{"prompt": "x\\ud800"}\n', r"line 2 holds \\ud800, half of a UTF-16 surrogate pair"),
+        ('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}\n", "line 1 nests lists or objects deeper than"),
     ],
 )
 def test_bad_prompt_lines_are_refused_by_line(tmp_path: Path, content: str, message: str) -> None:

@@ -143,6 +143,18 @@ def test_chat_and_instruction_records(tokenizer: Any, tmp_path: Path) -> None:
         assert batch["attention_mask"][row].tolist() == [1] * n + [0] * (max(lengths) - n)
 
 
+def test_a_batch_pads_to_a_multiple_for_sequence_parallelism() -> None:
+    """Under sequence parallelism every tp process takes an equal slice of the positions: finetune pads each
+    batch to a multiple of tp, the padding masked out of attention (mask 0) and the loss (label -100)."""
+    samples = [{"input_ids": torch.arange(1, n + 1), "labels": torch.arange(2, n + 2)} for n in (5, 3)]
+    batch = lm_data.collate(samples, pad_id=0, multiple=4)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 0, 0, 0], [1, 2, 3, 0, 0, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[2, 3, 4, 5, 6] + [-100] * 3, [2, 3, 4] + [-100] * 5]
+    assert batch["attention_mask"].tolist() == [[1] * 5 + [0] * 3, [1] * 3 + [0] * 5]
+    assert lm_data.collate(samples, pad_id=0, multiple=5)["input_ids"].shape == (2, 5)  # a multiple already
+    assert lm_data.collate(samples, pad_id=0)["input_ids"].shape == (2, 5)
+
+
 def test_long_answer_is_truncated_to_seq_len(tokenizer: Any, tmp_path: Path) -> None:
     long = {"instruction": "Count.", "output": " ".join(str(i) for i in range(200))}
     data = lm_data.load(str(write_jsonl(tmp_path / "long.jsonl", [long, long])), tokenizer, 64, 0.5)
@@ -164,6 +176,10 @@ def test_long_answer_is_truncated_to_seq_len(tokenizer: Any, tmp_path: Path) -> 
         ([RECORDS[0], {"instruction": "word " * 300, "output": "x"}], "line 2: its prompt fills --seq-len 128"),
         ([RECORDS[0]], "too few to validate"),
         (["", "  "], "has no records"),
+        # Half of a surrogate pair: json reads it into a string that the tokenizer refuses with a TypeError.
+        ([RECORDS[0], '{"instruction": "a\\ud800b", "output": "x"}'], r"line 2 holds \\ud800, half of a UTF-16"),
+        ([RECORDS[0], '{"instruction": "a", "output": "\\udfff"}'], r"line 2 holds \\udfff, half of a UTF-16"),
+        ([RECORDS[0], '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"], "line 2 nests lists or objects deeper than"),
     ],
 )
 def test_bad_records(tokenizer: Any, tmp_path: Path, lines: list[Any], message: str) -> None:
@@ -172,13 +188,18 @@ def test_bad_records(tokenizer: Any, tmp_path: Path, lines: list[Any], message: 
         lm_data.load(str(path), tokenizer, 128)
 
 
+def test_a_whole_surrogate_pair_is_one_character(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "emoji.jsonl", ['{"instruction": "smile \\ud83d\\ude00", "output": "\\u00e9"}'])
+    assert lm_data.load_corpus(str(path)).items[0][1][0]["content"] == "smile \U0001f600"
+
+
 def test_bad_sources(tokenizer: Any, tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="does not exist"):
         lm_data.load(str(tmp_path / "missing.txt"), tokenizer, 128)
     with pytest.raises(UsageError, match=r"is not shakespeare, a \.txt file or a \.jsonl file"):
         lm_data.load("shakespear", tokenizer, 128)
-    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
-    with pytest.raises(UsageError, match="not UTF-8"):
+    (tmp_path / "latin1.txt").write_bytes("tea\ncaf\xe9 au lait".encode("latin-1"))
+    with pytest.raises(UsageError, match=r"latin1\.txt line 2 is not UTF-8 \(invalid continuation byte at byte 7\)"):
         lm_data.load(str(tmp_path / "latin1.txt"), tokenizer, 128)
     (tmp_path / "short.txt").write_text("Too short for two blocks.")
     with pytest.raises(UsageError, match="too few to validate"):

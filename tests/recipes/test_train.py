@@ -13,11 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file
 
 from multigpu.cli import main
 from multigpu.engine import checkpoint
+from multigpu.launch import launcher
 from multigpu.recipes.activity_data import HAR_CHANNELS
 from tests.dist import multigpu
 
@@ -246,6 +248,37 @@ def test_bad_input(har: Path, tmp_path: Path, args: list[str], message: str, cap
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+@pytest.mark.parametrize("strategy", ["dp", "ddp"])
+def test_gpu_ids_of_gpus_that_are_not_there_are_named_before_anything_starts(
+    strategy: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """dp once said "Strategy single runs in one process, but 2 were launched", where nothing was launched."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"})
+    monkeypatch.setattr(launcher, "torch_run", lambda args: pytest.fail("workers were started"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--multi-gpu", strategy, "--gpu-ids", "0,1", "--save-dir", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "multigpu: error: --gpu-ids 0,1 names GPUs that are not present (this machine has 0: none); choose among "
+        "those.\n"
+    )
+
+
+def test_dp_on_the_gpus_named_is_one_process_that_drives_them(
+    har: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    # launch() writes the environment; a copy keeps that from leaking into other tests.
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"})
+    monkeypatch.setattr(
+        launcher, "torch_run", lambda args: started.append((args.nproc_per_node, os.environ["CUDA_VISIBLE_DEVICES"]))
+    )
+    assert main(train_args(har, tmp_path / "run", "--multi-gpu", "dp", "--gpu-ids", "1,0")) == 0
+    assert started == [("1", "1,0")]
 
 
 def test_wrong_layout_names_the_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist import multigpu, run_in_processes
-from tests.recipes.test_finetune import write_text
+from tests.recipes.test_finetune import write_chat, write_text
 
 GLOBAL_BATCH, STEPS = 4, 4
 # The first test sets up the three launches (420 s each at most, their own limit): about 250 s here, near the
@@ -28,6 +28,7 @@ pytestmark = pytest.mark.timeout(1300)
 # recipe matrix uses (tests/recipes/test_matrix.py).
 TOLERANCE = {"32": 1e-4, "bf16-mixed": 2e-2}
 
+CHAT = {"data": "chat.jsonl", "seq_len": 64}
 # name -> (processes, settings); batch_size is per data-parallel rank, so that every global batch is 4.
 CELLS: dict[str, tuple[int, dict]] = {
     "single-32": (1, {"multi_gpu": "single"}),
@@ -42,8 +43,11 @@ CELLS: dict[str, tuple[int, dict]] = {
     "single-lora": (1, {"multi_gpu": "single", "method": "lora"}),
     "tp-lora": (2, {"multi_gpu": "tp", "method": "lora"}),
     "zero3-x-tp-lora": (4, {"multi_gpu": "zero3", "tp_size": 2, "batch_size": 2, "method": "lora"}),
-    # Sequence parallelism: the norms and the residual stream split by position as well.
-    "tp-sequence-parallel": (2, {"multi_gpu": "tp", "sequence_parallel": True}),
+    # Sequence parallelism: the norms and the residual stream split by position as well. On chat records of 36
+    # to 49 tokens (the validation one: 39), batched to their longest: each batch is padded to a multiple of tp,
+    # masked out of attention and the loss, so the loss is one process's on the same records.
+    "single-chat": (1, {"multi_gpu": "single", **CHAT}),
+    "tp-sequence-parallel": (2, {"multi_gpu": "tp", "sequence_parallel": True, **CHAT}),
     "tp-sequence-parallel-bf16-mixed": (2, {"multi_gpu": "tp", "sequence_parallel": True, "precision": "bf16-mixed"}),
     "tp-sequence-parallel-lora": (2, {"multi_gpu": "tp", "sequence_parallel": True, "method": "lora"}),
     "zero3-x-tp-sequence-parallel": (
@@ -89,10 +93,8 @@ def run_cells(workdir: str, runs: list[tuple[str, dict]]) -> dict:
         options = {"batch_size": GLOBAL_BATCH, "max_steps": STEPS, "resume": "none", "method": "full", **settings}
         if options["resume"] != "none":
             options["resume"] = str(Path(workdir) / options["resume"])
-        config = FinetuneConfig(
-            model="tiny", data=str(Path(workdir) / "text.txt"), seq_len=32, lr=3e-3, log_every=0,
-            save_dir=str(Path(workdir) / name), **options,
-        )  # fmt: skip
+        options = {"seq_len": 32, **options, "data": str(Path(workdir) / options.get("data", "text.txt"))}
+        config = FinetuneConfig(model="tiny", lr=3e-3, log_every=0, save_dir=str(Path(workdir) / name), **options)
         result = finetune(config)
         inner = "model." if options["method"] == "full" else "base_model.model.model."
         rows, norm_on_tp = None, None  # a later pipeline stage holds no layer 0; rank 0's figures are compared
@@ -124,6 +126,7 @@ def runs_on(processes: int) -> list[tuple[str, dict]]:
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     workdir = tmp_path_factory.mktemp("tp")
     write_text(workdir / "text.txt")
+    write_chat(workdir / "chat.jsonl")
     found: dict = {}
     for processes in (4, 2, 1):  # the order the checkpoints of MOVES are written and read
         ranks = run_in_processes(
@@ -142,7 +145,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_each_layout_reaches_the_one_process_validation_loss(results: dict, name: str) -> None:
     precision = CELLS[name][1].get("precision", "32")
     lora = CELLS[name][1].get("method") == "lora"
-    reference, found = results["single-lora" if lora else f"single-{precision}"], results[name]
+    chat = CELLS[name][1].get("data") == CHAT["data"]
+    reference = results["single-chat" if chat else "single-lora" if lora else f"single-{precision}"]
+    found = results[name]
     assert found["val_loss"][0] == pytest.approx(reference["val_loss"][0], rel=TOLERANCE[precision])
     assert found["val_loss"][1] == pytest.approx(reference["val_loss"][1], rel=TOLERANCE[precision])
     assert reference["val_loss"][1] < reference["val_loss"][0] - 0.05  # the steps changed the model

@@ -11,7 +11,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar
 
-from multigpu.core.errors import UsageError
+from multigpu.core.errors import UsageError, shown_path
 
 T = TypeVar("T")
 
@@ -31,8 +31,26 @@ def _base_type(annotation: Any) -> type:
     return annotation
 
 
+def finite_float(text: str | float) -> float:
+    """The type of every float flag: a number, and a finite one. float() also reads nan and inf, which no setting
+    means: nan passes every range check (each comparison is false) and inf overflows what it reaches."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a number, not {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"takes a finite number, not {text}")
+    return value
+
+
+def with_default(help_text: str, default: Any) -> str:
+    """A flag's help ending in its default, unless the help already says in words what the default is (as
+    "(default: one per node)", which says more than "None")."""
+    return help_text if "(default" in help_text else f"{help_text} (default: {default})"
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """One `--field-name` flag per dataclass field of `cls`."""
+    """One `--field-name` flag per dataclass field of `cls`; a float field's flag takes finite numbers only."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__)
     for field in dataclasses.fields(cls):
@@ -46,11 +64,11 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple
             continue
         group.add_argument(
             flag,
-            type=kind,
+            type=finite_float if kind is float else kind,
             default=field.default,
             choices=field.metadata.get("choices"),
             metavar=field.metadata.get("metavar"),
-            help=f"{help_text} (default: {field.default})",
+            help=with_default(help_text, field.default),
         )
 
 
@@ -85,9 +103,13 @@ def check_path(
     """`path` if it is the file or directory expected; else one sentence: that it does not exist (and `advice`),
     or what it is instead and what was expected (`what`, e.g. "a JSONL file of prompts")."""
     path = Path(path)
-    if path.is_file() if expect == "file" else path.is_dir():
-        return path
     name = f"{flag} {path}" if flag else str(path)
+    try:
+        if path.is_file() if expect == "file" else path.is_dir():
+            return path
+    except OSError as error:  # a name longer than the file system takes (ENAMETOOLONG), a loop of links, ...
+        shown = f"{flag} {shown_path(path)}" if flag else shown_path(path)
+        raise UsageError(f"{shown} cannot be looked up ({error.strerror}); pass another path.") from None
     if not path.exists():
         raise UsageError(f"{name} does not exist; {advice}.")
     found = "a directory" if path.is_dir() else "a file" if path.is_file() else "neither a file nor a directory"
@@ -100,13 +122,15 @@ def read_json(path: str | Path, how_to_get_it: str, flag: str = "", what: str = 
     path = check_path(path, "file", flag, what, how_to_get_it)
     try:
         data = json.loads(path.read_text("utf-8"))
+        found = _non_finite(data, "")
     except UnicodeDecodeError as error:
         raise UsageError(f"{path} is not UTF-8 text ({error.reason} at byte {error.start}); pass {what}.") from None
     except json.JSONDecodeError as error:
         raise UsageError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}); fix it.") from None
     except OSError as error:
         raise UsageError(f"{path} cannot be read ({error.strerror}); {how_to_get_it}.") from None
-    found = _non_finite(data, "")
+    except RecursionError:  # from the reader, or from the walk over what it read
+        raise UsageError(f"{path} nests lists or objects deeper than Python can follow; pass {what}.") from None
     if found is not None:
         key, value = found
         raise UsageError(

@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 import yaml
 
-from multigpu.core.config import check_path
+from multigpu.core.config import check_path, finite_float, with_default
 from multigpu.core.errors import UsageError
 
 if sys.version_info >= (3, 11):
@@ -36,7 +36,6 @@ FORMATS = {".yaml": "yaml", ".yml": "yaml", ".toml": "toml"}
 NOT_SETTINGS = ("help", "config")  # dests a file cannot set: --help, and --config itself
 # YAML 1.1 (PyYAML) reads 1e-4 and 1.5e3 as strings; a float flag takes them as the command line does.
 NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-DEFAULT_NOTE = re.compile(r"\s*\(default: [^()]*\)$")
 YES, NO = ("y", "yes", "true"), ("n", "no", "false")
 #: What `multigpu config VERB` asks, where VERB has it: the settings users change most often.
 QUESTIONS = ("method", "nproc", "multi_gpu", "strategy", "precision", "batch_size", "grad_accum_steps", "save_dir")
@@ -86,7 +85,7 @@ def _kind(action: argparse.Action) -> str:
         return "bool"
     if action.nargs in ("*", "+", argparse.REMAINDER) or isinstance(action.nargs, int):
         return "list"
-    return {None: "str", str: "str", int: "int", float: "float"}.get(action.type, "text")
+    return {None: "str", str: "str", int: "int", float: "float", finite_float: "float"}.get(action.type, "text")
 
 
 def _expected(action: argparse.Action) -> str:
@@ -99,7 +98,7 @@ def _expected(action: argparse.Action) -> str:
             "bool": "true or false",
             "list": "a list of strings",
             "int": "an integer",
-            "float": "a number",
+            "float": "a finite number",
         }.get(kind, "a string")
     return text + " or null" if action.default is None else text
 
@@ -154,7 +153,10 @@ def convert(action: argparse.Action, value: Any, where: str) -> Any:
             value = float(value)
         if not isinstance(value, (int, float)):
             raise refuse()
-        value = float(value)
+        try:
+            value = finite_float(value)
+        except (argparse.ArgumentTypeError, OverflowError):  # YAML's .nan and .inf, TOML's nan and inf, 1e999
+            raise refuse() from None
     if kind in ("str", "text"):
         if isinstance(value, int):
             value = str(value)
@@ -173,15 +175,20 @@ def convert(action: argparse.Action, value: Any, where: str) -> Any:
 # -- reading ---------------------------------------------------------------------------------------------------
 class UniqueKeyLoader(yaml.SafeLoader):
     """yaml.safe_load's loader, refusing a key given twice, where safe_load keeps the last silently (as TOML
-    refuses it)."""
+    refuses it), and a key that is a list or mapping, which names no setting. Refused before it is built: one
+    built from aliases of aliases (a "billion laughs" of a few hundred bytes) would take minutes to compare."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: list[Any] = []  # a list: a YAML key may be unhashable, which the base class then refuses
+        seen = set()
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise yaml.constructor.ConstructorError(
+                    None, None, "found a list or mapping as a key, where a name is expected", key_node.start_mark
+                )
+            key = self.construct_object(key_node)
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"found {key!r} twice", key_node.start_mark)
-            seen.append(key)
+            seen.add(key)
         return super().construct_mapping(node, deep)
 
 
@@ -207,13 +214,15 @@ def read_mapping(path: str | Path, verb: str) -> dict[Any, Any]:
         raise UsageError(f"--config {path} cannot be read ({error.strerror}); fix its permissions.") from None
     except UnicodeDecodeError as error:
         raise UsageError(f"--config {path} is not UTF-8 text ({error.reason} at byte {error.start}); fix it.") from None
-    if fmt == "toml":
-        try:
-            return tomllib.loads(text)
-        except tomllib.TOMLDecodeError as error:
-            raise UsageError(f"--config {path} is not valid TOML ({error}); fix it.") from None
     try:
-        data = yaml.load(text, Loader=UniqueKeyLoader)
+        data = tomllib.loads(text) if fmt == "toml" else yaml.load(text, Loader=UniqueKeyLoader)
+    except RecursionError:
+        raise UsageError(
+            f"--config {path} nests lists or mappings deeper than its reader can follow; a config file holds one "
+            "`key: value` per setting, so flatten it."
+        ) from None
+    except tomllib.TOMLDecodeError as error:
+        raise UsageError(f"--config {path} is not valid TOML ({error}); fix it.") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -287,10 +296,10 @@ def defaults(parser: argparse.ArgumentParser) -> dict[str, Any]:
 
 
 def help_text(action: argparse.Action, prog: str = "multigpu") -> str:
-    """An action's help with argparse's %-placeholders filled in, its choices named, and without the default it
-    ends with (a file shows the value)."""
+    """An action's help with argparse's %-placeholders filled in, its choices named, and without the default value
+    it ends with (a file shows the value; a default said in words stays)."""
     params = {name: value for name, value in vars(action).items() if value is not argparse.SUPPRESS}
-    text = DEFAULT_NOTE.sub("", (action.help or "") % {**params, "prog": prog})
+    text = ((action.help or "") % {**params, "prog": prog}).removesuffix(f" (default: {action.default})")
     if action.choices is not None:
         text += "; one of " + ", ".join(str(choice) for choice in action.choices)
     return text
@@ -323,7 +332,7 @@ def render(parser: argparse.ArgumentParser, fmt: str, values: dict[str, Any], pa
         value = values.get(key, action.default)
         text = help_text(action, parser.prog)
         if value != action.default:
-            text += f" (default: {action.default})"
+            text = with_default(text, action.default)
         lines += textwrap.wrap(text, 116, initial_indent="# ", subsequent_indent="# ")
         if value is None:
             lines.append(f"# {key}: null" if fmt == "yaml" else f"# {key} = ...")

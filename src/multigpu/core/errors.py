@@ -17,6 +17,12 @@ class UsageError(ValueError):
     on_every_rank: bool = False
 
 
+def shown_path(path: object) -> str:
+    """A path as a message shows it: whole, or its start and length where it is too long to read."""
+    text = str(path)
+    return text if len(text) <= 200 else f"{text[:60]}[...] ({len(text)} characters)"
+
+
 def require(*checks: tuple[bool, str]) -> None:
     """Raises the message of the first (condition, message) pair whose condition is false."""
     for ok, message in checks:

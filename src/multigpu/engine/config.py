@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from multigpu.core.env import BACKENDS
-from multigpu.core.errors import UsageError
+from multigpu.core.errors import UsageError, require
 from multigpu.core.precision import PRECISIONS, Precision
 from multigpu.engine.trackers import parse_log_to
 from multigpu.planner.layout import PP_SCHEDULES
@@ -42,6 +43,11 @@ LOG_TO_HELP = (
     "(jsonl alone: metrics.jsonl only); wandb and mlflow need pip install 'multigpu[trackers]'"
 )
 RUN_NAME_HELP = "the run's name in W&B and MLflow (default: the name of the folder the metrics go to)"
+# The longest timeout_s. torch's process groups and stores turn the timeout into a deadline on a 64-bit clock of
+# nanoseconds, which overflows past 2**63 ns (9.2e9 s, 292 years); measured with gloo (torch 2.13): 4e9 s works,
+# 9e9 s hangs at the start, 1e10 s fails to connect. A timedelta holds at most 8.6e13 s (1e15 raises). 1e9 s
+# (about 31 years) stays well inside both.
+MAX_TIMEOUT_S = 1e9
 SYNC_BATCHNORM_HELP = (
     "convert BatchNorm to SyncBatchNorm, so every process normalises with the global batch's statistics "
     "(process-group strategies on GPUs; one process has nothing to synchronise)"
@@ -84,25 +90,47 @@ class EngineConfig(DeepSpeedOptions):
     run_name: str | None = field(default=None, metadata={"help": RUN_NAME_HELP})
 
     def __post_init__(self) -> None:
-        # Strategy names are checked where they are resolved (resolve_strategy), precisions by Precision.
+        # Strategy names are checked where they are resolved (resolve_strategy), precisions by Precision. Each
+        # range is written as what passes, so that nan, for which every comparison is false, never does.
         super().__post_init__()
         Precision(self.precision)
-        if self.grad_accum_steps < 1:
-            raise UsageError(f"grad_accum_steps must be 1 or more (got {self.grad_accum_steps}).")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise UsageError(f"max_grad_norm must be positive (got {self.max_grad_norm}); leave it unset for none.")
-        if self.tp_size is not None and self.tp_size < 1:
-            raise UsageError(f"tp_size must be 1 or more (got {self.tp_size}); leave it unset for none.")
-        if self.pp_size is not None and self.pp_size < 1:
-            raise UsageError(f"pp_size must be 1 or more (got {self.pp_size}); leave it unset for none.")
-        if self.pp_microbatches is not None and self.pp_microbatches < 1:
-            raise UsageError(f"pp_microbatches must be 1 or more (got {self.pp_microbatches}).")
-        if self.timeout_s <= 0:
-            raise UsageError(f"timeout_s must be positive (got {self.timeout_s}).")
-        if self.log_every < 0:
-            raise UsageError(f"log_every must be 0 or more (got {self.log_every}).")
-        if self.peak_tflops is not None and self.peak_tflops <= 0:
-            raise UsageError(f"peak_tflops must be positive (got {self.peak_tflops}).")
+        require(
+            (self.grad_accum_steps >= 1, f"grad_accum_steps must be 1 or more (got {self.grad_accum_steps})."),
+            (
+                self.max_grad_norm is None or 0 < self.max_grad_norm < math.inf,
+                f"max_grad_norm must be a positive finite number (got {self.max_grad_norm}); leave it unset for none.",
+            ),
+            (
+                0 <= self.seed < 2**32,
+                f"seed must be from 0 to 2**32 - 1, the seeds numpy takes (got {self.seed}).",
+            ),
+            (
+                self.replicate is None or self.replicate >= 1,
+                f"replicate must be 1 or more (got {self.replicate}); leave it unset for one replica per node.",
+            ),
+            (
+                self.tp_size is None or self.tp_size >= 1,
+                f"tp_size must be 1 or more (got {self.tp_size}); leave it unset for none.",
+            ),
+            (
+                self.pp_size is None or self.pp_size >= 1,
+                f"pp_size must be 1 or more (got {self.pp_size}); leave it unset for none.",
+            ),
+            (
+                self.pp_microbatches is None or self.pp_microbatches >= 1,
+                f"pp_microbatches must be 1 or more (got {self.pp_microbatches}).",
+            ),
+            (
+                0 < self.timeout_s <= MAX_TIMEOUT_S,
+                f"timeout_s must be a positive number of seconds up to {MAX_TIMEOUT_S:,.0f} (about 31 years), which "
+                f"the process group's deadlines can hold (got {self.timeout_s:g}).",
+            ),
+            (self.log_every >= 0, f"log_every must be 0 or more (got {self.log_every})."),
+            (
+                self.peak_tflops is None or 0 < self.peak_tflops < math.inf,
+                f"peak_tflops must be a positive finite number (got {self.peak_tflops}).",
+            ),
+        )
         parse_log_to(self.log_to, self.log_dir)
 
     @classmethod

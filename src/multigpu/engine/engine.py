@@ -120,6 +120,13 @@ class Engine:
         return self._data_rank
 
     @property
+    def sequence_multiple(self) -> int:
+        """What each batch's sequence length must be a multiple of: the tensor-parallel degree under
+        sequence_parallel (every tp process takes an equal slice of the positions), else 1. Pad each batch to it,
+        with the padding masked out of attention and the loss, as `multigpu finetune` does."""
+        return self._strategy.tp if self._strategy.sequence_parallel else 1
+
+    @property
     def is_main_process(self) -> bool:
         return self.env.rank == 0
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,8 +24,7 @@ from multigpu.engine import checkpoint, start
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
 from multigpu.engine.monitor import peak_memory_bytes
-from multigpu.launch.launcher import LaunchConfig, launch
-from multigpu.strategies import DeepSpeedOptions
+from multigpu.launch.launcher import LaunchConfig, launch, select_gpus
 
 
 class RunDir(Protocol):
@@ -38,32 +37,24 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
     """Runs a recipe in this process (under a launcher already, or 1 process), or launches --nproc of `module`.
 
     `config` is a recipe's (TrainConfig, FinetuneConfig); `check(config)` refuses its bad input before anything
-    starts, as the Engine's settings are refused here, so that a mistake is one line rather than one per worker.
+    starts, as the GPUs named and the Engine's settings are refused here, so that a mistake is one line rather
+    than one per worker.
     """
     if "RANK" in os.environ:  # already under torchrun / multigpu run / accelerate launch
         run(as_launched(config))
         return 0
+    # dp drives every GPU named from one process; the others run a process per GPU.
     named_gpus = [part for part in (config.gpu_ids or "").split(",") if part.strip()]
-    nproc = config.nproc or len(named_gpus) or 1
-    options = asdict(DeepSpeedOptions.of(config))
-    engine_config = EngineConfig(
-        strategy=config.multi_gpu,
-        precision=config.precision,
-        unsharded_grad_accum=config.unsharded_grad_accum,
-        replicate=config.replicate,
-        tp_size=config.tp_size,
-        **model_parallel_options(config),
-        log_dir=config.save_dir,
-        log_to=config.log_to,  # an unknown tracker is refused here, before any process starts
-        **options,
-    )
-    start.check(engine_config, nproc)
-    check(config)
+    nproc = config.nproc or (1 if config.multi_gpu == "dp" else len(named_gpus)) or 1
     restarts = getattr(config, "max_restarts", 0)
+    launch_config = LaunchConfig(nproc=nproc, gpu_ids=config.gpu_ids, max_restarts=restarts)
+    if config.gpu_ids is not None:  # GPUs that are not there, before the strategies count them
+        select_gpus(launch_config, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    start.check(EngineConfig(**engine_settings(config)), nproc)
+    check(config)
     if nproc == 1 and config.gpu_ids is None and restarts == 0:
         run(config)
         return 0
-    launch_config = LaunchConfig(nproc=nproc, gpu_ids=config.gpu_ids, max_restarts=restarts)
     # torchrun would take --nproc and --max-restarts for its own; the workers read them from it (as_launched).
     argv = config_to_argv(config, skip=("nproc", "max_restarts"))
     return launch(launch_config, [module, *argv], module=True)
@@ -80,10 +71,13 @@ def as_launched(config: Any) -> Any:
     return replace(config, **launch)
 
 
-def model_parallel_options(config: Any) -> dict[str, Any]:
-    """The pipeline and sequence-parallel settings of a recipe whose config has them (finetune), for its Engine."""
-    names = ("pp_size", "pp_schedule", "pp_stages_per_rank", "pp_microbatches", "sequence_parallel")
-    return {name: getattr(config, name) for name in names if hasattr(config, name)}
+def engine_settings(config: Any) -> dict[str, Any]:
+    """The Engine settings of a recipe's config (TrainConfig, FinetuneConfig): every EngineConfig field it has,
+    with --multi-gpu as the strategy and --save-dir for the logs. The check before launching (run_recipe) and the
+    workers' Engine (recipe_engine) both take them from here, so EngineConfig refuses a bad one before any worker
+    starts."""
+    names = [field.name for field in fields(EngineConfig) if hasattr(config, field.name)]
+    return {name: getattr(config, name) for name in names} | {"strategy": config.multi_gpu, "log_dir": config.save_dir}
 
 
 def resolve_resume(config: RunDir, say: Callable[[str], None] = print) -> Path | None:
@@ -208,27 +202,9 @@ def check_new_output(path: Path, flag: str, example: str | None = None) -> None:
 
 
 # -- in the training loop --------------------------------------------------------------------------------------
-def recipe_engine(config: Any, **settings: Any) -> Engine:
-    """The Engine of a recipe's config (TrainConfig, FinetuneConfig), logging into its --save-dir; `settings`:
-    the Engine settings that only some recipes have."""
-    return Engine(
-        strategy=config.multi_gpu,
-        precision=config.precision,
-        grad_accum_steps=config.grad_accum_steps,
-        unsharded_grad_accum=config.unsharded_grad_accum,
-        replicate=config.replicate,
-        tp_size=config.tp_size,
-        **model_parallel_options(config),
-        seed=config.seed,
-        timeout_s=config.timeout_s,
-        log_every=config.log_every,
-        peak_tflops=config.peak_tflops,
-        log_dir=config.save_dir,
-        log_to=config.log_to,
-        run_name=config.run_name,
-        **asdict(DeepSpeedOptions.of(config)),
-        **settings,
-    )
+def recipe_engine(config: Any) -> Engine:
+    """The Engine of a recipe's config (TrainConfig, FinetuneConfig), logging into its --save-dir."""
+    return Engine(**engine_settings(config))
 
 
 def step_checkpoint(save_dir: str | Path, step: int) -> Path:

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from multigpu.core.config import Parser, add_config_arguments, config_from_args, config_to_argv
-from multigpu.core.errors import exit_on_usage_error
+from multigpu.core.errors import exit_on_usage_error, require
 from multigpu.engine import start
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
@@ -28,6 +28,14 @@ class DemoConfig:
     batch_size: int = field(default=64, metadata={"help": "samples per device per micro-batch"})
     lr: float = field(default=3e-3, metadata={"help": "AdamW learning rate"})
     samples: int = field(default=4096, metadata={"help": "size of the generated training set"})
+
+    def __post_init__(self) -> None:
+        require(
+            (self.epochs >= 1, f"--epochs must be 1 or more (got {self.epochs})."),
+            (self.batch_size >= 1, f"--batch-size must be 1 or more (got {self.batch_size}); it is per device."),
+            (0 < self.lr < math.inf, f"--lr must be a positive finite number (got {self.lr})."),
+            (self.samples >= 1, f"--samples must be 1 or more (got {self.samples})."),
+        )
 
 
 def spiral(samples: int, classes: int = 3, seed: int = 1234) -> TensorDataset:

@@ -124,7 +124,9 @@ class FinetuneConfig(DeepSpeedOptions):
             (self.nproc is None or self.nproc >= 1, f"--nproc must be 1 or more (got {self.nproc})."),
             (self.seq_len >= 8, f"--seq-len must be 8 or more (got {self.seq_len})."),
             (self.batch_size >= 1, f"--batch-size must be 1 or more (got {self.batch_size}); it is per device."),
-            (self.lr > 0, f"--lr must be positive (got {self.lr})."),
+            (0 < self.lr < math.inf, f"--lr must be a positive finite number (got {self.lr})."),
+            (self.warmup_steps >= 0, f"--warmup-steps must be 0 or more (got {self.warmup_steps})."),
+            (self.save_every >= 0, f"--save-every must be 0 or more (got {self.save_every})."),
             (self.epochs >= 1, f"--epochs must be 1 or more (got {self.epochs})."),
             (self.max_steps is None or self.max_steps >= 1, f"--max-steps must be 1 or more (got {self.max_steps})."),
             (self.eval_batches >= 0, f"--eval-batches must be 0 or more (got {self.eval_batches})."),
@@ -250,7 +252,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     engine = recipe_engine(config)
     engine.log_config(asdict(config))
     model, optimizer, tokenizer, data = build(config, engine)
-    collate = functools.partial(lm_data.collate, pad_id=tokenizer.pad_token_id)
+    collate = functools.partial(lm_data.collate, pad_id=tokenizer.pad_token_id, multiple=engine.sequence_multiple)
     train_loader = engine.dataloader(data.train, batch_size=config.batch_size, collate_fn=collate)
     val_loader = engine.dataloader(data.validation, batch_size=config.batch_size, shuffle=False, collate_fn=collate)
     # The schedule and --max-steps are planned in samples at the start (those of that many steps at this world

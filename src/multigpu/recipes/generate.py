@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -83,7 +84,10 @@ class GenerateConfig:
             (self.out is not None, "Pass --out FILE.jsonl, where the outputs are written in input order."),
             (self.nproc is None or self.nproc >= 1, f"--nproc must be 1 or more (got {self.nproc})."),
             (self.max_new_tokens >= 1, f"--max-new-tokens must be 1 or more (got {self.max_new_tokens})."),
-            (self.temperature >= 0, f"--temperature must be 0 (greedy) or more (got {self.temperature})."),
+            (
+                0 <= self.temperature < math.inf,
+                f"--temperature must be 0 (greedy) or a positive finite number (got {self.temperature}).",
+            ),
             (self.batch_size >= 1, f"--batch-size must be 1 or more (got {self.batch_size}); it is per process."),
             (self.seed >= 0, f"--seed must be 0 or more (got {self.seed})."),
             (

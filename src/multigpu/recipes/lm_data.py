@@ -96,9 +96,12 @@ def load(spec: str, tokenizer: Any, seq_len: int, validation_fraction: float = 0
     return LMData(train, validation, payload["kind"], payload["source"], targets, pad_id, path, from_cache)
 
 
-def collate(samples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pads a batch: input_ids with pad_id, labels with -100, and an attention_mask of 1 on real tokens."""
-    input_ids = torch.full((len(samples), max(len(s["input_ids"]) for s in samples)), pad_id, dtype=torch.long)
+def collate(samples: list[dict[str, torch.Tensor]], pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Right-pads a batch to its longest sample, rounded up to a `multiple` (sequence parallelism splits the
+    positions over that many processes): input_ids with pad_id, labels with -100, and an attention_mask of 1 on
+    real tokens. Right padding changes nothing a real token sees: causal attention looks only backwards."""
+    longest = max(len(s["input_ids"]) for s in samples)
+    input_ids = torch.full((len(samples), -(-longest // multiple) * multiple), pad_id, dtype=torch.long)
     labels, attention_mask = torch.full_like(input_ids, IGNORE), torch.zeros_like(input_ids)
     for row, sample in enumerate(samples):
         n = len(sample["input_ids"])
@@ -211,10 +214,14 @@ def strip_markdown(text: str) -> str:
 
 
 def _text(path: Path) -> str:
+    data = path.read_bytes()
     try:
-        return path.read_text("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise UsageError(f"{path} is not UTF-8 ({error.reason} at byte {error.start}); convert it to UTF-8.") from None
+        line = data.count(b"\n", 0, error.start) + 1
+        raise UsageError(
+            f"{path} line {line} is not UTF-8 ({error.reason} at byte {error.start}); convert the file to UTF-8."
+        ) from None
 
 
 def records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -225,8 +232,20 @@ def records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     for number, line in lines:
         try:
             record = json.loads(line)
+            if "\\u" in line:  # text read as UTF-8 holds no lone surrogate; only a JSON escape makes one
+                json.dumps(record, ensure_ascii=False).encode("utf-8")
         except json.JSONDecodeError as error:
             raise UsageError(f"{path} line {number} is not valid JSON ({error.msg}); fix that line.") from None
+        except RecursionError:
+            raise UsageError(
+                f"{path} line {number} nests lists or objects deeper than Python's JSON reader can follow; fix that "
+                "line."
+            ) from None
+        except UnicodeEncodeError as error:  # no tokenizer takes such a string, and no UTF-8 file can hold it
+            raise UsageError(
+                f"{path} line {number} holds \\u{ord(error.object[error.start]):04x}, half of a UTF-16 surrogate "
+                "pair without its other half, which is no character; write the character itself instead."
+            ) from None
         if not isinstance(record, dict):
             raise UsageError(f"{path} line {number} is not a JSON object; write one object a line.")
         yield number, record

@@ -98,8 +98,10 @@ class TrainConfig(DeepSpeedOptions):
             (self.nproc is None or self.nproc >= 1, f"--nproc must be 1 or more (got {self.nproc})."),
             (self.epochs >= 1, f"--epochs must be 1 or more (got {self.epochs})."),
             (self.batch_size >= 1, f"--batch-size must be 1 or more (got {self.batch_size}); it is per device."),
-            (self.lr > 0, f"--lr must be positive (got {self.lr})."),
-            (self.warmup_epochs >= 0, f"--warmup-epochs must be 0 or more (got {self.warmup_epochs})."),
+            (0 < self.lr < math.inf, f"--lr must be a positive finite number (got {self.lr})."),
+            (0 <= self.warmup_epochs < math.inf, f"--warmup-epochs must be 0 or more (got {self.warmup_epochs})."),
+            (0 <= self.weight_decay < math.inf, f"--weight-decay must be 0 or more (got {self.weight_decay})."),
+            (self.num_workers >= 0, f"--num-workers must be 0 or more (got {self.num_workers})."),
             (self.keep_last >= 1, f"--keep-last must be 1 or more (got {self.keep_last})."),
             (self.save_every >= 0, f"--save-every must be 0 or more (got {self.save_every})."),
             (self.mode in MODES, f"Unknown --mode {self.mode!r}; choose one of {', '.join(MODES)}."),
@@ -144,7 +146,7 @@ def export(engine: Engine, model: nn.Module, directory: Path, spec: list, data: 
 
 
 def train(config: TrainConfig) -> dict:
-    engine = recipe_engine(config, max_grad_norm=config.max_grad_norm)
+    engine = recipe_engine(config)
     engine.log_config(asdict(config))
     resume_from = resolve_resume(config, engine.print)
     check_same_data(config, resume_from, SAME_DATA)

@@ -233,8 +233,9 @@ class _Relayout(ParallelStyle):
             if isinstance(self.target, Shard) and tensor.shape[1] % device_mesh.size():
                 raise UsageError(
                     f"sequence_parallel splits each sequence over the {device_mesh.size()} tp processes, and this "
-                    f"batch's sequences have {tensor.shape[1]} positions; make the sequence length a multiple of "
-                    f"{device_mesh.size()} (e.g. --seq-len), or drop sequence_parallel."
+                    f"batch's sequences have {tensor.shape[1]} positions; pad each batch to a multiple of "
+                    f"{device_mesh.size()} (engine.sequence_multiple) with the padding masked out of attention and "
+                    "the loss, or drop sequence_parallel."
                 )
             placed = DTensor.from_local(tensor, device_mesh, (self.source,), run_check=False)
             return placed.redistribute(device_mesh, (self.target,)).to_local()

@@ -13,6 +13,7 @@ samples read, parameters built differently, BatchNorm, dropout) and says what it
 from __future__ import annotations
 
 import json
+import math
 import sys
 import tempfile
 from collections import Counter
@@ -89,8 +90,8 @@ class VerifyConfig:
             raise UsageError(f"--steps must be 1 or more (got {self.steps}).")
         for name in ("loss_tolerance", "param_tolerance"):
             value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be positive (got {value}).")
+            if value is not None and not 0 < value < math.inf:
+                raise UsageError(f"--{name.replace('_', '-')} must be a positive finite number (got {value}).")
 
 
 @dataclass
