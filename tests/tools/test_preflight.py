@@ -13,6 +13,8 @@ def test_reports_the_machine_and_a_working_all_reduce() -> None:
     result = multigpu("env", "--json", "--size-mb", "4", "--iterations", "3", timeout=90)
     assert result.returncode == 0, result.stdout
     report = json.loads(result.stdout[result.stdout.index("{") :])
+    # The command sets its OpenMP threads to sleep when idle (a run in its process must not crawl on a busy machine).
+    assert "OMP_WAIT_POLICY=PASSIVE" in report["facts"]["variables"], report["facts"]["variables"]
     assert report["facts"]["torch"].startswith("2.")
     assert "skipped: no GPU here" in report["facts"]["GPU checks"]  # says what it cannot check
     smoke = report["smoke_test"]
