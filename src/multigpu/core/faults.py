@@ -15,10 +15,12 @@ import resource
 import signal
 import time
 
+from multigpu.core.notes import attempt
+
 
 def _spec() -> tuple[str, dict[str, int]] | None:
     raw = os.environ.get("MULTIGPU_FAULT")
-    if not raw or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    if not raw or attempt() != 0:
         return None
     kind, *pairs = raw.split(",")
     return kind, {key: int(value) for key, value in (pair.split("=") for pair in pairs)}

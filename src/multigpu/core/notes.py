@@ -19,6 +19,11 @@ USAGE_ERROR = "usage-error-rank"  # + the rank: the sentence of the UsageError t
 STACKS = "stacks-rank"  # + the rank: its threads' Python stacks, written on the launcher's request after its script
 
 
+def attempt() -> int:
+    """Which start of the workers this process is: 0 at first, then one more at each restart (--max-restarts)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def launched() -> bool:
     """Whether this process is a worker of `multigpu run`, which reports for it."""
     folder = os.environ.get(LAUNCHER_DIR)
@@ -62,8 +67,8 @@ class ScriptEnd:
 
     @classmethod
     def now(cls, code: int) -> ScriptEnd:
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        return cls(int(os.environ["RANK"]), time.time_ns(), code, os.getpid(), attempt, threading.main_thread().ident)
+        rank = int(os.environ["RANK"])
+        return cls(rank, time.time_ns(), code, os.getpid(), attempt(), threading.main_thread().ident)
 
     def note(self, folder: str | os.PathLike | None = None) -> None:
         note_for_launcher(f"rank{self.rank}", " ".join(map(str, astuple(self)[1:])), folder)

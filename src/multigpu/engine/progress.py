@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
+from multigpu.core.notes import attempt
 from multigpu.engine.observe import StepObserver, StepStats
 
 BEAT_S = 0.5  # how often each rank posts where it is: the most a post can lag behind
@@ -114,7 +115,7 @@ class Progress:
         self._following = False
         self._reported = False  # this rank has had its say about a timeout
         # A restarted job may keep the store: each attempt posts under keys of its own.
-        self._prefix = f"multigpu/progress/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self._prefix = f"multigpu/progress/{attempt()}/"
 
     @property
     def step(self) -> int:

@@ -22,7 +22,15 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from multigpu.core.notes import LAUNCHER_DIR, STACKS, ScriptEnd, launched, launcher_note, note_for_launcher
+from multigpu.core.notes import (
+    LAUNCHER_DIR,
+    STACKS,
+    ScriptEnd,
+    attempt,
+    launched,
+    launcher_note,
+    note_for_launcher,
+)
 from multigpu.launch.stop import alive
 
 EXIT_GRACE_S = 30.0  # how long every worker of a node may take to exit once all their scripts have ended
@@ -109,6 +117,6 @@ def ended_after_script(exits: Path, rank: int) -> bool:
 def finished_already() -> bool:
     """In a restarted worker: whether every script of the run had already finished (its workers were ended only
     because one was stuck after its script), so that there is nothing to run again."""
-    if not launched() or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+    if not launched() or attempt() == 0:
         return False
     return launcher_note(os.environ[LAUNCHER_DIR], SCRIPTS_DONE) is not None

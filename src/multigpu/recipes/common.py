@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from multigpu.core.config import config_to_argv
 from multigpu.core.config_file import RUN_CONFIG, save_run_config
 from multigpu.core.errors import UsageError
-from multigpu.core.notes import LAST_CHECKPOINT, LAUNCHER_DIR, launched, launcher_note
+from multigpu.core.notes import LAST_CHECKPOINT, LAUNCHER_DIR, attempt, launched, launcher_note
 from multigpu.core.pretrained import give_usual_mode
 from multigpu.core.schedule import SampleSchedule
 from multigpu.engine import checkpoint, start
@@ -115,7 +115,7 @@ def start_checkpoint(directory: Path, resume: str, say: Callable[[str], None]) -
 
 def restarted() -> bool:
     """Whether this process is a restart of the run's workers (torchrun's --max-restarts)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    return attempt() > 0
 
 
 def restart_checkpoint(directory: Path, say: Callable[[str], None]) -> Path | None:
