@@ -265,10 +265,10 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     state = {"model": model, "optimizer": optimizer, "loader": train_loader, "scheduler": scheduler, "step": 0}
     resume_from = resolve_resume(config, engine.print)
     if resume_from is not None:
-        check_same_data(config, resume_from, SAME_DATA)
+        record = check_same_data(config, resume_from, SAME_DATA)
         engine.load(resume_from, state)
         engine.print(f"resumed from {resume_from} at step {state['step']} ({scheduler.seen} samples done)")
-        replanned = follow_new_plan(scheduler, config, resume_from, SCHEDULE_LENGTH, plan)
+        replanned = follow_new_plan(scheduler, config, record, SCHEDULE_LENGTH, plan)
         if replanned:
             engine.print(replanned)
         if scheduler.done:  # nothing to train: the adapter or model written at its end stays as it is

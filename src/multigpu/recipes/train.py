@@ -149,7 +149,7 @@ def train(config: TrainConfig) -> dict:
     engine = recipe_engine(config)
     engine.log_config(asdict(config))
     resume_from = resolve_resume(config, engine.print)
-    check_same_data(config, resume_from, SAME_DATA)
+    record = check_same_data(config, resume_from, SAME_DATA)
     data = activity_data.load(config.data)
     spec = activity_models.layer_spec(config.mode, data.channels, data.window, len(data.labels))
     model = activity_models.build(spec)
@@ -188,7 +188,7 @@ def train(config: TrainConfig) -> dict:
         )
         if scheduler.base_lrs[0] != lr:
             engine.print(f"the lr schedule keeps the run's planned lr {scheduler.base_lrs[0]:g} (not {lr:g})")
-        replanned = follow_new_plan(scheduler, config, resume_from, SCHEDULE_LENGTH, plan)
+        replanned = follow_new_plan(scheduler, config, record, SCHEDULE_LENGTH, plan)
         if replanned:
             engine.print(replanned)
         if scheduler.done:  # nothing to train: the model exported at its end stays as it is
