@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
-from tests.dist import multigpu
+from tests.dist import multigpu, run_command
 
 
 def test_reports_the_machine_and_a_working_all_reduce() -> None:
@@ -34,3 +35,12 @@ def test_bad_input_exits_2() -> None:
     result = multigpu("env", "--nproc", "0")
     assert result.returncode == 2
     assert "--nproc and --iterations must be 1 or more" in result.stdout
+
+
+def test_the_command_module_leaves_torch_unloaded_until_it_has_set_openmps_idle_policy() -> None:
+    """OpenMP reads OMP_WAIT_POLICY once, when torch loads it: `multigpu`'s entry point sets it and only then imports
+    the CLI (threads spinning idle made a one-process run crawl on a busy machine; docs/benchmarks.md). The report
+    above shows it set; this shows it set in time."""
+    probe = "import sys, multigpu.__main__; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    result = run_command([sys.executable, "-c", probe], timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout
