@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -36,18 +37,6 @@ from multigpu.tools.verify import VerifyConfig, print_verdict, verify
 
 # The collectives benchmark's flags that `multigpu bench --collectives` takes; --nproc and --out are bench's own.
 COLLECTIVE_FLAGS = ("ops", "min_bytes", "max_bytes", "factor", "iterations")
-# The config dataclasses each verb builds from its flags; they check the answers of `multigpu config VERB --ask`.
-VERB_CONFIGS: dict[str, tuple[type, ...]] = {
-    "run": (LaunchConfig,),
-    "demo": (DemoConfig, EngineConfig),
-    "train": (TrainConfig,),
-    "finetune": (FinetuneConfig,),
-    "generate": (GenerateConfig,),
-    "plan": (PlanConfig,),
-    "bench": (BenchConfig,),
-    "simulate": (SimulateRequest,),
-    "verify": (VerifyConfig,),
-}
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -140,7 +129,7 @@ def answer_check(verb: str, parser: argparse.ArgumentParser) -> Callable[[dict[s
     None where the defaults alone do not build (generate needs --prompts), leaving the type and choice checks."""
 
     def check(values: dict[str, Any]) -> None:
-        for cls in VERB_CONFIGS.get(verb, ()):
+        for cls in VERBS[verb].configs:
             config_from_args(cls, argparse.Namespace(**values))
 
     try:
@@ -161,163 +150,188 @@ def add_script_arguments(parser: argparse.ArgumentParser, optional: bool = False
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="multigpu", description="One training loop, any number of GPUs.")
-    parser.add_argument("--version", action="version", version=f"multigpu {__version__}")
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+def add_json_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--json", action="store_true", help=f"print {what} as JSON")
 
-    run = verbs.add_parser(
-        "run",
-        help="launch a script in N processes (torch.distributed.run underneath)",
-        description="Launch SCRIPT in N processes per node. Plain torch.distributed, accelerate and HF Trainer "
-        "scripts run unchanged; the exit code is the failing worker's.",
-    )
-    add_config_arguments(run, LaunchConfig)
-    run.add_argument("-n", dest="nproc", type=int, help="short for --nproc")
-    add_script_arguments(run)
-    run.set_defaults(handler=cmd_run)
 
-    demo = verbs.add_parser(
-        "demo",
-        help="a short built-in training run (spiral classification) to check a machine end to end",
-        description="Train a small MLP on a generated spiral with the Engine, in --nproc processes.",
-    )
-    demo.add_argument("--nproc", type=int, default=2, help="processes to launch (default: 2)")
-    add_config_arguments(demo, DemoConfig)
-    add_config_arguments(demo, EngineConfig)
-    demo.set_defaults(handler=cmd_demo)
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-n", dest="nproc", type=int, help="short for --nproc")
+    add_script_arguments(parser)
 
-    train_verb = verbs.add_parser(
-        "train",
-        help="train the sensor-activity classifier (smartwatch IMU data) on any strategy",
-        description="Train an activity classifier on windows of inertial-sensor data. Runs in this process, or "
-        "launches --nproc processes itself; also runs under multigpu run / torchrun.",
-    )
-    add_config_arguments(train_verb, TrainConfig)
-    train_verb.set_defaults(handler=cmd_train)
 
-    finetune_verb = verbs.add_parser(
-        "finetune",
-        help="full, LoRA or QLoRA fine-tuning of a causal language model (default: SmolLM2 on Shakespeare)",
-        description="Fine-tune a local Hugging Face causal LM (or the built-in SmolLM2-135M-Instruct) on packed "
-        "text or chat records, with a token-normalised loss over the global batch, on any strategy. Writes a "
-        "peft adapter (lora, qlora) or a model directory (full) to --save-dir.",
-    )
-    add_config_arguments(finetune_verb, FinetuneConfig)
-    finetune_verb.set_defaults(handler=cmd_finetune)
+def add_demo_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", type=int, default=2, help="processes to launch (default: 2)")
 
-    generate_verb = verbs.add_parser(
-        "generate",
-        help="batched generation from a causal LM (with a peft adapter), prompts split over N processes",
-        description='Generate continuations for a JSONL file of prompts ({"prompt": ...} or '
-        '{"messages": [...]}); each process takes every N-th prompt; rank 0 writes the outputs in input order. '
-        "--device-map splits one model's layers over this machine's GPUs instead (one process).",
-    )
-    add_config_arguments(generate_verb, GenerateConfig)
-    generate_verb.set_defaults(handler=cmd_generate)
 
-    plan = verbs.add_parser(
-        "plan",
-        help="memory per GPU for every strategy, and the fastest that fits",
-        description="Predict memory per GPU (parameters, gradients, optimizer states, activations, buffers) for "
-        "every strategy, without loading weights; recommend the fastest that fits.",
-    )
-    plan.add_argument("--model", help=f"a built-in ({', '.join(BUILTIN)}), a config.json, or a directory with one")
-    plan.add_argument("--params", type=finite_float, help="parameter count instead of --model, e.g. 7e9")
+def add_plan_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help=f"a built-in ({', '.join(BUILTIN)}), a config.json, or a directory with one")
+    parser.add_argument("--params", type=finite_float, help="parameter count instead of --model, e.g. 7e9")
     for dim in ("layers", "hidden", "heads", "vocab"):
-        plan.add_argument(f"--{dim}", type=int, help=f"with --params: the transformer's {dim} (for activations)")
-    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
-    add_config_arguments(plan, PlanConfig)
-    plan.set_defaults(handler=cmd_plan)
+        parser.add_argument(f"--{dim}", type=int, help=f"with --params: the transformer's {dim} (for activations)")
+    add_json_flag(parser, "the plan")
 
-    env = verbs.add_parser(
-        "env",
-        help="pre-flight checklist: versions, GPUs, topology, variables, an all-reduce smoke test",
-        description="Check this machine before a run; exits 1 with advice when something is wrong.",
-    )
-    env.add_argument("--nproc", type=int, default=2, help="processes for the all-reduce smoke test (default: 2)")
-    env.add_argument("--size-mb", type=finite_float, default=64, help="all-reduce message size in MB (default: 64)")
-    env.add_argument("--iterations", type=int, default=10, help="timed all-reduces (default: 10)")
-    env.add_argument("--json", action="store_true", help="print the findings as JSON")
-    env.set_defaults(handler=cmd_env)
 
-    bench_verb = verbs.add_parser(
-        "bench",
-        help="throughput, speedup, efficiency, memory and communication share over process counts and strategies",
-        description="Benchmark an Engine SCRIPT (or --recipe train|finetune) at each --nproc and strategy: "
-        "samples/s and tokens/s, step time median and p90, speedup and scaling efficiency over 1 process, "
-        "peak memory per rank and the share of the step spent on gradient communication. Writes OUT/bench.json, "
-        "speedup.png and memory.png. With --collectives: all-reduce / all-gather / reduce-scatter bus "
-        "bandwidth and latency over message sizes at the largest --nproc, as nccl-tests reports them.",
-    )
-    add_config_arguments(bench_verb, BenchConfig)
-    bench_verb.add_argument(
+def add_env_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", type=int, default=2, help="processes for the all-reduce smoke test (default: 2)")
+    parser.add_argument("--size-mb", type=finite_float, default=64, help="all-reduce message size in MB (default: 64)")
+    parser.add_argument("--iterations", type=int, default=10, help="timed all-reduces (default: 10)")
+    add_json_flag(parser, "the findings")
+
+
+def add_bench_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
         "--collectives", action="store_true", help="measure the collectives' bandwidth instead of a script"
     )
-    add_config_arguments(
-        bench_verb,
-        CollectivesConfig,
-        skip=tuple(f.name for f in fields(CollectivesConfig) if f.name not in COLLECTIVE_FLAGS),
-    )
-    add_script_arguments(bench_verb, optional=True)
-    bench_verb.set_defaults(handler=cmd_bench)
+    others = tuple(f.name for f in fields(CollectivesConfig) if f.name not in COLLECTIVE_FLAGS)
+    add_config_arguments(parser, CollectivesConfig, skip=others)
+    add_script_arguments(parser, optional=True)
 
-    simulate_verb = verbs.add_parser(
-        "simulate",
-        help="predict step time, throughput and scaling efficiency on 1 to thousands of GPUs",
-        description="An alpha-beta model of each strategy's collectives (ring and tree all-reduce, all-gather, "
-        "reduce-scatter; intra- and inter-node links; overlap with backward; FSDP prefetch) on top of one step's "
-        "compute time, measured (--bench), given (--compute-s) or derived (--tflops, --mfu). Calibrate links "
-        "with `multigpu bench --collectives`.",
-    )
-    add_config_arguments(simulate_verb, SimulateRequest)
-    simulate_verb.add_argument("--json", action="store_true", help="print the predictions as JSON")
-    simulate_verb.set_defaults(handler=cmd_simulate)
 
-    verify_verb = verbs.add_parser(
-        "verify",
-        help="check that N processes compute what 1 process computes, step by step",
-        description="Run an Engine script in 1 process and in N on the same global batches; compare the loss of "
-        "every step and the final parameters. Exits 0 on PASS, 1 on FAIL.",
-    )
-    add_config_arguments(verify_verb, VerifyConfig)
-    verify_verb.add_argument("--json", action="store_true", help="print the comparison as JSON")
-    add_script_arguments(verify_verb)
-    verify_verb.set_defaults(handler=cmd_verify)
+def add_export_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a checkpoint directory (e.g. checkpoints/run/checkpoints/step-00000100)")
+    parser.add_argument("out", help="the .safetensors file to write (a LoRA checkpoint: the adapter directory)")
+    parser.add_argument("--key", default="model", help="the model's key in the saved state (default: model)")
 
-    export = verbs.add_parser(
-        "export",
-        help="consolidate a sharded checkpoint's model into one safetensors file (or a LoRA one into an adapter)",
-        description="Read every shard of CHECKPOINT's model in one process and write OUT (.safetensors). A lora or "
-        "qlora finetune's checkpoint becomes a peft adapter directory OUT instead, as the finetune writes "
-        "SAVE_DIR/adapter at its end. OUT must not exist yet.",
-    )
-    export.add_argument("checkpoint", help="a checkpoint directory (e.g. checkpoints/run/checkpoints/step-00000100)")
-    export.add_argument("out", help="the .safetensors file to write (a LoRA checkpoint: the adapter directory)")
-    export.add_argument("--key", default="model", help="the model's key in the saved state (default: model)")
-    export.set_defaults(handler=cmd_export)
 
-    targets = tuple(verbs.choices)
-    for sub in verbs.choices.values():
-        config_file.add_config_flag(sub)
-    config_verb = verbs.add_parser(
+@dataclass(frozen=True)
+class Verb:
+    """One verb: what --help says of it, what makes its flags, in order (a config dataclass's fields, or a function
+    that adds the flags that are no setting), and what runs it."""
+
+    help: str
+    description: str
+    parts: tuple[type | Callable[[argparse.ArgumentParser], None], ...]
+    handler: Callable[[argparse.Namespace], int]
+
+    @property
+    def configs(self) -> tuple[type, ...]:
+        """The config dataclasses the verb builds from its flags (they check `multigpu config VERB --ask`)."""
+        return tuple(part for part in self.parts if isinstance(part, type))
+
+
+VERBS: dict[str, Verb] = {
+    "run": Verb(
+        "launch a script in N processes (torch.distributed.run underneath)",
+        "Launch SCRIPT in N processes per node. Plain torch.distributed, accelerate and HF Trainer scripts run "
+        "unchanged; the exit code is the failing worker's.",
+        (LaunchConfig, add_run_flags),
+        cmd_run,
+    ),
+    "demo": Verb(
+        "a short built-in training run (spiral classification) to check a machine end to end",
+        "Train a small MLP on a generated spiral with the Engine, in --nproc processes.",
+        (add_demo_flags, DemoConfig, EngineConfig),
+        cmd_demo,
+    ),
+    "train": Verb(
+        "train the sensor-activity classifier (smartwatch IMU data) on any strategy",
+        "Train an activity classifier on windows of inertial-sensor data. Runs in this process, or launches --nproc "
+        "processes itself; also runs under multigpu run / torchrun.",
+        (TrainConfig,),
+        cmd_train,
+    ),
+    "finetune": Verb(
+        "full, LoRA or QLoRA fine-tuning of a causal language model (default: SmolLM2 on Shakespeare)",
+        "Fine-tune a local Hugging Face causal LM (or the built-in SmolLM2-135M-Instruct) on packed text or chat "
+        "records, with a token-normalised loss over the global batch, on any strategy. Writes a peft adapter (lora, "
+        "qlora) or a model directory (full) to --save-dir.",
+        (FinetuneConfig,),
+        cmd_finetune,
+    ),
+    "generate": Verb(
+        "batched generation from a causal LM (with a peft adapter), prompts split over N processes",
+        'Generate continuations for a JSONL file of prompts ({"prompt": ...} or {"messages": [...]}); each process '
+        "takes every N-th prompt; rank 0 writes the outputs in input order. --device-map splits one model's layers "
+        "over this machine's GPUs instead (one process).",
+        (GenerateConfig,),
+        cmd_generate,
+    ),
+    "plan": Verb(
+        "memory per GPU for every strategy, and the fastest that fits",
+        "Predict memory per GPU (parameters, gradients, optimizer states, activations, buffers) for every strategy, "
+        "without loading weights; recommend the fastest that fits.",
+        (add_plan_flags, PlanConfig),
+        cmd_plan,
+    ),
+    "env": Verb(
+        "pre-flight checklist: versions, GPUs, topology, variables, an all-reduce smoke test",
+        "Check this machine before a run; exits 1 with advice when something is wrong.",
+        (add_env_flags,),
+        cmd_env,
+    ),
+    "bench": Verb(
+        "throughput, speedup, efficiency, memory and communication share over process counts and strategies",
+        "Benchmark an Engine SCRIPT (or --recipe train|finetune) at each --nproc and strategy: samples/s and "
+        "tokens/s, step time median and p90, speedup and scaling efficiency over 1 process, peak memory per rank and "
+        "the share of the step spent on gradient communication. Writes OUT/bench.json, speedup.png and memory.png. "
+        "With --collectives: all-reduce / all-gather / reduce-scatter bus bandwidth and latency over message sizes "
+        "at the largest --nproc, as nccl-tests reports them.",
+        (BenchConfig, add_bench_flags),
+        cmd_bench,
+    ),
+    "simulate": Verb(
+        "predict step time, throughput and scaling efficiency on 1 to thousands of GPUs",
+        "An alpha-beta model of each strategy's collectives (ring and tree all-reduce, all-gather, reduce-scatter; "
+        "intra- and inter-node links; overlap with backward; FSDP prefetch) on top of one step's compute time, "
+        "measured (--bench), given (--compute-s) or derived (--tflops, --mfu). Calibrate links with `multigpu bench "
+        "--collectives`.",
+        (SimulateRequest, functools.partial(add_json_flag, what="the predictions")),
+        cmd_simulate,
+    ),
+    "verify": Verb(
+        "check that N processes compute what 1 process computes, step by step",
+        "Run an Engine script in 1 process and in N on the same global batches; compare the loss of every step and "
+        "the final parameters. Exits 0 on PASS, 1 on FAIL.",
+        (VerifyConfig, functools.partial(add_json_flag, what="the comparison"), add_script_arguments),
+        cmd_verify,
+    ),
+    "export": Verb(
+        "consolidate a sharded checkpoint's model into one safetensors file (or a LoRA one into an adapter)",
+        "Read every shard of CHECKPOINT's model in one process and write OUT (.safetensors). A lora or qlora "
+        "finetune's checkpoint becomes a peft adapter directory OUT instead, as the finetune writes SAVE_DIR/adapter "
+        "at its end. OUT must not exist yet.",
+        (add_export_flags,),
+        cmd_export,
+    ),
+}
+
+
+def add_config_verb(verbs: argparse._SubParsersAction) -> None:
+    """`multigpu config VERB`: a commented config file of VERB's settings."""
+    parser = verbs.add_parser(
         "config",
         help="write a commented config file of a verb's settings, for VERB --config FILE",
         description="Write VERB's settings, each under its help, with the defaults as values (or your answers, with "
         "--ask), to a YAML or TOML file that `multigpu VERB --config FILE` reads.",
     )
-    config_verb.add_argument("target", metavar="VERB", choices=targets, help="the verb to configure")
-    config_verb.add_argument(
+    parser.add_argument("target", metavar="VERB", choices=tuple(VERBS), help="the verb to configure")
+    parser.add_argument(
         "--out", metavar="FILE", help="the file to write, .yaml, .yml or .toml; - for stdout (default: VERB.yaml)"
     )
-    config_verb.add_argument("--format", choices=("yaml", "toml"), help="default: --out's extension, else yaml")
-    config_verb.add_argument("--force", action="store_true", help="overwrite an existing file")
-    config_verb.add_argument(
+    parser.add_argument("--format", choices=("yaml", "toml"), help="default: --out's extension, else yaml")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing file")
+    parser.add_argument(
         "--ask",
         action=argparse.BooleanOptionalAction,
         help="ask for the settings most often changed (default: when stdin is a terminal)",
     )
-    config_verb.set_defaults(handler=cmd_config)
+    parser.set_defaults(handler=cmd_config)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="multigpu", description="One training loop, any number of GPUs.")
+    parser.add_argument("--version", action="version", version=f"multigpu {__version__}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    for name, verb in VERBS.items():
+        sub = verbs.add_parser(name, help=verb.help, description=verb.description)
+        for part in verb.parts:
+            if isinstance(part, type):
+                add_config_arguments(sub, part)
+            else:
+                part(sub)
+        sub.set_defaults(handler=verb.handler)
+        config_file.add_config_flag(sub)
+    add_config_verb(verbs)
     return parser
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from multigpu.strategies.single import Single
 from multigpu.core.precision import PRECISIONS, Precision
 
 Pair = namedtuple("Pair", "loss logits")
@@ -43,7 +44,8 @@ def test_outputs_keep_their_type_and_come_back_in_fp32(precision: str, kind: str
             "dict": lambda: {"loss": loss, "logits": logits},
         }[kind]()
 
-    wrapped = Precision(precision).wrap_forward(forward, torch.device("cpu"), use_autocast=True)
+    cpu = torch.device("cpu")
+    wrapped = Single().precision_plan(Precision(precision), cpu).wrap_forward(forward, cpu)
     out = wrapped(torch.randn(2, 4))
     from transformers.modeling_outputs import CausalLMOutputWithPast
 

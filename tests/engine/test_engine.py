@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset
 import multigpu as mg
 from multigpu.core.env import DistEnv
 from multigpu.core.schedule import SampleSchedule
-from multigpu.strategies import resolve_strategy
+from multigpu.strategies import build_strategy
 from tests.dist import run_command, run_in_processes
 
 
@@ -368,4 +368,5 @@ def test_sync_batchnorm_is_refused_on_cpu_and_find_unused_reaches_ddp() -> None:
     result = run_command([sys.executable, "-m", "multigpu.recipes.demo", "--strategy", "ddp", "--sync-batchnorm"])
     assert result.returncode == 2 and f"multigpu: error: {SYNC_ON_CPU}" in result.stdout, result.stdout
     for strategy in ("ddp", "zero1"):
-        assert resolve_strategy(strategy, DistEnv(), find_unused_parameters=True).find_unused_parameters
+        config = mg.EngineConfig(strategy=strategy, find_unused_parameters=True)
+        assert build_strategy(strategy, config, world=1).find_unused_parameters

@@ -104,14 +104,14 @@ def test_without_tp_or_pp_nothing_changes() -> None:
         ),
         (
             {"gpus": 8, "pp_size": 2, "pp_stages_per_rank": 2},
-            "--pp-stages-per-rank 2 does not fit --pp-schedule 1f1b: interleaved takes 2 or more stages per rank, "
+            "pp_stages_per_rank 2 does not fit pp_schedule 1f1b: interleaved takes 2 or more stages per rank, "
             "gpipe and 1f1b take 1; set them together.",
         ),
         (
             {"gpus": 8, "pp_schedule": "zigzag"},
-            "Unknown --pp-schedule 'zigzag'; choose one of gpipe, 1f1b, interleaved.",
+            "Unknown pp_schedule 'zigzag'; choose one of gpipe, 1f1b, interleaved.",
         ),
-        ({"gpus": 8, "microbatches": 0}, "--microbatches must be 1 or more (got 0)."),
+        ({"gpus": 8, "microbatches": 0}, "microbatches must be 1 or more (got 0)."),
         (
             {"gpus": 8, "sequence_parallel": True},
             "--sequence-parallel splits the sequence over the tp GPUs; add --tp-size or drop it.",

@@ -21,7 +21,7 @@ from multigpu.core.errors import UsageError
 from multigpu.core.modules import give_back_freed_memory
 from multigpu.core.precision import Precision
 from multigpu.engine import checkpoint
-from multigpu.strategies import DeepSpeed, DeepSpeedOptions
+from multigpu.strategies.deepspeed import DeepSpeed
 from multigpu.strategies.deepspeed import read_config
 from tests.dist import multigpu, run_command, run_in_processes
 from tests.engine.test_checkpoint import GLOBAL_BATCH, SAMPLES, STOP, assert_resumed_exactly
@@ -92,8 +92,8 @@ def test_export_consolidates_a_deepspeed_checkpoint(saved, tmp_path: Path) -> No
 def config(tmp_path: Path, options: dict, settings: dict | None = None, **strategy) -> dict:
     file = tmp_path / "ds.json"
     file.write_text(json.dumps(settings or {}))
-    options = DeepSpeedOptions(**options, deepspeed_config=str(file))
-    return DeepSpeed(options, **strategy).config(Precision("32"), torch.device("cpu"))
+    strategy = DeepSpeed(**options, **strategy, deepspeed_config=str(file))
+    return strategy.config(strategy.precision_plan(Precision("32"), torch.device("cpu")))
 
 
 def test_a_users_config_is_kept_and_completed(tmp_path: Path) -> None:

@@ -12,8 +12,9 @@ from torch.distributed.distributed_c10d import _world
 import multigpu as mg
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
-from multigpu.strategies import DDP, FSDP, DataParallel, DeepSpeed, Single, Strategy, Zero1, resolve_strategy
-from multigpu.strategies.mesh import ParallelDims
+from multigpu.core.layout import ParallelDims
+from multigpu.strategies import build_strategy
+from multigpu.strategies.mesh import build_mesh
 from tests.dist import run_in_processes
 from tests.reference import Case, TinyNet, train_engine, train_reference
 from tests.strategies.test_equivalence import assert_matches
@@ -25,8 +26,11 @@ from tests.strategies.test_equivalence import assert_matches
         (ParallelDims(), (), (), 1, 1),
         (ParallelDims(replicate=4), ("replicate",), (4,), 4, 4),
         (ParallelDims(shard=3, tp=2), ("shard", "tp"), (3, 2), 6, 3),
-        # Fields in any order, mesh outermost first: pp, replicate, shard, tp.
+        # Fields in any order, mesh outermost first: pp, replicate, shard, cp, tp.
         (ParallelDims(tp=2, shard=4, replicate=2, pp=3), ("pp", "replicate", "shard", "tp"), (3, 2, 4, 2), 48, 8),
+        (ParallelDims(cp=2, shard=2, tp=2), ("shard", "cp", "tp"), (2, 2, 2), 8, 2),
+        # Experts spread over shard x cp ranks take no processes of their own.
+        (ParallelDims(shard=4, ep=2), ("shard",), (4,), 4, 4),
     ],
 )
 def test_layout_is_the_used_dims_outermost_first(
@@ -37,17 +41,21 @@ def test_layout_is_the_used_dims_outermost_first(
 
 
 def test_kept_dims_stay_at_degree_one_in_their_place() -> None:
-    assert ParallelDims().layout(keep=("replicate",)) == (("replicate", 1),)
-    assert ParallelDims(tp=2).layout(keep=("shard",)) == (("shard", 1), ("tp", 2))
+    assert ParallelDims().in_mesh(keep=("replicate",)) == (("replicate", 1),)
+    assert ParallelDims(tp=2).in_mesh(keep=("shard",)) == (("shard", 1), ("tp", 2))
     with pytest.raises(UsageError, match=r"Unknown mesh dimension\(s\) \['dp'\]; choose from pp, replicate"):
-        ParallelDims().layout(keep=("dp",))
+        ParallelDims().in_mesh(keep=("dp",))
 
 
-@pytest.mark.parametrize(("degrees", "shown"), [({"replicate": 0}, "0"), ({"shard": -2}, "-2"), ({"tp": 1.5}, "1.5")])
+@pytest.mark.parametrize(
+    ("degrees", "shown"), [({"replicate": 0}, "0"), ({"shard": -2}, "-2"), ({"tp": 1.5}, "1.5"), ({"cp": 0}, "0")]
+)
 def test_degrees_below_one_are_refused(degrees: dict, shown: str) -> None:
     (name,) = degrees
     with pytest.raises(UsageError, match=rf"^The {name} degree must be a whole number of at least 1, not {shown}; "):
         ParallelDims(**degrees)
+    with pytest.raises(UsageError, match=r"^ep 3 spreads experts over the shard x cp processes, 4 here, and does not"):
+        ParallelDims(shard=2, cp=2, ep=3)
 
 
 @pytest.mark.parametrize(("world", "launched"), [(4, "4 were"), (1, "1 was")])
@@ -55,7 +63,7 @@ def test_a_product_other_than_the_world_size_is_refused(world: int, launched: st
     with pytest.raises(UsageError) as refusal:
         ParallelDims(replicate=2, shard=3).check(world)
     assert str(refusal.value) == (
-        f"replicate 2 x shard 3 x tp 1 x pp 1 = 6 processes, but {launched} launched; launch 6 "
+        f"replicate 2 x shard 3 x cp 1 x tp 1 x pp 1 = 6 processes, but {launched} launched; launch 6 "
         f"(multigpu run -n 6) or choose degrees whose product is {world}."
     )
 
@@ -71,24 +79,45 @@ def test_build_refuses_without_a_group_or_a_dimension(
     monkeypatch.setattr(dist, "is_initialized", lambda: initialized)
     monkeypatch.setattr(dist, "get_world_size", lambda: 1)
     with pytest.raises(UsageError, match=refusal):
-        ParallelDims().build("cpu")
+        build_mesh(ParallelDims(), "cpu")
 
 
 @pytest.mark.parametrize(
-    ("strategy", "dims"),
+    ("name", "settings", "dims", "mesh_dims"),
     [
-        (DDP(), ParallelDims(replicate=4)),
-        (Zero1(), ParallelDims(replicate=4)),
-        (FSDP(reshard_after_forward=False), ParallelDims(shard=4)),
-        (FSDP(), ParallelDims(shard=4)),
-        (Single(), None),
-        (DataParallel(), None),
-        (DeepSpeed(), None),  # DeepSpeed makes its own groups
+        ("ddp", {}, ParallelDims(replicate=4), ("replicate",)),
+        ("zero1", {}, ParallelDims(replicate=4), ("replicate",)),
+        ("zero2", {}, ParallelDims(shard=4), ("shard",)),
+        ("zero3", {}, ParallelDims(shard=4), ("shard",)),
+        ("hsdp", {"replicate": 2}, ParallelDims(replicate=2, shard=2), ("replicate", "shard")),
+        ("zero3", {"tp_size": 2}, ParallelDims(shard=2, tp=2), ("shard",)),
+        ("tp", {}, ParallelDims(tp=4), ("tp",)),
+        ("pp", {}, ParallelDims(pp=4), ("pp",)),
+        ("pp", {"pp_size": 2}, ParallelDims(pp=2, replicate=2), ("pp",)),
+        ("zero2", {"pp_size": 2}, ParallelDims(pp=2, shard=2), ("pp", "shard")),
+        ("deepspeed", {}, ParallelDims(shard=4), ()),  # DeepSpeed makes its own groups: no mesh
     ],
-    ids=lambda value: getattr(value, "name", None),
 )
-def test_each_strategy_names_its_layout(strategy: Strategy, dims: ParallelDims | None) -> None:
-    assert strategy.parallel_dims(4) == dims
+def test_each_strategy_is_built_on_the_layout_resolved_for_it(
+    name: str, settings: dict, dims: ParallelDims, mesh_dims: tuple
+) -> None:
+    strategy = build_strategy(name, mg.EngineConfig(strategy=name, **settings), world=4)
+    assert (strategy.layout, strategy.mesh_dims) == (dims, mesh_dims)
+
+
+@pytest.mark.parametrize(
+    ("settings", "nodes", "dims"),
+    [
+        ({}, 1, ParallelDims(shard=8)),
+        ({}, 2, ParallelDims(replicate=2, shard=4)),  # hsdp: one replica per node
+        ({"pp_size": 2}, 2, ParallelDims(pp=2, replicate=1, shard=4)),  # one per node of each pipeline stage
+        ({"tp_size": 2}, 2, ParallelDims(replicate=2, shard=2, tp=2)),
+        ({"replicate": 4}, 1, ParallelDims(replicate=4, shard=2)),
+    ],
+)
+def test_hsdp_replicas_default_to_one_per_node(settings: dict, nodes: int, dims: ParallelDims) -> None:
+    config = mg.EngineConfig(strategy="hsdp", **settings)
+    assert build_strategy("hsdp", config, world=8, nodes=nodes).layout == dims
 
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -99,7 +128,7 @@ def mesh_report(names: list[str], case: Case) -> dict:
     env = DistEnv.from_environ()
     report = {}
     for name in names:
-        strategy = resolve_strategy(name, env)
+        strategy = build_strategy(name, mg.EngineConfig(strategy=name), env.world_size)
         # The Engine takes the configured object too; kept here to look at its mesh afterwards.
         outcome = train_engine(dataclasses.replace(case, strategy=strategy))
         mesh = strategy.mesh
@@ -123,7 +152,7 @@ def mesh_report(names: list[str], case: Case) -> dict:
             "outcome": outcome,
         }
     # A dimension kept at degree 1 beside one that spans the world: it slices, and the other stays the default group.
-    mesh = ParallelDims(replicate=env.world_size).build("cpu", keep=("replicate", "shard"))
+    mesh = build_mesh(ParallelDims(replicate=env.world_size), "cpu", keep=("replicate", "shard"))
     report["kept"] = {
         "names": mesh.mesh_dim_names,
         "shape": tuple(mesh.shape),

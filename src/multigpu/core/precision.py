@@ -44,26 +44,38 @@ class Precision:
         # fp16's narrow exponent underflows small gradients; bf16 shares fp32's exponent and needs no scaling.
         return self.name == "fp16-mixed"
 
-    def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
-        if self.compute_dtype is None:
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """What a precision means under one strategy, decided in the strategy's `precision_plan` (strategies/base.py):
+    the dtype the Engine's autocast computes in (None: no autocast, as where the strategy casts itself), the dtype
+    parameters are stored in, and what makes the loss scaler. A strategy that casts itself adds its own fields in a
+    subclass (FSDP's MixedPrecisionPolicy, DeepSpeed's config section)."""
+
+    precision: Precision
+    autocast: torch.dtype | None = None
+    params: torch.dtype = torch.float32
+    scaler: Callable[[], Any] | None = None
+
+    def autocast_context(self, device: torch.device) -> contextlib.AbstractContextManager:
+        if self.autocast is None:
             return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=self.compute_dtype)
+        return torch.autocast(device.type, dtype=self.autocast)
 
-    def wrap_forward(self, forward: Callable[..., Any], device: torch.device, use_autocast: bool) -> Callable[..., Any]:
-        """`forward` with this precision's casts around it; floating outputs always come back in fp32.
+    def wrap_forward(self, forward: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
+        """`forward` with this plan's casts around it; floating outputs always come back in fp32.
 
-        bf16-true casts floating inputs to bf16 to meet its bf16 weights; mixed modes run under autocast unless
-        the strategy casts parameters itself (`use_autocast=False`). fp32 outputs keep losses at full width.
+        Parameters stored in a lower dtype (bf16-true) get their floating inputs cast to it; mixed precision runs
+        under autocast where the plan says so. fp32 outputs keep losses at full width.
         """
-        if self.name == "32":
+        if self.precision.name == "32":
             return forward
-        autocast = self.autocast if use_autocast else lambda device: contextlib.nullcontext()
 
         @functools.wraps(forward)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            if self.name == "bf16-true":
-                args, kwargs = _cast_floats((args, kwargs), self.param_dtype)
-            with autocast(device):
+            if self.params != torch.float32:
+                args, kwargs = _cast_floats((args, kwargs), self.params)
+            with self.autocast_context(device):
                 output = forward(*args, **kwargs)
             return _cast_floats(output, torch.float32)
 

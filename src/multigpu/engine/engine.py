@@ -9,8 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,26 +26,15 @@ from multigpu.core.modules import on_meta
 from multigpu.core.precision import Precision
 from multigpu.core.pretrained import SafetensorsCheckpoint
 from multigpu.core.schedule import SampleSchedule
-from multigpu.engine import checkpoint, start
+from multigpu.engine import start
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.observe import StepObserver, StepStats, new_observers, watched, watching
+from multigpu.engine.saving import Saving
+from multigpu.engine.window import Window
 from multigpu.strategies import Strategy
 
-COUNTERS = "multigpu.engine"  # the engine's own entry in every checkpoint it writes
 
-
-@dataclass
-class _Window:
-    """What one optimizer step's micro-batches add up to."""
-
-    busy_s: float = 0.0  # data loading and forward, i.e. the time outside backward and the optimizer step
-    samples: int = 0  # real samples in the global batch (engine loader only)
-    count: torch.Tensor | None = None  # this rank's units (tokens) when the loss is a sum; see backward
-    loss: torch.Tensor | None = None  # this rank's share of the step's loss, when an observer wants it
-    other_work: bool = False  # a checkpoint, evaluation or FLOP count ran inside this step's time
-
-
-class Engine:
+class Engine(Saving):
     def __init__(
         self, strategy: str | Strategy = "auto", *, observers: Sequence[StepObserver] = (), **settings: Any
     ) -> None:
@@ -61,31 +49,29 @@ class Engine:
         self.env = DistEnv.from_environ()
         self._strategy = start.resolve(strategy, self.env, config, self.print)
         self._auto_pending = config.strategy == "auto" and self.env.is_distributed
-        # Which batch this rank reads, among how many: tensor-parallel ranks of one replica read the same one.
-        self._data_rank, self._data_world = self._strategy.data_parallel(self.env.rank, self.env.world_size)
         self.precision = Precision(config.precision)
+        self._plan = start.precision_plan(self._strategy, config, self.env)
         self.device = self.env.device
         start.join(self.env, self._strategy, config)
         self._scaler: torch.amp.GradScaler | None = None
-        self._window_backwards = 0  # backwards since the last optimizer step: the accumulation window's count
-        self._window_done = False  # the window's last backward has run: the next engine.step applies it
+        # Which batch this rank reads, among how many: tensor-parallel ranks of one replica read the same one.
+        layout = self._strategy.layout
+        self._data_rank, self._data_world = layout.data_parallel_rank(self.env.rank), layout.data_parallel_size
+        wants_loss = any(observer.wants_loss for observer in self.observers)
+        self._window = Window(config.grad_accum_steps, self._data_world, self.device, wants_loss)
         self._backward_ran = False  # since the last engine.step
-        self._batch: Batch | None = None  # the engine-loader batch being trained on, if any
         self._loader: DistributedLoader | None = None
         self._train_loader: DistributedLoader | None = None  # the loader whose batches backward last saw
         self._printed_batch_size = False
         self.last_grad_norm: float | None = None
         self.last_step_applied = True  # False after a step that fp16 loss scaling skipped
         self.skipped_steps = 0  # optimizer steps skipped so far for inf/nan gradients (fp16-mixed)
-        self._pending_save: tuple[Future, Path] | None = None  # a background save and where it goes
         self._init_rng: torch.Tensor | None = None  # the random stream where init_module's build began
         self._pretrained: dict[int, SafetensorsCheckpoint] = {}  # load_pretrained's, by model, until setup
         self._model: nn.Module | None = None
         self._set_up: list[nn.Module] = []  # what setup was given and returned, so a second setup is caught
-        self._window = _Window(other_work=True)  # the first step also pays for lazy initialisation
-        self._mark = self._step_end = time.perf_counter()
+        self._step_end = time.perf_counter()
         self._steps = 0
-        self._wants_loss = any(observer.wants_loss for observer in self.observers)
         self._synchronizes = any(observer.synchronizes for observer in self.observers)
         for observer in self.observers:
             observer.attach(self)
@@ -124,7 +110,7 @@ class Engine:
         """What each batch's sequence length must be a multiple of: the tensor-parallel degree under
         sequence_parallel (every tp process takes an equal slice of the positions), else 1. Pad each batch to it,
         with the padding masked out of attention and the loss, as `multigpu finetune` does."""
-        return self._strategy.tp if self._strategy.sequence_parallel else 1
+        return self._strategy.layout.tp if self.config.sequence_parallel else 1
 
     @property
     def is_main_process(self) -> bool:
@@ -144,20 +130,19 @@ class Engine:
         given = model
         if self._auto_pending:
             self._strategy = start.strategy_for(model, optimizer, self.env, self.config, self.print)
+            self._plan = start.precision_plan(self._strategy, self.config, self.env)
             self._auto_pending = False
         build = (self._init_rng, self._pretrained.pop(id(model), None))
         model, optimizer = start.set_up(
-            self._strategy, model, optimizer, self.env, self.precision, self.config.sync_batchnorm, build, self.print
+            self._strategy, model, optimizer, self.env, self._plan, self.config.sync_batchnorm, build, self.print
         )
-        forward = self.precision.wrap_forward(model.forward, self.device, self._strategy.uses_autocast)
-        model.forward = watched(self.observers, "forward", forward)
-        if self.precision.needs_grad_scaler:
-            self._scaler = self._strategy.grad_scaler(self.device)
+        model.forward = watched(self.observers, "forward", self._plan.wrap_forward(model.forward, self.device))
+        self._scaler = self._plan.scaler() if self._plan.scaler is not None else None
         self._model = model
         self._set_up += [given, model]
         for observer in self.observers:
             observer.on_setup(model)
-        self._mark = self._step_end = time.perf_counter()
+        self._window.mark = self._step_end = time.perf_counter()
         return model, optimizer
 
     @contextlib.contextmanager
@@ -166,7 +151,7 @@ class Engine:
         zero3, auto; DeepSpeed ZeRO-3: zero.Init instead), or always with meta=True; setup gives each rank only
         its shards, with a plain build's values or load_pretrained's (see docs/guide.md)."""
         self._init_rng = torch.get_rng_state()
-        with start.build_context(self._strategy, meta, self._auto_pending, self.env, self.precision):
+        with start.build_context(self._strategy, meta, self._auto_pending, self.env, self._plan):
             yield
 
     def load_pretrained(self, model: nn.Module, path: str | Path) -> None:
@@ -214,23 +199,15 @@ class Engine:
         return loader
 
     def _on_batch(self, loader: DistributedLoader, batch: Batch) -> None:
-        self._loader, self._batch = loader, batch
+        self._loader, self._window.batch = loader, batch
         if self._train_loader is not None and loader is not self._train_loader:
             self.mark_untimed()  # an evaluation pass between two training steps
-
-    def _syncs_now(self) -> bool:
-        """Whether the next backward ends the accumulation window (and so must synchronise gradients): the engine
-        loader's batch says so, or else it is the window's grad_accum_steps-th backward. Counting backwards, not
-        engine.step calls, serves both loops: a step after every micro-step, or one after the window's backwards."""
-        if self._batch is not None:
-            return self._batch.ends_window
-        return self._window_backwards + 1 >= self.config.grad_accum_steps
 
     @contextlib.contextmanager
     def accumulate(self, model: nn.Module) -> Iterator[None]:
         """Skips gradient communication on every micro-step but the last of an accumulation window, where the
         strategy accumulates that way (zero2/zero3 reduce-scatter every micro-step unless unsharded_grad_accum)."""
-        if self._syncs_now() or not self._strategy.accumulates_unsynced:
+        if self._window.syncs_next() or not self._strategy.accumulates_unsynced:
             yield
         else:
             with self._strategy.no_sync(model):
@@ -249,9 +226,8 @@ class Engine:
         padding): the step's gradient is then divided by the units of all ranks and micro-batches together,
         the token-normalised loss one process would compute over the same global batch.
         """
-        syncs = self._begin_micro_step()
-        weight = self._account(loss.detach(), count)
-        loss = loss * weight
+        syncs = self._window.begin()
+        loss = loss * self._account(loss.detach(), count)
         if self._scaler is not None:
             loss = self._scaler.scale(loss)
         for observer in self.observers:
@@ -262,47 +238,14 @@ class Engine:
             observer.on_backward_end()
         self._end_micro_step(syncs)
 
-    def _begin_micro_step(self) -> bool:
-        """Refuses a backward past the end of its accumulation window; returns whether this one ends it."""
-        if self._window_done:
-            raise UsageError(
-                "engine.backward() was called after the last backward of its accumulation window (grad_accum_steps="
-                f"{self.config.grad_accum_steps}, or the engine loader's last batches of an epoch); call "
-                "engine.step(optimizer) once a window's backwards are done, before the next backward."
-            )
-        return self._syncs_now()
+    def _account(self, loss: torch.Tensor, count: int | torch.Tensor | None) -> float:
+        if self._window.batch is not None:
+            self._train_loader = self._loader
+        return self._window.account(loss, count)
 
     def _end_micro_step(self, ended_window: bool) -> None:
-        self._window_backwards += 1
-        self._window_done = ended_window
+        self._window.end_micro_step(ended_window)
         self._backward_ran = True
-        self._mark = time.perf_counter()
-
-    def _account(self, loss: torch.Tensor, count: int | torch.Tensor | None) -> float:
-        """Adds a micro-step's loss (and count) to its optimizer step's window; returns the weight its backward
-        starts from."""
-        self._window.busy_s += time.perf_counter() - self._mark
-        if self._batch is not None:
-            self._window.samples += self._batch.global_size
-            self._train_loader = self._loader
-        summed = count is not None
-        if self._window_backwards > 0 and summed != (self._window.count is not None):
-            raise UsageError("Pass count= to engine.backward on every micro-step of an optimizer step, or on none.")
-        weight = self._weight(summed)
-        if summed:
-            count = torch.as_tensor(count, dtype=torch.float64, device=self.device).detach()
-            self._window.count = count if self._window.count is None else self._window.count + count
-            share = loss.double()
-        else:
-            share = loss.double() * weight / self._data_world
-        if self._wants_loss:
-            self._window.loss = share if self._window.loss is None else self._window.loss + share
-        return weight
-
-    def _weight(self, summed: bool) -> float:
-        if summed:  # DDP and FSDP average gradients over the data-parallel ranks; this factor turns that into a sum
-            return float(self._data_world)
-        return self._batch.weight if self._batch is not None else 1.0 / self.config.grad_accum_steps
 
     def forward_backward(
         self,
@@ -331,12 +274,12 @@ class Engine:
         def weigh(result: Any, share: float) -> torch.Tensor:
             # Each micro-batch's backward: a sum weighted as engine.backward weighs it, a mean by its share of rows.
             summed = isinstance(result, tuple)
-            return result[0] * self._weight(True) if summed else result * self._weight(False) * share
+            return result[0] * self._window.weight(True) if summed else result * self._window.weight(False) * share
 
-        syncs = self._begin_micro_step()
+        syncs = self._window.begin()
         for observer in self.observers:
             observer.on_backward_start()
-        with watching(self.observers, "pipeline step"), self._autocast():
+        with watching(self.observers, "pipeline step"), self._plan.autocast_context(self.device):
             loss, count = self._strategy.pipeline_step(inputs, targets, loss_fn, weigh, train=True)
         for observer in self.observers:
             observer.on_backward_end()
@@ -351,19 +294,13 @@ class Engine:
         schedule runs forward only and the last stage's loss is shared. Returns what loss_fn returns, detached."""
         with torch.no_grad():
             if self._strategy.pipelined:
-                with self._autocast():
+                with self._plan.autocast_context(self.device):
                     loss, count = self._strategy.pipeline_step(inputs, targets, loss_fn, lambda r, s: r, train=False)
                 return loss if count is None else (loss, count)
             result = loss_fn(_call(model, inputs), targets)
         if isinstance(result, tuple):
             return tuple(r.detach() if torch.is_tensor(r) else r for r in result)
         return result.detach()
-
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        """The mixed precision's autocast around a pipeline schedule, whose stages the engine cannot wrap."""
-        if self.precision.compute_dtype is None or not self._strategy.uses_autocast:
-            return contextlib.nullcontext()
-        return self.precision.autocast(self.device)
 
     def step(self, optimizer: torch.optim.Optimizer, scheduler: LRScheduler | None = None) -> bool:
         """Once the accumulation window's backwards are done: unscale, clip, step, zero the gradients, advance
@@ -379,12 +316,11 @@ class Engine:
                 "engine.step() was called before engine.backward(loss) in this step; call engine.backward(loss) first."
             )
         self._backward_ran = False
-        self._batch = None
-        if not self._window_done:
+        self._window.batch = None
+        if not self._window.done:
             return False
-        self._window_backwards, self._window_done = 0, False
         with watching(self.observers, "optimizer step"):
-            count, loss = self._window_totals()
+            count, loss = self._window.global_totals(self._sum_over_replicas)
             outcome = self._strategy.optimizer_step(
                 self._model, optimizer, self._scaler, count, self.config.max_grad_norm
             )
@@ -394,100 +330,40 @@ class Engine:
         if not outcome.applied:
             self.skipped_steps += 1
             if isinstance(scheduler, SampleSchedule):
-                scheduler.skip(self._window.samples)
+                scheduler.skip(self._window.totals.samples)
         elif scheduler is not None:
             scheduler.step()
         self._end_window(count, loss, outcome.applied)
         return True
 
-    def _window_totals(self) -> tuple[float | None, float | None]:
-        """The step's units over all ranks (when the loss is a sum) and, for observers, its global loss."""
-        window = self._window
-        if window.count is None and window.loss is None:
-            return None, None
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        totals = torch.stack([zero if t is None else t for t in (window.count, window.loss)])
-        if grouped():
-            totals = totals.to(collective_device(self.device))
-            with watching(self.observers, "step totals"):
-                dist.all_reduce(totals)
-            totals /= self.world_size // self._data_world  # the ranks of one replica all hold its totals
-        count, loss = totals.tolist()
-        if window.count is None:
-            return None, loss
-        return count, (loss / max(count, 1.0) if window.loss is not None else None)
+    def _sum_over_replicas(self, totals: torch.Tensor) -> torch.Tensor:
+        """`totals` summed over every rank, each replica's counted once (all the ranks of one replica hold it)."""
+        if not grouped():
+            return totals
+        totals = totals.to(collective_device(self.device))
+        with watching(self.observers, "step totals"):
+            dist.all_reduce(totals)
+        return totals / (self.world_size // self._data_world)
 
     def _end_window(self, count: float | None, loss: float | None, applied: bool) -> None:
         """Times the step just ended and tells the observers; the next step's time starts now."""
         if self._synchronizes and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step's time must include its queued GPU work
         now = time.perf_counter()
-        window, self._window = self._window, _Window()
+        totals = self._window.close()
         seconds, self._step_end = now - self._step_end, now
         self._steps += 1
         stats = StepStats(
-            self._steps, seconds, window.samples, count or 0.0, window.busy_s, not window.other_work, loss, applied
+            self._steps, seconds, totals.samples, count or 0.0, totals.busy_s, not totals.other_work, loss, applied
         )
         for observer in self.observers:
             observer.on_step_end(stats)
-        self._mark = time.perf_counter()
+        self._window.mark = time.perf_counter()
 
     def mark_untimed(self) -> None:
         """The step under way does other work besides training (evaluation, a checkpoint, a FLOP count): its
         time is left out of the throughput figures."""
-        self._window.other_work = True
-
-    def save(
-        self, path: str | Path, state: dict[str, Any], async_save: bool = False, keep_last: int | None = None
-    ) -> Path:
-        """Writes `state` (modules, optimizers, anything with state_dict, plain values, RNG) as a sharded checkpoint.
-
-        Every rank writes its own shards; nothing is gathered onto rank 0. The directory appears only once
-        complete. With `async_save` the tensors are copied and written in the background: call
-        `wait_for_checkpoint()` before exiting. `keep_last` removes all but the newest K `step-N` siblings.
-        """
-        self.wait_for_checkpoint()
-        self.mark_untimed()
-        path, state = Path(path), {**state, COUNTERS: {"steps": self._steps, "skipped_steps": self.skipped_steps}}
-        with watching(self.observers, "save"):
-            if async_save:
-                self._pending_save = (checkpoint.save_async(path, state, self._strategy, keep_last), path)
-            else:
-                checkpoint.save(path, state, self._strategy, keep_last)
-        return path
-
-    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """What this rank writes of `model` into a checkpoint: its trainable weights and buffers, keyed as in the
-        unwrapped model (whole tensors, DTensor shards under FSDP2, or this rank's share of the whole tensors under
-        DeepSpeed). Every rank must call it: assembling them is a collective."""
-        return self._strategy.model_state_dict(model)
-
-    def full_state_dict(self, model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
-        """`model`'s whole weights and buffers (frozen weights left out with `trainable_only`) on rank 0's CPU, an
-        empty dict on the other ranks, keyed as in the unwrapped model: for writing a model or adapter out.
-        Assembled one tensor at a time, so no device holds more than one whole tensor besides its own shard.
-        Every rank must call it."""
-        return self._strategy.full_state_dict(model, trainable_only)
-
-    def wait_for_checkpoint(self) -> None:
-        """Blocks until a background save has finished (and re-raises its error, if it failed)."""
-        if self._pending_save is not None:
-            (pending, path), self._pending_save = self._pending_save, None
-            checkpoint.wait(pending, path)
-            self.barrier()
-
-    def load(self, path: str | Path, state: dict[str, Any]) -> None:
-        """Restores `state` in place from a checkpoint written at any world size and with any strategy."""
-        self.wait_for_checkpoint()
-        self.mark_untimed()
-        restored = {**state, COUNTERS: None}
-        with watching(self.observers, "load"):
-            checkpoint.load(path, restored, self._strategy, optional=(COUNTERS,))
-        state.update({key: restored[key] for key in state})  # plain values are replaced, not loaded in place
-        if restored[COUNTERS] is not None:  # the counts carry on, for reports, logs and stuck-rank messages
-            self._steps, self.skipped_steps = (int(restored[COUNTERS][key]) for key in ("steps", "skipped_steps"))
-            for observer in self.observers:
-                observer.on_resume(self._steps)
+        self._window.totals.other_work = True
 
     def reduce(self, value: float | torch.Tensor, op: str = "mean") -> float | torch.Tensor:
         """`value` combined over all ranks ("mean", "sum" or "max"), returned on every rank as the same type."""

@@ -19,45 +19,61 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from multigpu.core.env import DistEnv, check_backend, init_process_group
 from multigpu.core.errors import UsageError
+from multigpu.core.layout import resolve_layout
 from multigpu.core.modules import MetaValues, materialize, on_meta, parameters_on_meta, repoint
-from multigpu.core.precision import Precision
+from multigpu.core.precision import Precision, PrecisionPlan
 from multigpu.core.pretrained import SafetensorsCheckpoint
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.trackers import check_servers, parse_log_to
 from multigpu.planner import choose_strategy
-from multigpu.strategies import DataParallel, DeepSpeed, Strategy, resolve_strategy
-from multigpu.strategies.deepspeed import DeepSpeedOptions
+from multigpu.strategies import Strategy, build_strategy
+from multigpu.strategies.dp import DataParallel
 
 
 def resolve(given: str | Strategy, env: DistEnv, config: EngineConfig, say: Callable[[str], None]) -> Strategy:
-    """The strategy `config` names, or one sentence refusing it. `given` is what the script passed: a configured
-    Strategy is used as it is, unless an observer's configure renamed the strategy."""
-    spec = given if isinstance(given, Strategy) and given.name == config.strategy else config.strategy
-    return resolve_strategy(
-        spec,
-        env,
-        config.cpu_offload,
-        say=say,
-        deepspeed=DeepSpeedOptions.of(config),
-        max_grad_norm=config.max_grad_norm,
-        unsharded_grad_accum=config.unsharded_grad_accum,
-        find_unused_parameters=config.find_unused_parameters,
-        sync_batchnorm=config.sync_batchnorm,
-        replicate=config.replicate,
-        tp_size=config.tp_size,
-        pipeline=(config.pp_schedule, config.pp_stages_per_rank, config.pp_microbatches),
-        pp_size=config.pp_size,
-        sequence_parallel=config.sequence_parallel,
-    )
+    """The strategy `config` names, built for `env`'s processes, or one sentence refusing it. `given` is what the
+    script passed: a configured Strategy keeps its options (its layout resolved for the processes launched, unless
+    it was built with one), unless an observer's configure renamed the strategy."""
+    nodes = max(1, env.world_size // env.local_world_size)
+    if isinstance(given, Strategy) and given.name == config.strategy:
+        if given.layout.world_size == env.world_size:
+            return given
+        return replace(given, layout=resolve_layout(config, given.spread, env.world_size, nodes, given.name))
+    if config.strategy != "auto":
+        return build_strategy(config.strategy, config, env.world_size, nodes, say)
+    if (config.tp_size or 1) > 1 or (config.pp_size or 1) > 1:
+        raise UsageError(
+            "Strategy auto does not choose tensor or pipeline parallelism; name the strategy to run them with (tp, "
+            "pp, zero2, zero3 or hsdp) beside tp_size and pp_size."
+        )
+    if env.is_distributed:  # ddp joins the process group now; Engine.setup asks the planner once it sees the model
+        return build_strategy("ddp", config, env.world_size, nodes, say)
+    say("strategy auto -> single (1 process)")
+    return build_strategy("single", config, env.world_size, nodes, say)
+
+
+def precision_plan(strategy: Strategy, config: EngineConfig, env: DistEnv) -> PrecisionPlan:
+    """What the run's precision means under `strategy`, once everything the strategy and the settings cannot run on
+    this device has been refused."""
+    plan = strategy.precision_plan(Precision(config.precision), env.device)
+    strategy.check_runnable(env.device, plan)
+    if config.sync_batchnorm and isinstance(strategy, DataParallel):
+        raise UsageError(
+            "sync_batchnorm needs one process per GPU and strategy dp drives every GPU from one process; "
+            "use strategy ddp (multigpu run -n N) or drop sync_batchnorm."
+        )
+    if config.sync_batchnorm and strategy.needs_process_group and env.device.type != "cuda":
+        raise UsageError(
+            "sync_batchnorm synchronises BatchNorm between GPUs, and torch's SyncBatchNorm refuses to run on CPU; "
+            "drop sync_batchnorm (--sync-batchnorm) or run on GPUs."
+        )
+    return plan
 
 
 def check(config: EngineConfig, nproc: int) -> None:
     """Refuses, before any process starts, what the Engine would refuse in each of `nproc` workers."""
     env = DistEnv(world_size=nproc, local_world_size=nproc)
-    strategy = resolve(config.strategy, env, config, lambda _: None)
-    strategy.parallel_dims(nproc)  # a layout that does not fit the processes is refused here
-    if isinstance(strategy, DeepSpeed):
-        strategy.config(Precision(config.precision), env.device)
+    precision_plan(resolve(config.strategy, env, config, lambda _: None), config, env)
     if config.backend is not None:
         check_backend(config.backend, env.device)
     if config.log_dir is not None:  # the main worker would refuse it after the launch, and the others wait meanwhile
@@ -114,13 +130,13 @@ def strategy_for(
 
 
 def build_context(
-    strategy: Strategy, meta: bool | None, auto_pending: bool, env: DistEnv, precision: Precision
+    strategy: Strategy, meta: bool | None, auto_pending: bool, env: DistEnv, plan: PrecisionPlan
 ) -> contextlib.AbstractContextManager:
     """What engine.init_module builds inside: parameters on the meta device when asked (meta=True) or while the
     strategy is undecided (auto decides at setup), nothing special when asked not to, else the strategy's own."""
     if meta or (meta is None and auto_pending):
         return parameters_on_meta()
-    return strategy.build_context(env, precision) if meta is None else contextlib.nullcontext()
+    return strategy.build_context(env, plan) if meta is None else contextlib.nullcontext()
 
 
 def check_loadable(model: nn.Module, read: SafetensorsCheckpoint) -> None:
@@ -154,7 +170,7 @@ def set_up(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     env: DistEnv,
-    precision: Precision,
+    plan: PrecisionPlan,
     sync_batchnorm: bool,
     build: tuple[torch.Tensor | None, SafetensorsCheckpoint | None],
     say: Callable[[str], None],
@@ -163,11 +179,11 @@ def set_up(
     `build` is where the random stream stood when that build began, and the checkpoint load_pretrained gave it."""
     values = meta_values(strategy, model, optimizer, env, *build, say)
     model = batchnorm(model, strategy, env, sync_batchnorm)
-    if precision.name == "bf16-true":
-        model.to(torch.bfloat16)  # on the meta device, free; the values are cast as they arrive
+    if plan.params != torch.float32:
+        model.to(plan.params)  # bf16-true; on the meta device, free: the values are cast as they arrive
     if values is None:
-        return strategy.setup(model, optimizer, env, precision)
-    model, optimizer = strategy.setup_from_meta(model, optimizer, env, precision, values)
+        return strategy.setup(model, optimizer, env, plan)
+    model, optimizer = strategy.setup_from_meta(model, optimizer, env, plan, values)
     if values.read is not None:
         say(values.read.summary(values.initialised))
     return model, optimizer

@@ -13,7 +13,7 @@ import socket
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ from torch.distributed.run import run as torch_run
 from multigpu.core.env import free_port
 from multigpu.core.errors import UsageError
 from multigpu.core.notes import LAUNCHER_DIR, USAGE_ERROR, ScriptEnd, launcher_note, usage_error_noted
+from multigpu.core.settings import Settings, setting
 from multigpu.engine.progress import explain_nccl_timeout, nccl_watchdog_environment, read_nccl_traces
 from multigpu.launch.exit_watch import STUCK, ended_after_script, ending_stuck_workers, stuck_lines
 from multigpu.launch.stop import LAUNCHER_PID, checkpoint_note, raising_on_stop, report_stop
@@ -33,26 +34,20 @@ WORKER = ("multigpu.launch.worker",)  # what each process runs: see its module d
 
 
 @dataclass
-class LaunchConfig:
-    nproc: int | None = field(
-        default=None, metadata={"help": "processes per node (default: the visible GPUs, or 1 without GPUs)"}
+class LaunchConfig(Settings):
+    nproc: int | None = setting(None, "processes per node (default: the visible GPUs, or 1 without GPUs)")
+    gpu_ids: str | None = setting(
+        None,
+        "comma-separated GPU indices to use, e.g. 0,1,3, counted among the GPUs CUDA_VISIBLE_DEVICES already exposes "
+        "if it is set (sets CUDA_VISIBLE_DEVICES)",
     )
-    gpu_ids: str | None = field(
-        default=None,
-        metadata={
-            "help": "comma-separated GPU indices to use, e.g. 0,1,3, counted among the GPUs CUDA_VISIBLE_DEVICES "
-            "already exposes if it is set (sets CUDA_VISIBLE_DEVICES)"
-        },
-    )
-    nnodes: int = field(default=1, metadata={"help": "number of machines"})
-    node_rank: int = field(default=0, metadata={"help": "this machine's index, 0..nnodes-1"})
-    master_addr: str = field(default="127.0.0.1", metadata={"help": "address of node 0 (several nodes)"})
-    master_port: int | None = field(
-        default=None, metadata={"help": "port on node 0; a free one is picked on a single node"}
-    )
-    max_restarts: int = field(default=0, metadata={"help": "restart all workers up to K times after a failure"})
+    nnodes: int = setting(1, "number of machines")
+    node_rank: int = setting(0, "this machine's index, 0..nnodes-1")
+    master_addr: str = setting("127.0.0.1", "address of node 0 (several nodes)")
+    master_port: int | None = setting(None, "port on node 0; a free one is picked on a single node")
+    max_restarts: int = setting(0, "restart all workers up to K times after a failure")
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         if self.nproc is not None and self.nproc < 1:
             raise UsageError(f"--nproc must be 1 or more (got {self.nproc}).")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:

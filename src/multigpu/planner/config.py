@@ -4,11 +4,25 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from multigpu.core.errors import UsageError
-from multigpu.core.precision import PRECISIONS
-from multigpu.planner.layout import PP_SCHEDULES, check_schedule
+from multigpu.core.layout import (
+    ALONE,
+    HYBRID,
+    OWN_GROUPS,
+    PIPELINE,
+    REPLICAS,
+    SHARDS,
+    TENSOR,
+    LayoutSettings,
+    ParallelDims,
+    PipelineOptions,
+    ShardingOptions,
+    TensorParallelOptions,
+    resolve_layout,
+)
+from multigpu.core.settings import TrainingSettings, derive, setting
 
 OPTIMIZERS = ("adamw", "sgd", "adamw8bit")
 
@@ -35,60 +49,74 @@ def parse_bytes(text: str | float, flag: str = "--gpu-memory") -> float:
     return value * 1024 ** "bkmgt".index((unit or "b")[0])
 
 
-@dataclass
-class PlanConfig:
-    gpus: int = field(default=1, metadata={"help": "GPUs per node"})
-    nodes: int = field(default=1, metadata={"help": "machines"})
-    gpu_memory: str = field(default="80GB", metadata={"help": "memory of one GPU, e.g. 80GB or 24GiB"})
-    precision: str = field(default="bf16-mixed", metadata={"help": "training precision", "choices": PRECISIONS})
-    optimizer: str = field(default="adamw", metadata={"help": "optimizer states to count", "choices": OPTIMIZERS})
-    batch_size: int = field(default=8, metadata={"help": "sequences per GPU per micro-batch"})
-    seq_len: int = field(default=2048, metadata={"help": "tokens per sequence"})
-    grad_accum_steps: int = field(
-        default=1, metadata={"help": "micro-batches per step (memory only with --unsharded-grad-accum)"}
-    )
-    unsharded_grad_accum: bool = field(
-        default=False,
-        metadata={"help": "zero2/zero3 accumulate whole gradients between reduce-scatters (as the Engine option)"},
-    )
-    activation_checkpointing: bool = field(default=False, metadata={"help": "keep layer inputs only, recompute"})
-    lora_r: int | None = field(default=None, metadata={"help": "LoRA rank: train adapters on every projection"})
-    qlora: bool = field(default=False, metadata={"help": "4-bit (nf4) frozen base under LoRA adapters"})
-    cpu_offload: bool = field(default=False, metadata={"help": "allow zero3 with parameters offloaded to CPU"})
-    tp_size: int = field(default=1, metadata={"help": "tensor-parallel degree: each layer split over this many GPUs"})
-    sequence_parallel: bool = field(
-        default=False, metadata={"help": "with --tp-size: norms and the residual stream split by position too"}
-    )
-    pp_size: int = field(default=1, metadata={"help": "pipeline-parallel degree: the layers split into this many"})
-    pp_schedule: str = field(
-        default="1f1b", metadata={"help": "pipeline schedule (the micro-batches in flight)", "choices": PP_SCHEDULES}
-    )
-    pp_stages_per_rank: int = field(default=1, metadata={"help": "with --pp-schedule interleaved: stages per GPU"})
-    microbatches: int | None = field(
-        default=None, metadata={"help": "pipeline micro-batches per step, each --batch-size (default: --pp-size)"}
-    )
+#: Which strategy each of the planner's rows is, as a layout (core/layout.py): each row's degrees are resolved as the
+#: strategy's own are when it runs.
+SPREADS = {
+    "single": ALONE,
+    "dp": ALONE,
+    "ddp": REPLICAS,
+    "zero1": REPLICAS,
+    "zero2": SHARDS,
+    "zero3": SHARDS,
+    "zero3+offload": SHARDS,
+    "hsdp": HYBRID,
+    "deepspeed1": OWN_GROUPS,
+    "deepspeed2": OWN_GROUPS,
+    "deepspeed3": OWN_GROUPS,
+    "tp": TENSOR,
+    "pp": PIPELINE,
+    "tp+pp": PIPELINE,
+}
 
-    def __post_init__(self) -> None:
-        for name in ("gpus", "nodes", "batch_size", "seq_len", "grad_accum_steps", "tp_size", "pp_size"):
+# The training set-up and layout are the Engine's settings, planned for a GPU cluster: bf16-mixed and no model
+# parallelism unless asked.
+_ENGINE_SETTINGS = derive(
+    "PlannedSettings",
+    TrainingSettings,
+    ShardingOptions,
+    LayoutSettings,
+    TensorParallelOptions,
+    PipelineOptions,
+    only=(
+        "precision",
+        "grad_accum_steps",
+        "unsharded_grad_accum",
+        "cpu_offload",
+        "tp_size",
+        "pp_size",
+        "sequence_parallel",
+        "pp_schedule",
+        "pp_stages_per_rank",
+        "pp_microbatches",
+    ),
+    rename={"pp_microbatches": "microbatches"},
+    defaults={"precision": "bf16-mixed", "tp_size": 1, "pp_size": 1},
+    note={
+        "grad_accum_steps": " (plan: changes memory only with --unsharded-grad-accum)",
+        "cpu_offload": " (plan: allows the zero3+offload row to be recommended)",
+    },
+)
+
+
+@dataclass
+class PlanConfig(_ENGINE_SETTINGS):
+    gpus: int = setting(1, "GPUs per node")
+    nodes: int = setting(1, "machines")
+    gpu_memory: str = setting("80GB", "memory of one GPU, e.g. 80GB or 24GiB")
+    optimizer: str = setting("adamw", "optimizer states to count", choices=OPTIMIZERS)
+    batch_size: int = setting(8, "sequences per GPU per micro-batch")
+    seq_len: int = setting(2048, "tokens per sequence")
+    activation_checkpointing: bool = setting(False, "keep layer inputs only, recompute")
+    lora_r: int | None = setting(None, "LoRA rank: train adapters on every projection")
+    qlora: bool = setting(False, "4-bit (nf4) frozen base under LoRA adapters")
+
+    def check(self) -> None:
+        for name in ("gpus", "nodes", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be 1 or more (got {getattr(self, name)}).")
-        self._check_layout()
-        parse_bytes(self.gpu_memory)  # refuses what cannot be a GPU's memory, before anything is planned
-        if self.precision not in PRECISIONS:
-            raise UsageError(f"Unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}.")
-        if self.optimizer not in OPTIMIZERS:
-            raise UsageError(f"Unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}.")
-        if self.lora_r is not None and self.lora_r < 1:
-            raise UsageError(f"--lora-r must be 1 or more (got {self.lora_r}).")
-        if self.qlora and self.lora_r is None:
-            self.lora_r = 16  # QLoRA trains LoRA adapters on the quantised base; 16 is peft's usual rank
-
-    def _check_layout(self) -> None:
-        check_schedule(self.pp_schedule, self.pp_stages_per_rank)
+        self.tp_size, self.pp_size = self.tp_size or 1, self.pp_size or 1
         if self.microbatches is None:
             self.microbatches = self.pp_size  # torchtitan's default: one micro-batch per stage
-        if self.microbatches < 1:
-            raise UsageError(f"--microbatches must be 1 or more (got {self.microbatches}).")
         if self.sequence_parallel and self.tp_size == 1:
             raise UsageError("--sequence-parallel splits the sequence over the tp GPUs; add --tp-size or drop it.")
         if self.world % (self.tp_size * self.pp_size):
@@ -96,6 +124,13 @@ class PlanConfig:
                 f"--tp-size {self.tp_size} x --pp-size {self.pp_size} does not divide the {self.world} GPUs "
                 f"(--gpus x --nodes); choose degrees whose product divides {self.world}."
             )
+        parse_bytes(self.gpu_memory)  # refuses what cannot be a GPU's memory, before anything is planned
+        if self.optimizer not in OPTIMIZERS:
+            raise UsageError(f"Unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}.")
+        if self.lora_r is not None and self.lora_r < 1:
+            raise UsageError(f"--lora-r must be 1 or more (got {self.lora_r}).")
+        if self.qlora and self.lora_r is None:
+            self.lora_r = 16  # QLoRA trains LoRA adapters on the quantised base; 16 is peft's usual rank
 
     @property
     def gpu_bytes(self) -> float:
@@ -109,12 +144,12 @@ class PlanConfig:
     def model_parallel(self) -> bool:
         return self.tp_size * self.pp_size > 1
 
+    def layout(self, row: str) -> ParallelDims:
+        """The degrees of a row's strategy on this cluster, as that strategy would resolve them."""
+        request = LayoutSettings(tp_size=self.tp_size, pp_size=self.pp_size)
+        return resolve_layout(request, SPREADS[row], self.world, self.nodes, row)
+
     @property
     def data_parallel(self) -> int:
         """The ranks that train on different batches: the world over tp x pp."""
         return self.world // (self.tp_size * self.pp_size)
-
-    @property
-    def hsdp_shard(self) -> int:
-        """hsdp's shard degree beside tp: the data-parallel ranks of one node (tp takes the rest of it)."""
-        return math.gcd(self.data_parallel, max(1, self.gpus // self.tp_size))

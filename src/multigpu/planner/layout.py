@@ -1,6 +1,6 @@
 """What one GPU holds under tensor and pipeline parallelism: its slice of the weights and of the activations.
 
-The layout is the mesh's (strategies/mesh.py): pp outermost, then the data-parallel dimensions, tp innermost.
+The layout is the mesh's (core/layout.py): pp outermost, then the data-parallel dimensions, tp innermost.
   tp   Megatron-style: q/k/v and MLP gate/up split by output columns, o/down by input rows, the embedding and the
        output head by vocabulary; norm weights stay whole, and so do the norms' and the residual stream's
        activations unless sequence parallelism splits those by position.
@@ -23,23 +23,6 @@ from dataclasses import dataclass, replace
 from multigpu.core.errors import UsageError
 from multigpu.planner.activations import transformer_parts
 from multigpu.planner.shapes import ModelShape, Transformer
-
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
-
-
-def check_schedule(
-    schedule: str, stages_per_rank: int, names: tuple[str, str] = ("--pp-schedule", "--pp-stages-per-rank")
-) -> None:
-    """Refuses an unknown schedule, or stages per rank that do not fit it (interleaved takes 2 or more, the others
-    1); `names` are the two settings as the caller's user writes them."""
-    if schedule not in PP_SCHEDULES:
-        raise UsageError(f"Unknown {names[0]} {schedule!r}; choose one of {', '.join(PP_SCHEDULES)}.")
-    if stages_per_rank < 1 or (stages_per_rank > 1) != (schedule == "interleaved"):
-        raise UsageError(
-            f"{names[1]} {stages_per_rank} does not fit {names[0]} {schedule}: interleaved takes 2 or more stages per "
-            "rank, gpipe and 1f1b take 1; set them together."
-        )
-
 
 COLUMN_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # the rest (o_proj, down_proj) split rows
 

@@ -136,7 +136,7 @@ def _stages(shape: ModelShape, config: PlanConfig) -> list[Stage]:
 def _stage_memory(name: str, whole: ModelShape, config: PlanConfig, batch: int, stage: Stage) -> StrategyMemory:
     shape = held_shape(whole, config.tp_size, config.pp_size, stage)
     params, grads, optim, _ = model_states(shape, config)
-    n = config.hsdp_shard if name == "hsdp" else config.data_parallel
+    n = _data_parallel(name, config)
     compute = 4 if config.precision == "32" else 2
     unit = (shape.largest_unit or shape.params // 10) * compute
     if config.model_parallel:
@@ -240,7 +240,14 @@ def _rows(config: PlanConfig) -> tuple[str, ...]:
     if config.data_parallel == 1:
         return (model_parallel_name(config),)
     # hsdp is a row of its own only where it replicates; with one node's worth of shards it is zero3.
-    return tuple(name for name in COMPOSED if name != "hsdp" or config.hsdp_shard < config.data_parallel)
+    return tuple(name for name in COMPOSED if name != "hsdp" or config.layout("hsdp").replicate > 1)
+
+
+def _data_parallel(name: str, config: PlanConfig) -> int:
+    """The ranks a row's strategy divides model states over: hsdp's shards (its replicas each hold them whole),
+    every data-parallel rank for the others."""
+    dims = config.layout(name)
+    return dims.shard if name == "hsdp" else dims.data_parallel_size
 
 
 def _check_tp_divides_heads(shape: ModelShape, tp: int) -> None:
@@ -259,7 +266,7 @@ def _setup(name: str, shape: ModelShape, config: PlanConfig, pp_rank: int) -> tu
         return setup_bytes(name, shape, config.world, *built_model(shape, config))
     stage = _stages(shape, config)[pp_rank]
     held = held_shape(shape, config.tp_size, config.pp_size, stage)
-    n = config.hsdp_shard if name == "hsdp" else config.data_parallel
+    n = _data_parallel(name, config)
     slices, init_module = setup_bytes(name, held, n, *built_model(held, config))
     whole, _ = built_model(shape, config)
     held_bytes, _ = built_model(held, config)

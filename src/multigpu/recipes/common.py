@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -16,10 +16,11 @@ from safetensors.torch import save_file
 
 from multigpu.core.config import config_to_argv
 from multigpu.core.config_file import RUN_CONFIG, save_run_config
-from multigpu.core.errors import UsageError
+from multigpu.core.errors import UsageError, require
 from multigpu.core.notes import LAST_CHECKPOINT, LAUNCHER_DIR, attempt, launched, launcher_note
 from multigpu.core.pretrained import give_usual_mode
 from multigpu.core.schedule import SampleSchedule
+from multigpu.core.settings import Settings, derive, setting
 from multigpu.engine import checkpoint, start
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
@@ -30,6 +31,50 @@ from multigpu.launch.launcher import LaunchConfig, launch, select_gpus
 class RunDir(Protocol):
     save_dir: str
     resume: str
+
+
+@dataclass
+class RecipeLaunch(Settings):
+    """How many processes a recipe launches itself when it is not under a launcher (multigpu run, torchrun)."""
+
+    nproc: int | None = setting(
+        None, "processes to launch when not under a launcher (default: 1, or one per --gpu-ids)"
+    )
+    gpu_ids: str | None = setting(None, "GPUs to use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES)")
+
+    def check(self) -> None:
+        require((self.nproc is None or self.nproc >= 1, f"--nproc must be 1 or more (got {self.nproc})."))
+
+
+@dataclass
+class RunDirSettings(Settings):
+    """Where a recipe's run keeps what it writes, and where it starts from."""
+
+    save_dir: str = setting("checkpoints/run", "the run's directory: checkpoints, metrics, its config.yaml and outputs")
+    resume: str = setting("auto", "'auto' (newest checkpoint in --save-dir), 'none' or a PATH")
+    save_every: int = setting(
+        0,
+        "also checkpoint every N optimizer steps (0: only where the recipe does anyway: train each epoch, finetune "
+        "at the end)",
+    )
+
+    def check(self) -> None:
+        require((self.save_every >= 0, f"--save-every must be 0 or more (got {self.save_every})."))
+
+
+def recipe_settings(name: str, shown: tuple[str, ...], save_dir: str, **defaults: Any) -> type:
+    """A recipe's settings made of others': the run directory's (with its default `save_dir`), and the Engine's and
+    the launch's named in `shown`, with --multi-gpu for the strategy and the recipe's own `defaults`. Each keeps its
+    one definition (core/settings.py: derive)."""
+    return derive(
+        name,
+        LaunchConfig,
+        RunDirSettings,
+        EngineConfig,
+        only=("save_dir", "resume", "save_every", "strategy", *shown),
+        rename={"strategy": "multi_gpu"},
+        defaults={"save_dir": save_dir, **defaults},
+    )
 
 
 # -- before any process starts ---------------------------------------------------------------------------------
@@ -72,12 +117,9 @@ def as_launched(config: Any) -> Any:
 
 
 def engine_settings(config: Any) -> dict[str, Any]:
-    """The Engine settings of a recipe's config (TrainConfig, FinetuneConfig): every EngineConfig field it has,
-    with --multi-gpu as the strategy and --save-dir for the logs. The check before launching (run_recipe) and the
-    workers' Engine (recipe_engine) both take them from here, so EngineConfig refuses a bad one before any worker
-    starts."""
-    names = [field.name for field in fields(EngineConfig) if hasattr(config, field.name)]
-    return {name: getattr(config, name) for name in names} | {"strategy": config.multi_gpu, "log_dir": config.save_dir}
+    """The Engine settings of a recipe's config (TrainConfig, FinetuneConfig), with --save-dir for the logs. The
+    check before launching (run_recipe) and the workers' Engine (recipe_engine) both take them from here."""
+    return config.values_for(EngineConfig) | {"log_dir": config.save_dir}
 
 
 def resolve_resume(config: RunDir, say: Callable[[str], None] = print) -> Path | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
@@ -16,6 +16,7 @@ from torch.utils.data import TensorDataset
 
 from multigpu.core.config import Parser, add_config_arguments, config_from_args, config_to_argv
 from multigpu.core.errors import exit_on_usage_error, require
+from multigpu.core.settings import Settings, setting
 from multigpu.engine import start
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
@@ -23,13 +24,13 @@ from multigpu.launch.launcher import LaunchConfig, launch
 
 
 @dataclass
-class DemoConfig:
-    epochs: int = field(default=8, metadata={"help": "passes over the training set"})
-    batch_size: int = field(default=64, metadata={"help": "samples per device per micro-batch"})
-    lr: float = field(default=3e-3, metadata={"help": "AdamW learning rate"})
-    samples: int = field(default=4096, metadata={"help": "size of the generated training set"})
+class DemoConfig(Settings):
+    epochs: int = setting(8, "passes over the training set")
+    batch_size: int = setting(64, "samples per device per micro-batch")
+    lr: float = setting(3e-3, "AdamW learning rate")
+    samples: int = setting(4096, "size of the generated training set")
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         require(
             (self.epochs >= 1, f"--epochs must be 1 or more (got {self.epochs})."),
             (self.batch_size >= 1, f"--batch-size must be 1 or more (got {self.batch_size}); it is per device."),

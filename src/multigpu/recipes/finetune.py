@@ -14,7 +14,7 @@ import functools
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,28 +24,15 @@ from torch import nn
 from multigpu.core.config import Parser, add_config_arguments, config_from_args
 from multigpu.core.config_file import RUN_CONFIG
 from multigpu.core.errors import UsageError, exit_on_usage_error, require
-from multigpu.core.precision import PRECISIONS
 from multigpu.core.pretrained import give_usual_mode
 from multigpu.core.schedule import SampleSchedule
+from multigpu.core.settings import setting, setting_names
 from multigpu.engine.checkpoint import full_model_state, model_metadata
-from multigpu.engine.config import (
-    LOG_TO_HELP,
-    PEAK_TFLOPS_HELP,
-    PP_MICROBATCHES_HELP,
-    PP_SCHEDULE_HELP,
-    PP_SIZE_HELP,
-    PP_STAGES_HELP,
-    REPLICATE_HELP,
-    RUN_NAME_HELP,
-    SEQUENCE_PARALLEL_HELP,
-    TP_SIZE_HELP,
-    UNSHARDED_GRAD_ACCUM_HELP,
-)
 from multigpu.engine.engine import Engine
-from multigpu.planner.layout import PP_SCHEDULES
 from multigpu.recipes import lm_data, lm_models
 from multigpu.recipes.common import (
     ProgressBar,
+    RecipeLaunch,
     as_launched,
     check_new_output,
     check_same_data,
@@ -53,6 +40,7 @@ from multigpu.recipes.common import (
     follow_new_plan,
     peak_memory_mb,
     recipe_engine,
+    recipe_settings,
     record_run,
     resolve_resume,
     run_recipe,
@@ -60,73 +48,65 @@ from multigpu.recipes.common import (
     skipped_note,
     step_checkpoint,
 )
-from multigpu.strategies import STRATEGIES, DeepSpeedOptions
+from multigpu.strategies.deepspeed import DeepSpeedOptions
 
 # What a resume must keep (its loader counts samples of that data), and what it may change (the schedule follows).
 SAME_DATA = ("data", "seq_len")
 SCHEDULE_LENGTH = ("max_steps", "epochs", "warmup_steps")
 
 
-@dataclass
-class FinetuneConfig(DeepSpeedOptions):
-    model: str = field(
-        default="smollm2", metadata={"help": "smollm2, tiny (random, for tests) or a local HF directory"}
-    )
-    data: str = field(
-        default="shakespeare", metadata={"help": "shakespeare, a .txt file, or a .jsonl of chat/instruction records"}
-    )
-    method: str = field(default="lora", metadata={"help": "what trains", "choices": lm_models.METHODS})
-    multi_gpu: str = field(default="auto", metadata={"help": "strategy", "choices": STRATEGIES})
-    nproc: int | None = field(default=None, metadata={"help": "processes to launch when not under a launcher"})
-    gpu_ids: str | None = field(default=None, metadata={"help": "GPUs to use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES)"})
-    seq_len: int = field(default=256, metadata={"help": "tokens per sequence (packed blocks, or truncation)"})
-    batch_size: int = field(default=4, metadata={"help": "sequences per device per micro-batch"})
-    grad_accum_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
-    unsharded_grad_accum: bool = field(default=False, metadata={"help": UNSHARDED_GRAD_ACCUM_HELP})
-    replicate: int | None = field(default=None, metadata={"help": REPLICATE_HELP})
-    tp_size: int | None = field(default=None, metadata={"help": TP_SIZE_HELP})
-    sequence_parallel: bool = field(default=False, metadata={"help": SEQUENCE_PARALLEL_HELP})
-    pp_size: int | None = field(default=None, metadata={"help": PP_SIZE_HELP})
-    pp_schedule: str = field(default="1f1b", metadata={"help": PP_SCHEDULE_HELP, "choices": PP_SCHEDULES})
-    pp_stages_per_rank: int = field(default=1, metadata={"help": PP_STAGES_HELP})
-    pp_microbatches: int | None = field(default=None, metadata={"help": PP_MICROBATCHES_HELP})
-    lr: float = field(default=2e-4, metadata={"help": "peak learning rate (AdamW)"})
-    epochs: int = field(default=1, metadata={"help": "passes over the data (unless --max-steps stops sooner)"})
-    max_steps: int | None = field(
-        default=None,
-        metadata={"help": "stop after the samples of this many optimizer steps at the starting world size"},
-    )
-    warmup_steps: int = field(
-        default=10, metadata={"help": "linear warm-up over this many steps' samples, then cosine decay"}
-    )
-    lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling numerator (scale = alpha / r)"})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
-    precision: str = field(default="32", metadata={"help": "number format", "choices": PRECISIONS})
-    save_dir: str = field(default="checkpoints/finetune", metadata={"help": "checkpoints, metrics, adapter or model"})
-    resume: str = field(default="auto", metadata={"help": "'auto' (newest checkpoint in --save-dir), 'none' or PATH"})
-    save_every: int = field(default=0, metadata={"help": "checkpoint every N optimizer steps (0: at the end only)"})
-    merge: bool = field(default=False, metadata={"help": "also write the base model with the adapter merged in"})
-    sample_prompt: str | None = field(
-        default=None, metadata={"help": "print this prompt's greedy continuation before and after training"}
-    )
-    eval_batches: int = field(default=20, metadata={"help": "validation batches per rank per evaluation (0: all)"})
-    log_every: int = field(default=10, metadata={"help": "report throughput and memory every N steps (0: never)"})
-    seed: int = field(default=0, metadata={"help": "seed for initialisation and data order"})
-    peak_tflops: float | None = field(default=None, metadata={"help": PEAK_TFLOPS_HELP})
-    timeout_s: float = field(default=1800.0, metadata={"help": "seconds a collective may wait before the run fails"})
-    log_to: str = field(default="tensorboard", metadata={"help": LOG_TO_HELP})
-    run_name: str | None = field(default=None, metadata={"help": RUN_NAME_HELP})
+# The launch's, run directory's and Engine's settings that finetune shows, each keeping its one definition.
+FinetuneSettings = recipe_settings(
+    "FinetuneSettings",
+    (
+        "precision",
+        "grad_accum_steps",
+        "unsharded_grad_accum",
+        "replicate",
+        "tp_size",
+        "sequence_parallel",
+        "pp_size",
+        "pp_schedule",
+        "pp_stages_per_rank",
+        "pp_microbatches",
+        "seed",
+        "peak_tflops",
+        "timeout_s",
+        "log_every",
+        "log_to",
+        "run_name",
+        *setting_names(DeepSpeedOptions),
+    ),
+    save_dir="checkpoints/finetune",
+    log_every=10,
+)
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        checks = [
-            (self.nproc is None or self.nproc >= 1, f"--nproc must be 1 or more (got {self.nproc})."),
+
+@dataclass
+class FinetuneConfig(FinetuneSettings, lm_models.ModelSettings, RecipeLaunch):
+    data: str = setting("shakespeare", "shakespeare, a .txt file, or a .jsonl of chat/instruction records")
+    method: str = setting("lora", "what trains", choices=lm_models.METHODS)
+    seq_len: int = setting(256, "tokens per sequence (packed blocks, or truncation)")
+    batch_size: int = setting(4, "sequences per device per micro-batch")
+    lr: float = setting(2e-4, "peak learning rate (AdamW)")
+    epochs: int = setting(1, "passes over the data (unless --max-steps stops sooner)")
+    max_steps: int | None = setting(
+        None, "stop after the samples of this many optimizer steps at the starting world size"
+    )
+    warmup_steps: int = setting(10, "linear warm-up over this many steps' samples, then cosine decay")
+    lora_r: int = setting(8, "LoRA rank")
+    lora_alpha: int = setting(16, "LoRA scaling numerator (scale = alpha / r)")
+    gradient_checkpointing: bool = setting(False, "recompute activations in backward")
+    merge: bool = setting(False, "also write the base model with the adapter merged in")
+    sample_prompt: str | None = setting(None, "print this prompt's greedy continuation before and after training")
+    eval_batches: int = setting(20, "validation batches per rank per evaluation (0: all)")
+
+    def check(self) -> None:
+        require(
             (self.seq_len >= 8, f"--seq-len must be 8 or more (got {self.seq_len})."),
             (self.batch_size >= 1, f"--batch-size must be 1 or more (got {self.batch_size}); it is per device."),
             (0 < self.lr < math.inf, f"--lr must be a positive finite number (got {self.lr})."),
             (self.warmup_steps >= 0, f"--warmup-steps must be 0 or more (got {self.warmup_steps})."),
-            (self.save_every >= 0, f"--save-every must be 0 or more (got {self.save_every})."),
             (self.epochs >= 1, f"--epochs must be 1 or more (got {self.epochs})."),
             (self.max_steps is None or self.max_steps >= 1, f"--max-steps must be 1 or more (got {self.max_steps})."),
             (self.eval_batches >= 0, f"--eval-batches must be 0 or more (got {self.eval_batches})."),
@@ -143,8 +123,7 @@ class FinetuneConfig(DeepSpeedOptions):
                 "Under --multi-gpu pp, --method qlora and --sample-prompt do not run yet (4-bit layers and generation "
                 "need the whole model in one process); use --method full or lora and drop --sample-prompt.",
             ),
-        ]
-        require(*checks)
+        )
 
 
 def token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

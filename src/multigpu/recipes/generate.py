@@ -25,7 +25,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,60 +36,57 @@ import torch.distributed as dist
 from multigpu.core.config import Parser, add_config_arguments, check_path, config_from_args, config_to_argv
 from multigpu.core.env import DistEnv, init_process_group
 from multigpu.core.errors import UsageError, exit_on_usage_error
+from multigpu.core.settings import TrainingSettings, derive, setting
+from multigpu.launch.launcher import LaunchConfig, launch
 from multigpu.recipes import lm_data, lm_models
 from multigpu.recipes.common import check_new_output
+from multigpu.recipes.lm_models import ModelSettings
 
 DEVICE_MAPS = ("auto", "balanced", "sequential")
 GATHER_TIMEOUT_S = 3600.0  # how long rank 0 waits for the slowest rank's last batch
 PROGRESS_EVERY_S = 5.0
 
 
+# The launch's process count and the sampling seed, as the launch and the Engine define them.
+GenerateSettings = derive(
+    "GenerateSettings",
+    LaunchConfig,
+    TrainingSettings,
+    only=("nproc", "seed"),
+    note={
+        "nproc": " (when not under a launcher): one model copy each (unset: 1)",
+        "seed": " (generate: with it a prompt's output does not depend on N)",
+    },
+)
+
+
 @dataclass
-class GenerateConfig:
-    model: str = field(
-        default="smollm2", metadata={"help": "smollm2, tiny (random, for tests) or a Hugging Face model directory"}
+class GenerateConfig(GenerateSettings, ModelSettings):
+    adapter: str | None = setting(None, "a peft (LoRA) adapter directory to apply", metavar="DIR")
+    prompts: str | None = setting(
+        None, 'required: JSONL, one {"prompt": ...} or {"messages": [...]} a line', metavar="FILE"
     )
-    adapter: str | None = field(
-        default=None, metadata={"help": "a peft (LoRA) adapter directory to apply", "metavar": "DIR"}
+    out: str | None = setting(
+        None, "required: JSONL to write (not there yet), one line per prompt in input order", metavar="FILE"
     )
-    prompts: str | None = field(
-        default=None,
-        metadata={"help": 'required: JSONL, one {"prompt": ...} or {"messages": [...]} a line', "metavar": "FILE"},
-    )
-    out: str | None = field(
-        default=None,
-        metadata={
-            "help": "required: JSONL to write (not there yet), one line per prompt in input order",
-            "metavar": "FILE",
-        },
-    )
-    nproc: int | None = field(
-        default=None, metadata={"help": "processes to launch when not under a launcher, one model copy each (unset: 1)"}
-    )
-    max_new_tokens: int = field(default=128, metadata={"help": "tokens to generate at most per prompt"})
-    temperature: float = field(default=0.0, metadata={"help": "0: greedy; above 0: sample at this temperature"})
-    batch_size: int = field(default=8, metadata={"help": "prompts per forward pass in each process"})
-    seed: int = field(default=0, metadata={"help": "sampling seed; with it a prompt's output does not depend on N"})
-    chat: bool = field(
-        default=False, metadata={"help": "apply the chat template to plain prompts too ('messages' always get it)"}
-    )
-    device_map: str | None = field(
-        default=None,
-        metadata={"help": "split one model over this process's GPUs (with --nproc 1)", "choices": DEVICE_MAPS},
+    max_new_tokens: int = setting(128, "tokens to generate at most per prompt")
+    temperature: float = setting(0.0, "0: greedy; above 0: sample at this temperature")
+    batch_size: int = setting(8, "prompts per forward pass in each process")
+    chat: bool = setting(False, "apply the chat template to plain prompts too ('messages' always get it)")
+    device_map: str | None = setting(
+        None, "split one model over this process's GPUs (with --nproc 1)", choices=DEVICE_MAPS
     )
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         checks = [
             (self.prompts is not None, "Pass the prompts as --prompts FILE.jsonl, one JSON object a line."),
             (self.out is not None, "Pass --out FILE.jsonl, where the outputs are written in input order."),
-            (self.nproc is None or self.nproc >= 1, f"--nproc must be 1 or more (got {self.nproc})."),
             (self.max_new_tokens >= 1, f"--max-new-tokens must be 1 or more (got {self.max_new_tokens})."),
             (
                 0 <= self.temperature < math.inf,
                 f"--temperature must be 0 (greedy) or a positive finite number (got {self.temperature}).",
             ),
             (self.batch_size >= 1, f"--batch-size must be 1 or more (got {self.batch_size}); it is per process."),
-            (self.seed >= 0, f"--seed must be 0 or more (got {self.seed})."),
             (
                 self.device_map is None or self.device_map in DEVICE_MAPS,
                 f"Unknown --device-map {self.device_map!r}; choose one of {', '.join(DEVICE_MAPS)}.",
@@ -346,8 +343,6 @@ def run(config: GenerateConfig) -> int:
     if "RANK" in os.environ or (config.nproc or 1) == 1:
         generate(config)
         return 0
-    from multigpu.launch.launcher import LaunchConfig, launch
-
     prepare(config)
     argv = config_to_argv(config, skip=("nproc",))
     return launch(LaunchConfig(nproc=config.nproc), ["multigpu.recipes.generate", *argv], module=True)

@@ -14,6 +14,7 @@ import math
 import os
 import shutil
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from multigpu.core.config import check_path, read_json
 from multigpu.core.errors import UsageError
 from multigpu.core.precision import Precision
 from multigpu.core.pretrained import SafetensorsCheckpoint, give_usual_mode
+from multigpu.core.settings import Settings, setting
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing file must fail here, never turn into a download
 
@@ -30,6 +32,15 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: The built-in models, and the cache directory each is built into on first use.
 BUILT = {"smollm2": "smollm2-135m-instruct", "tiny": "tiny-llama"}
 METHODS = ("full", "lora", "qlora")
+
+
+@dataclass
+class ModelSettings(Settings):
+    """Which causal language model finetune trains and generate runs."""
+
+    model: str = setting("smollm2", "smollm2, tiny (random, for tests) or a local Hugging Face model directory")
+
+
 #: The dtype that holds the packed 4-bit weights: a float type, so FSDP2 shards them like any other tensor.
 QUANT_STORAGE = torch.bfloat16
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -10,7 +10,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -19,27 +19,21 @@ from torch import nn
 from multigpu.core import faults
 from multigpu.core.config import Parser, add_config_arguments, config_from_args
 from multigpu.core.errors import exit_on_usage_error, require
-from multigpu.core.precision import PRECISIONS
 from multigpu.core.schedule import SampleSchedule
-from multigpu.engine.config import (
-    LOG_TO_HELP,
-    PEAK_TFLOPS_HELP,
-    REPLICATE_HELP,
-    RUN_NAME_HELP,
-    TP_SIZE_HELP,
-    UNSHARDED_GRAD_ACCUM_HELP,
-)
+from multigpu.core.settings import setting, setting_names
 from multigpu.engine.engine import Engine
 from multigpu.recipes import activity_data, activity_models
 from multigpu.recipes.activity_models import MODES
 from multigpu.recipes.common import (
     ProgressBar,
+    RecipeLaunch,
     as_launched,
     check_same_data,
     complete_line,
     follow_new_plan,
     peak_memory_mb,
     recipe_engine,
+    recipe_settings,
     record_run,
     resolve_resume,
     run_recipe,
@@ -47,7 +41,7 @@ from multigpu.recipes.common import (
     step_checkpoint,
     write_safetensors,
 )
-from multigpu.strategies import STRATEGIES, DeepSpeedOptions
+from multigpu.strategies.deepspeed import DeepSpeedOptions
 
 LR_SCALING = ("none", "linear", "sqrt")
 # What a resume must keep (its loader counts samples of that data), and what it may change (the schedule follows).
@@ -55,47 +49,46 @@ SAME_DATA = ("data",)
 SCHEDULE_LENGTH = ("epochs", "warmup_epochs")
 
 
-@dataclass
-class TrainConfig(DeepSpeedOptions):
-    multi_gpu: str = field(default="auto", metadata={"help": "strategy", "choices": STRATEGIES})
-    nproc: int | None = field(default=None, metadata={"help": "processes to launch when not under a launcher"})
-    gpu_ids: str | None = field(default=None, metadata={"help": "GPUs to use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES)"})
-    max_restarts: int = field(default=0, metadata={"help": "restart all workers after a crash, up to K times"})
-    mode: str = field(default="conv", metadata={"help": "model: MLP on the window or 1-D CNN", "choices": MODES})
-    data: str = field(default="watch", metadata={"help": "'watch' (seglearn's recordings) or a UCI HAR directory"})
-    epochs: int = field(default=20, metadata={"help": "passes over the training set"})
-    batch_size: int = field(default=32, metadata={"help": "windows per device per micro-batch"})
-    lr: float = field(default=1e-3, metadata={"help": "peak learning rate before --lr-scaling"})
-    lr_scaling: str = field(
-        default="none", metadata={"help": "multiply lr by world x accumulation (or its root)", "choices": LR_SCALING}
-    )
-    warmup_epochs: float = field(default=2.0, metadata={"help": "linear warm-up, then cosine decay to zero"})
-    weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay"})
-    grad_accum_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
-    unsharded_grad_accum: bool = field(default=False, metadata={"help": UNSHARDED_GRAD_ACCUM_HELP})
-    replicate: int | None = field(default=None, metadata={"help": REPLICATE_HELP})
-    tp_size: int | None = field(default=None, metadata={"help": TP_SIZE_HELP})
-    max_grad_norm: float | None = field(default=None, metadata={"help": "clip the global gradient norm"})
-    num_workers: int = field(default=0, metadata={"help": "data-loading processes per rank (the data is in memory)"})
-    precision: str = field(default="32", metadata={"help": "number format", "choices": PRECISIONS})
-    save_dir: str = field(default="checkpoints/run", metadata={"help": "checkpoints, metrics and the final model"})
-    resume: str = field(default="auto", metadata={"help": "'auto' (newest checkpoint in --save-dir), 'none' or a PATH"})
-    save_every: int = field(default=0, metadata={"help": "also checkpoint every N optimizer steps (0: each epoch)"})
-    keep_last: int = field(default=3, metadata={"help": "checkpoints to keep"})
-    async_save: bool = field(default=False, metadata={"help": "write checkpoints in the background"})
-    seed: int = field(default=0, metadata={"help": "seed for initialisation and data order"})
-    peak_tflops: float | None = field(default=None, metadata={"help": PEAK_TFLOPS_HELP})
-    timeout_s: float = field(default=1800.0, metadata={"help": "seconds a collective may wait before the run fails"})
-    log_every: int = field(
-        default=100, metadata={"help": "report memory, throughput and imbalance every N optimizer steps (0: never)"}
-    )
-    log_to: str = field(default="tensorboard", metadata={"help": LOG_TO_HELP})
-    run_name: str | None = field(default=None, metadata={"help": RUN_NAME_HELP})
+# The launch's, run directory's and Engine's settings that train shows, each keeping its one definition.
+TrainSettings = recipe_settings(
+    "TrainSettings",
+    (
+        "max_restarts",
+        "precision",
+        "grad_accum_steps",
+        "unsharded_grad_accum",
+        "replicate",
+        "tp_size",
+        "max_grad_norm",
+        "seed",
+        "peak_tflops",
+        "timeout_s",
+        "log_every",
+        "log_to",
+        "run_name",
+        *setting_names(DeepSpeedOptions),
+    ),
+    save_dir="checkpoints/run",
+    log_every=100,
+)
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        checks = [
-            (self.nproc is None or self.nproc >= 1, f"--nproc must be 1 or more (got {self.nproc})."),
+
+@dataclass
+class TrainConfig(TrainSettings, RecipeLaunch):
+    mode: str = setting("conv", "model: MLP on the window or 1-D CNN", choices=MODES)
+    data: str = setting("watch", "'watch' (seglearn's recordings) or a UCI HAR directory")
+    epochs: int = setting(20, "passes over the training set")
+    batch_size: int = setting(32, "windows per device per micro-batch")
+    lr: float = setting(1e-3, "peak learning rate before --lr-scaling")
+    lr_scaling: str = setting("none", "multiply lr by world x accumulation (or its root)", choices=LR_SCALING)
+    warmup_epochs: float = setting(2.0, "linear warm-up, then cosine decay to zero")
+    weight_decay: float = setting(1e-4, "AdamW weight decay")
+    num_workers: int = setting(0, "data-loading processes per rank (the data is in memory)")
+    keep_last: int = setting(3, "checkpoints to keep")
+    async_save: bool = setting(False, "write checkpoints in the background")
+
+    def check(self) -> None:
+        require(
             (self.epochs >= 1, f"--epochs must be 1 or more (got {self.epochs})."),
             (self.batch_size >= 1, f"--batch-size must be 1 or more (got {self.batch_size}); it is per device."),
             (0 < self.lr < math.inf, f"--lr must be a positive finite number (got {self.lr})."),
@@ -103,8 +96,6 @@ class TrainConfig(DeepSpeedOptions):
             (0 <= self.weight_decay < math.inf, f"--weight-decay must be 0 or more (got {self.weight_decay})."),
             (self.num_workers >= 0, f"--num-workers must be 0 or more (got {self.num_workers})."),
             (self.keep_last >= 1, f"--keep-last must be 1 or more (got {self.keep_last})."),
-            (self.save_every >= 0, f"--save-every must be 0 or more (got {self.save_every})."),
-            (self.mode in MODES, f"Unknown --mode {self.mode!r}; choose one of {', '.join(MODES)}."),
             (
                 self.mode == "flatten" or (self.multi_gpu != "tp" and (self.tp_size or 1) == 1),
                 "--mode conv has no layers tensor parallelism can split (convolutions); use --mode flatten under "
@@ -115,8 +106,7 @@ class TrainConfig(DeepSpeedOptions):
                 "multigpu train does not run under --multi-gpu pp yet (its evaluation gathers each sample's "
                 "prediction from the whole model); use another strategy.",
             ),
-        ]
-        require(*checks)
+        )
 
 
 def scaled_lr(config: TrainConfig, world_size: int) -> float:

@@ -1,30 +1,36 @@
-"""Strategy names -> strategy objects. The names are public; each strategy lives in its own file."""
+"""Strategy names -> strategy classes, and `build_strategy`, which builds the one a run asks for.
+
+Adding a strategy is one file with a Strategy subclass (strategies/base.py) and one line in STRATEGY_CLASSES: the
+Engine, the CLI's choices, config files and `multigpu demo` take it by name. Its constructor arguments are its
+options: the fields of the option groups it inherits (core/layout.py, or its own file), and the layout.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import fields
+from typing import Any
 
-import torch
-
-from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
+from multigpu.core.layout import resolve_layout
+from multigpu.core.settings import StrategyOptions
 from multigpu.strategies.base import Strategy
 from multigpu.strategies.ddp import DDP
-from multigpu.strategies.deepspeed import DeepSpeed, DeepSpeedOptions, check_installed
+from multigpu.strategies.deepspeed import DeepSpeed
 from multigpu.strategies.dp import DataParallel
-from multigpu.strategies.fsdp import FSDP
+from multigpu.strategies.fsdp import FSDP, Zero2
 from multigpu.strategies.hsdp import HSDP
 from multigpu.strategies.pp import PipelineParallel
 from multigpu.strategies.single import Single
 from multigpu.strategies.tp import TensorParallel
 from multigpu.strategies.zero1 import Zero1
 
-_FACTORIES: dict[str, Callable[[], Strategy]] = {
+STRATEGY_CLASSES: dict[str, type[Strategy]] = {
     "single": Single,
     "dp": DataParallel,
     "ddp": DDP,
     "zero1": Zero1,
-    "zero2": lambda: FSDP(reshard_after_forward=False),
+    "zero2": Zero2,
     "zero3": FSDP,
     "fsdp": FSDP,
     "hsdp": HSDP,
@@ -32,175 +38,65 @@ _FACTORIES: dict[str, Callable[[], Strategy]] = {
     "pp": PipelineParallel,
     "deepspeed": DeepSpeed,
 }
-STRATEGIES = ("auto", *_FACTORIES)
+STRATEGIES = ("auto", *STRATEGY_CLASSES)
+#: What a degree asked for beside a strategy that does not take it is told; {takers}: the strategies that do.
+NOT_BESIDE = {
+    "tp": "tp_size splits layers alone (strategy tp) or beside the processes of {takers}, not {name}; choose one of "
+    "those (ddp's whole replicas: hsdp with --replicate processes/tp_size) or drop tp_size.",
+    "pp": "pp_size runs pipeline stages with {takers} inside them (or whole replicas with strategy pp), not {name}; "
+    "choose one of those or drop pp_size.",
+    "replicate": "replicate is {takers}'s number of replicas; drop it or use strategy {takers}, not {name}.",
+}
 
-__all__ = [
-    "DDP",
-    "FSDP",
-    "HSDP",
-    "STRATEGIES",
-    "DataParallel",
-    "DeepSpeed",
-    "DeepSpeedOptions",
-    "PipelineParallel",
-    "Single",
-    "Strategy",
-    "TensorParallel",
-    "Zero1",
-    "resolve_strategy",
-]
+__all__ = ["STRATEGIES", "STRATEGY_CLASSES", "Strategy", "build_strategy"]
 
 
-def resolve_strategy(
-    spec: str | Strategy,
-    env: DistEnv,
-    cpu_offload: bool = False,
-    say: Callable[[str], None] = print,
-    deepspeed: DeepSpeedOptions | None = None,
-    max_grad_norm: float | None = None,
-    unsharded_grad_accum: bool = False,
-    find_unused_parameters: bool = False,
-    sync_batchnorm: bool = False,
-    replicate: int | None = None,
-    tp_size: int | None = None,
-    pipeline: tuple[str, int, int | None] = ("1f1b", 1, None),
-    pp_size: int | None = None,
-    sequence_parallel: bool = False,
+def build_strategy(
+    name: str, settings: Any, world: int, nodes: int = 1, say: Callable[[str], None] = print
 ) -> Strategy:
-    """Turns a strategy name (or a configured Strategy) into the Strategy that will run, or refuses."""
-    deepspeed = deepspeed or DeepSpeedOptions()
-    if deepspeed.given and spec != "deepspeed":
-        raise UsageError(
-            "zero_stage, offload_optimizer, offload_param and deepspeed_config are options of strategy deepspeed; "
-            "drop them or choose strategy deepspeed."
-        )
-    if isinstance(spec, Strategy):
-        strategy = spec
-    elif spec not in STRATEGIES:
-        raise UsageError(f"Unknown strategy {spec!r}; choose one of {', '.join(STRATEGIES)}.")
-    elif spec == "auto" and (tp_size not in (None, 1) or pp_size not in (None, 1)):
-        raise UsageError(
-            "Strategy auto does not choose tensor or pipeline parallelism; name the strategy to run them with (tp, "
-            "pp, zero2, zero3 or hsdp) beside tp_size and pp_size."
-        )
-    elif spec == "auto" and env.is_distributed:
-        strategy = DDP()  # joins the process group now; Engine.setup asks the planner once it sees the model
-    elif spec == "auto":
-        strategy = Single()
-        say("strategy auto -> single (1 process)")
-    elif spec == "dp" and torch.cuda.device_count() < 2:
-        say(f"strategy dp needs 2 or more GPUs and this machine has {torch.cuda.device_count()}; running as single.")
-        strategy = Single()
-    elif spec == "pp":
-        strategy = PipelineParallel(*pipeline, size=pp_size)
-    elif spec == "deepspeed":
-        check_installed()
-        strategy = DeepSpeed(deepspeed, max_grad_norm)
-    else:
-        strategy = _FACTORIES[spec]()
-
-    if isinstance(strategy, DeepSpeed) and strategy.max_grad_norm is None:
-        strategy.max_grad_norm = max_grad_norm  # DeepSpeed clips inside its step, so it must know the limit
-    if cpu_offload and not (spec == "auto" and env.is_distributed):  # auto: the planner decides at setup
-        if not isinstance(strategy, FSDP) or not strategy.reshard_after_forward:
-            raise UsageError(f"cpu_offload works with strategy zero3 only, not {strategy.name}; drop it or use zero3.")
-        strategy.cpu_offload = True
-    if unsharded_grad_accum and not (spec == "auto" and env.is_distributed):
-        if not isinstance(strategy, FSDP):
-            raise UsageError(
-                f"unsharded_grad_accum changes how zero2 and zero3 accumulate gradients, and {strategy.name} "
-                "has nothing to change; drop it or use zero2/zero3."
-            )
-        strategy.unsharded_grad_accum = True
-    if isinstance(strategy, FSDP) and strategy.cpu_offload and env.device.type != "cuda":
-        raise UsageError(
-            "cpu_offload moves sharded parameters from the GPU to CPU memory, but this run is on CPU "
-            "already; drop cpu_offload or run on GPUs."
-        )
-    if find_unused_parameters and isinstance(strategy, DDP):
-        # Other strategies take parameters without gradients as they come, so the option asks nothing of them.
-        strategy.find_unused_parameters = True
-    if replicate is not None and not isinstance(strategy, HSDP):
-        raise UsageError(f"replicate is hsdp's number of replicas; drop it or use strategy hsdp, not {strategy.name}.")
-    if isinstance(strategy, HSDP) and strategy.replicate is None:
-        # By default one replica per node: each node shards the model (a pipeline stage of it) over its own links.
-        nodes = max(1, env.world_size // env.local_world_size)
-        strategy.replicate = replicate or max(1, nodes // (pp_size or 1))
-    strategy = in_pipeline(strategy, pipeline, pp_size)
-    set_tp(strategy, tp_size, env)
-    set_sequence_parallel(strategy, sequence_parallel)
-    check_sync_batchnorm(sync_batchnorm, strategy, env)
-    if not strategy.needs_process_group and env.is_distributed:
-        raise UsageError(
-            f"Strategy {strategy.name} runs in one process, but {env.world_size} were launched and would each "
-            "train alone; launch one process, or use ddp/zero1/zero2/zero3."
-        )
-    return strategy
+    """The strategy `name` for a run's settings (an EngineConfig) on `world` processes over `nodes` machines: its
+    layout resolved, built from its own options; a strategy that runs beside pp_size inside a pipeline. One sentence
+    refuses what it cannot run."""
+    if name not in STRATEGY_CLASSES:
+        raise UsageError(f"Unknown strategy {name!r}; choose one of {', '.join(STRATEGY_CLASSES)}.")
+    cls = STRATEGY_CLASSES[name]
+    asked = {"tp": settings.tp_size, "pp": settings.pp_size, "replicate": settings.replicate}
+    for dim, degree in asked.items():  # composition is a rule over the layout: which degrees a strategy takes
+        if degree not in (None, 1) and dim not in cls.spread.takes:
+            takers = _either(n for n, c in _unaliased() if dim in c.spread.takes and dim not in c.spread.fills)
+            raise UsageError(NOT_BESIDE[dim].format(takers=takers, name=name))
+    layout = resolve_layout(settings, cls.spread, world, nodes, name)
+    piped = layout.pp > 1 and not cls.pipelined
+    _refuse_options_not_taken(name, [cls, *([PipelineParallel] if piped else [])], settings)
+    strategy = cls.build(say, layout=layout, **_options(cls, settings))
+    return PipelineParallel(layout=layout, data=strategy, **_options(PipelineParallel, settings)) if piped else strategy
 
 
-def in_pipeline(strategy: Strategy, pipeline: tuple[str, int, int | None], pp_size: int | None) -> Strategy:
-    """`strategy` inside a pipeline of `pp_size` ranks (zero2, zero3 and hsdp shard each stage), or refuses
-    pipeline options that a strategy without a pipeline would ignore."""
-    if isinstance(strategy, PipelineParallel) or ((pp_size or 1) == 1 and pipeline == ("1f1b", 1, None)):
-        return strategy
-    if pp_size in (None, 1):
-        raise UsageError(
-            f"pp_schedule, pp_stages_per_rank and pp_microbatches are options of pipelines (strategy pp, or "
-            f"pp_size), not of {strategy.name} alone; drop them, or add pp_size or use strategy pp."
-        )
-    if not isinstance(strategy, FSDP) or strategy.cpu_offload or strategy.unsharded_grad_accum:
-        options = " with cpu_offload or unsharded_grad_accum" if isinstance(strategy, FSDP) else ""
-        raise UsageError(
-            f"pp_size runs pipeline stages with zero2, zero3 or hsdp inside them (or whole replicas with strategy "
-            f"pp), not {strategy.name}{options}; choose one of those or drop pp_size."
-        )
-    return PipelineParallel(*pipeline, size=pp_size, data=strategy)
+def _options(cls: type[Strategy], settings: Any) -> dict[str, Any]:
+    """The settings `cls` is built from: its fields that are settings."""
+    return {f.name: getattr(settings, f.name) for f in fields(cls) if f.name != "layout" and hasattr(settings, f.name)}
 
 
-def set_tp(strategy: Strategy, tp_size: int | None, env: DistEnv) -> None:
-    """Gives `strategy` its tensor-parallel degree (tp: every process unless told), or refuses one it cannot run."""
-    if isinstance(strategy, TensorParallel):
-        strategy.tp = tp_size or env.world_size
-        return
-    if tp_size is None or tp_size == 1:
-        return
-    if not strategy.composes_with_tp:
-        # ddp's replicas inside tensor parallelism are hsdp's with one process per shard (FSDP2 takes DTensors).
-        raise UsageError(
-            f"tp_size splits layers alone (strategy tp) or inside the data parallelism of zero2, zero3 or hsdp, not "
-            f"{strategy.name}; choose one of those (ddp's whole replicas: hsdp with --replicate processes/tp_size) "
-            "or drop tp_size."
-        )
-    strategy.tp = tp_size
-    if isinstance(strategy, PipelineParallel) and strategy.data is not None:
-        strategy.data.tp = tp_size
+def _refuse_options_not_taken(name: str, classes: list[type[Strategy]], settings: Any) -> None:
+    """Refuses a strategy option (a field of a StrategyOptions group) set for a strategy that does not take it."""
+    taken = {f.name for cls in classes for f in fields(cls)}
+    for group in {g for cls in STRATEGY_CLASSES.values() for g in cls.__mro__ if StrategyOptions in g.__bases__}:
+        for option in fields(group):
+            if option.name not in taken and getattr(settings, option.name) != option.default:
+                takers = _either(n for n, c in _unaliased() if issubclass(c, group))
+                via_pp = " (and zero2, zero3 or hsdp beside pp_size)" if issubclass(PipelineParallel, group) else ""
+                raise UsageError(
+                    f"{option.name} is an option of strategy {takers}{via_pp}, not of {name}; drop it, or choose "
+                    f"{takers}."
+                )
 
 
-def set_sequence_parallel(strategy: Strategy, sequence_parallel: bool) -> None:
-    """Turns sequence parallelism on where tp runs, or refuses it."""
-    if not sequence_parallel:
-        return
-    if strategy.tp == 1:
-        raise UsageError(
-            "sequence_parallel splits the sequence over the tp processes, and this run has no tensor parallelism; "
-            "add tp_size (or strategy tp), or drop sequence_parallel."
-        )
-    strategy.sequence_parallel = True
-    if isinstance(strategy, PipelineParallel) and strategy.data is not None:
-        strategy.data.sequence_parallel = True
+def _unaliased() -> list[tuple[str, type[Strategy]]]:
+    """(name, class) of each strategy once: the first name of a class registered under two (zero3, fsdp)."""
+    return list({cls: (name, cls) for name, cls in reversed(STRATEGY_CLASSES.items())}.values())[::-1]
 
 
-def check_sync_batchnorm(sync_batchnorm: bool, strategy: Strategy, env: DistEnv) -> None:
-    """Refuses sync_batchnorm where torch cannot synchronise BatchNorm; in one process it has nothing to do."""
-    if not sync_batchnorm:
-        return
-    if isinstance(strategy, DataParallel):
-        raise UsageError(
-            "sync_batchnorm needs one process per GPU and strategy dp drives every GPU from one process; "
-            "use strategy ddp (multigpu run -n N) or drop sync_batchnorm."
-        )
-    if strategy.needs_process_group and env.device.type != "cuda":
-        raise UsageError(
-            "sync_batchnorm synchronises BatchNorm between GPUs, and torch's SyncBatchNorm refuses to run on CPU; "
-            "drop sync_batchnorm (--sync-batchnorm) or run on GPUs."
-        )
+def _either(names: Iterable[str]) -> str:
+    """ "a", "a or b", "a, b or c"."""
+    names = list(names)
+    return " or ".join(filter(None, [", ".join(names[:-1]), names[-1]]))

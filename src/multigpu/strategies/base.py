@@ -7,8 +7,8 @@ import contextlib
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -25,9 +25,10 @@ from torch.distributed.tensor import DTensor
 
 from multigpu.core.env import DistEnv, grouped
 from multigpu.core.errors import UsageError
+from multigpu.core.layout import ALONE, ParallelDims, Spread
 from multigpu.core.modules import MetaValues, parameters_on_meta
-from multigpu.core.precision import Precision
-from multigpu.strategies.mesh import ParallelDims
+from multigpu.core.precision import Precision, PrecisionPlan
+from multigpu.strategies.mesh import build_mesh
 
 
 @dataclass(frozen=True)
@@ -36,75 +37,69 @@ class StepOutcome:
     applied: bool  # False when fp16 loss scaling found inf/nan gradients and skipped the update
 
 
+@dataclass
 class Strategy(ABC):
-    name: str
-    #: False only for strategies that run in one process and need no torch.distributed group.
-    needs_process_group: bool = True
-    #: Strategies that cast parameters themselves (FSDP's MixedPrecisionPolicy) turn the Engine's autocast off.
-    uses_autocast: bool = True
+    """What one way of spreading training over processes does: lay them out (`spread`, resolved into `layout`),
+    wrap the model and optimizer, skip gradient synchronisation, scale, clip, measure and save.
+
+    A strategy is built whole from its constructor arguments (strategies/__init__.py: the registry): the resolved
+    layout, and its own options, which are the fields of the option groups it inherits (core/layout.py).
+    """
+
+    #: Every degree of the job, resolved from the request and the world size (core/layout.py: resolve_layout).
+    layout: ParallelDims = field(default_factory=ParallelDims)
+
+    name: ClassVar[str]
+    #: How the strategy lays out the processes the degrees asked for leave, and beside which dimensions it runs.
+    spread: ClassVar[Spread] = ALONE
     #: Whether a model built under engine.init_module stays on the meta device until setup, which then gives each
     #: rank only its shards (zero2/zero3); elsewhere every rank needs the whole model, built as usual.
-    builds_on_meta: bool = False
+    builds_on_meta: ClassVar[bool] = False
     #: Whether the micro-steps of an accumulation window run under `no_sync`, communicating only on the last.
-    accumulates_unsynced: bool = True
-    #: The mesh dimensions the strategy spreads its processes over (see mesh.py); its mesh has them even at
-    #: degree 1. Empty: no mesh, for one-process strategies and for DeepSpeed, which makes its own groups.
-    mesh_dims: tuple[str, ...] = ()
-    #: Built by `build_mesh` in setup; None until then and for strategies without mesh_dims.
-    mesh: DeviceMesh | None = None
-    #: Whether the strategy can run inside tensor parallelism (tp.py), as the data-parallel dimension outside it.
-    composes_with_tp: bool = False
+    accumulates_unsynced: ClassVar[bool] = True
+    #: The mesh dimensions the strategy works on (see mesh.py); its mesh has them even at degree 1. Empty: no mesh,
+    #: for one-process strategies and for DeepSpeed, which makes its own groups.
+    mesh_dims: ClassVar[tuple[str, ...]] = ()
     #: Whether a micro-step is one call through a schedule (pp: pipeline_step), not a forward and a backward.
-    pipelined: bool = False
-    #: The tensor-parallel degree (resolve_strategy sets it from tp_size): each planned layer split over this many
-    #: neighbouring processes, which all read the same batch.
-    tp: int = 1
-    #: With tp: a Hugging Face decoder's norms and residual stream split by sequence position over the tp group too.
-    sequence_parallel: bool = False
+    pipelined: ClassVar[bool] = False
+    #: Built by `build_mesh` in setup; None until then and for strategies without mesh_dims.
+    mesh: ClassVar[DeviceMesh | None] = None
 
-    def build_context(self, env: DistEnv, precision: Precision) -> contextlib.AbstractContextManager[None]:
+    @classmethod
+    def build(cls, say: Callable[[str], None], **arguments: Any) -> Strategy:
+        """The strategy made of the registry's constructor arguments. A strategy may run as another where this
+        machine cannot run it, and say so through `say` (dp on fewer than two GPUs runs as single)."""
+        return cls(**arguments)
+
+    @property
+    def needs_process_group(self) -> bool:
+        """False only for strategies that run in one process and need no torch.distributed group."""
+        return bool(self.spread.fills)
+
+    def check_runnable(self, device: torch.device, plan: PrecisionPlan) -> None:
+        """Refuses, in one sentence and before any process starts, what this strategy cannot run on `device`."""
+        return None  # most run anything their options and precision plan allowed
+
+    def precision_plan(self, precision: Precision, device: torch.device) -> PrecisionPlan:
+        """What `precision` means under this strategy (or one sentence refusing it): by default the Engine's
+        autocast computes in the mixed dtype, parameters are stored in the precision's, and fp16 scales the loss."""
+        scaler = (lambda: torch.amp.GradScaler(device.type)) if precision.needs_grad_scaler else None
+        return PrecisionPlan(precision, precision.compute_dtype, precision.param_dtype, scaler)
+
+    def build_context(self, env: DistEnv, plan: PrecisionPlan) -> contextlib.AbstractContextManager[None]:
         """What engine.init_module builds the model inside: parameters on the meta device where setup shards it
         from there (builds_on_meta), else nothing special."""
         return parameters_on_meta() if self.builds_on_meta else contextlib.nullcontext()
 
-    def parallel_dims(self, world_size: int) -> ParallelDims | None:
-        """How `world_size` processes are laid out, or None where the strategy builds no mesh. With one dimension
-        it takes every process; a strategy over several (hsdp: replicate x shard) says how they split."""
-        if not self.mesh_dims:
-            return None
-        if len(self.mesh_dims) > 1:
-            raise NotImplementedError(f"{type(self).__name__} uses {self.mesh_dims}: override parallel_dims.")
-        return ParallelDims(**{self.mesh_dims[0]: self.outside_tp(world_size)}, tp=self.tp)
-
-    def outside_tp(self, world_size: int) -> int:
-        """How many groups of tp processes `world_size` makes, or one sentence refusing a tp_size that does not
-        divide it."""
-        if world_size % self.tp:
-            raise UsageError(
-                f"{self.name} x tp {self.tp} needs a multiple of {self.tp} processes, but {world_size} were launched; "
-                f"launch a multiple of {self.tp} or choose a tp_size that divides {world_size}."
-            )
-        return world_size // self.tp
-
-    def data_parallel(self, rank: int, world_size: int) -> tuple[int, int]:
-        """(this rank's index among the data-parallel ranks, their number): the processes that read different
-        batches. The tensor- and pipeline-parallel processes of one replica read the same one."""
-        dims = self.parallel_dims(world_size)
-        if dims is None:
-            return rank, world_size
-        return dims.data_parallel_rank(rank), dims.data_parallel_size
-
     def build_mesh(self, env: DistEnv) -> DeviceMesh | None:
         """The strategy's mesh, built on the first call (setup's) and the same object after that."""
-        if self.mesh is None:
-            dims = self.parallel_dims(env.world_size)
-            if dims is not None:
-                self.mesh = dims.build(env.device.type, keep=self.mesh_dims)
+        if self.mesh is None and self.mesh_dims:
+            self.mesh = build_mesh(self.layout, env.device.type, keep=self.mesh_dims)
         return self.mesh
 
     @abstractmethod
     def setup(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, precision: Precision
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, plan: PrecisionPlan
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         """Moves the model to its device and wraps model and optimizer; returns what the loop must use."""
 
@@ -113,7 +108,7 @@ class Strategy(ABC):
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None,
         env: DistEnv,
-        precision: Precision,
+        plan: PrecisionPlan,
         values: MetaValues,
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         """setup for a model still on the meta device (builds_on_meta strategies): each rank gets only its shards,
@@ -123,9 +118,6 @@ class Strategy(ABC):
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """A context in which backward accumulates local gradients without communicating."""
         return contextlib.nullcontext()
-
-    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler | None:
-        return torch.amp.GradScaler(device.type)
 
     def updates(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
         """Whether `optimizer` (as setup returned it) updates `module`'s parameters."""

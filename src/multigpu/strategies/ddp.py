@@ -15,7 +15,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
-from multigpu.core.precision import Precision
+from multigpu.core.layout import REPLICAS
+from multigpu.core.precision import PrecisionPlan
+from multigpu.core.settings import Settings, setting
 from multigpu.strategies.base import Strategy, move_to_device
 
 # DDP's reducer notices a bucket left waiting only when the next forward starts, and says so in these words.
@@ -24,16 +26,27 @@ _UNUSED_INDICES = re.compile(r"Parameter indices which did not receive grad for 
 
 
 @dataclass
-class DDP(Strategy):
+class DDPOptions(Settings):
+    """DDP's own option; the other strategies take parameters without gradients as they come, so it asks nothing of
+    them and they do not refuse it."""
+
+    find_unused_parameters: bool = setting(
+        False,
+        "ddp/zero1: let some parameters get no gradient in a step (costs a pass over the autograd graph every step)",
+    )
+
+
+@dataclass
+class DDP(DDPOptions, Strategy):
     bucket_cap_mb: float = 25.0
-    find_unused_parameters: bool = False
     static_graph: bool = False
 
     name = "ddp"
+    spread = REPLICAS
     mesh_dims = ("replicate",)
 
     def setup(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, precision: Precision
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, plan: PrecisionPlan
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         mesh = self.build_mesh(env)
         model = move_to_device(model, env)

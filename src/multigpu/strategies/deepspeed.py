@@ -12,6 +12,7 @@ import functools
 import importlib.util
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,8 +23,10 @@ from torch import nn
 from multigpu.core.config import json_value, read_json
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError, require
+from multigpu.core.layout import OWN_GROUPS
 from multigpu.core.modules import give_back_freed_memory
-from multigpu.core.precision import Precision
+from multigpu.core.precision import Precision, PrecisionPlan
+from multigpu.core.settings import StrategyOptions, setting
 from multigpu.strategies.base import StepOutcome, Strategy, frozen_names
 
 INSTALL = "pip install 'multigpu[deepspeed]'"
@@ -40,22 +43,17 @@ BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu")
 
 
 @dataclass
-class DeepSpeedOptions:
-    """The flags of strategy deepspeed; the Engine, `multigpu train` and `multigpu finetune` all take them."""
+class DeepSpeedOptions(StrategyOptions):
+    """The options of strategy deepspeed; the Engine, `multigpu train` and `multigpu finetune` all take them."""
 
-    zero_stage: int | None = field(
-        default=None,
-        metadata={"help": "deepspeed: ZeRO stage (default: the config file's, else 2)", "choices": (1, 2, 3)},
+    zero_stage: int | None = setting(
+        None, "deepspeed: ZeRO stage (default: the config file's, else 2)", choices=(1, 2, 3)
     )
-    offload_optimizer: bool = field(
-        default=False, metadata={"help": "deepspeed: keep optimizer states in CPU memory and step there"}
-    )
-    offload_param: bool = field(default=False, metadata={"help": "deepspeed stage 3: keep parameters in CPU memory"})
-    deepspeed_config: str | None = field(
-        default=None, metadata={"help": "deepspeed: a DeepSpeed JSON config to start from", "metavar": "JSON"}
-    )
+    offload_optimizer: bool = setting(False, "deepspeed: keep optimizer states in CPU memory and step there")
+    offload_param: bool = setting(False, "deepspeed stage 3: keep parameters in CPU memory")
+    deepspeed_config: str | None = setting(None, "deepspeed: a DeepSpeed JSON config to start from", metavar="JSON")
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         require(
             (self.zero_stage in (None, 1, 2, 3), f"zero_stage must be 1, 2 or 3 (got {self.zero_stage})."),
             (
@@ -64,40 +62,54 @@ class DeepSpeedOptions:
             ),
         )
 
-    @property
-    def given(self) -> bool:
-        return self != DeepSpeedOptions()
 
-    @classmethod
-    def of(cls, config: Any) -> DeepSpeedOptions:
-        """The DeepSpeed flags of a config that carries them (EngineConfig, TrainConfig, FinetuneConfig)."""
-        return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
+@dataclass(frozen=True)
+class DeepSpeedPrecision(PrecisionPlan):
+    """DeepSpeed's precision: fp16 is its own (fp16 weights with fp32 masters, its own loss scaling, inputs cast),
+    given as its config's section; bf16-mixed is the Engine's autocast over DeepSpeed's fp32 weights."""
+
+    section: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
-class DeepSpeed(Strategy):
-    options: DeepSpeedOptions = field(default_factory=DeepSpeedOptions)
+class DeepSpeed(DeepSpeedOptions, Strategy):
+    #: DeepSpeed clips inside its step, so it must know the limit when it is set up.
     max_grad_norm: float | None = None
 
     name = "deepspeed"
-    # No mesh_dims: deepspeed.initialize makes its own data-parallel groups over the default one (every process
-    # a ZeRO partition), so a torch mesh would only add communicators nothing uses.
+    # Its own layout: deepspeed.initialize makes its own data-parallel groups over the default one (every process a
+    # ZeRO partition), so it builds no torch mesh, which would only add communicators nothing uses.
+    spread = OWN_GROUPS
+
+    @classmethod
+    def build(cls, say: Callable[[str], None], **arguments: Any) -> DeepSpeed:
+        check_installed()
+        return cls(**arguments)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self._groups: list[list[str]] = []  # trainable parameter names per optimizer group, in DeepSpeed's order
         self._fp16 = False
         self._partitioned: Any = None  # DeepSpeed's ZeRO optimizer, around the torch one setup returns
 
+    def precision_plan(self, precision: Precision, device: torch.device) -> DeepSpeedPrecision:
+        if precision.param_dtype != torch.float32:
+            raise UsageError("DeepSpeed keeps fp32 master weights, so it has no bf16-true; use precision bf16-mixed.")
+        if not precision.needs_grad_scaler:
+            return DeepSpeedPrecision(precision, precision.compute_dtype)
+        if device.type != "cuda":
+            raise UsageError("DeepSpeed's fp16 runs on GPUs only; use precision bf16-mixed or 32 on CPU.")
+        return DeepSpeedPrecision(precision, section={"fp16": {"enabled": True, "auto_cast": True}})
+
     def updates(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
         return self._partitioned is not None and optimizer is self._partitioned.optimizer
 
-    def config(self, precision: Precision, device: torch.device) -> dict[str, Any]:
+    def check_runnable(self, device: torch.device, plan: DeepSpeedPrecision) -> None:
+        self.config(plan)  # the user's config file, read and checked
+
+    def config(self, plan: DeepSpeedPrecision) -> dict[str, Any]:
         """The DeepSpeed config: the user's file, if any, with the Engine's settings and the flags applied."""
-        if precision.name == "bf16-true":
-            raise UsageError("DeepSpeed keeps fp32 master weights, so it has no bf16-true; use precision bf16-mixed.")
-        if precision.name == "fp16-mixed" and device.type != "cuda":
-            raise UsageError("DeepSpeed's fp16 runs on GPUs only; use precision bf16-mixed or 32 on CPU.")
-        config = read_config(self.options.deepspeed_config)
+        config = read_config(self.deepspeed_config)
         for key, option in ENGINE_OWNED.items():
             value = config.pop(key, "auto")
             if value != "auto" and not _disabled(value):
@@ -108,15 +120,15 @@ class DeepSpeed(Strategy):
         for key in BATCH_KEYS:
             config.pop(key, None)
         zero = dict(config.get("zero_optimization", {}))
-        stage = zero.get("stage", 2) if self.options.zero_stage is None else self.options.zero_stage
+        stage = zero.get("stage", 2) if self.zero_stage is None else self.zero_stage
         if zero.get("stage", stage) != stage:
             raise UsageError(
                 f"zero_stage {stage} contradicts the DeepSpeed config's stage {zero['stage']}; pass one of them."
             )
         require((stage in (1, 2, 3), f"strategy deepspeed runs ZeRO stage 1, 2 or 3, not {stage}; use ddp for 0."))
-        if self.options.offload_optimizer:
+        if self.offload_optimizer:
             zero["offload_optimizer"] = {"device": "cpu"}
-        if self.options.offload_param:
+        if self.offload_param:
             require((stage == 3, "offload_param needs ZeRO stage 3, where parameters are partitioned."))
             zero["offload_param"] = {"device": "cpu"}
         if "offload_optimizer" in zero:
@@ -130,12 +142,9 @@ class DeepSpeed(Strategy):
         )
         config.setdefault("zero_allow_untested_optimizer", True)
         config.setdefault("steps_per_print", 2**62)  # the Engine reports progress itself
-        if precision.name == "fp16-mixed":
-            # DeepSpeed's own fp16: fp16 weights with fp32 masters and dynamic loss scaling; inputs cast to fp16.
-            config["fp16"] = {"enabled": True, "auto_cast": True}
-        return config
+        return {**config, **plan.section}
 
-    def build_context(self, env: DistEnv, precision: Precision) -> contextlib.AbstractContextManager[None]:
+    def build_context(self, env: DistEnv, plan: PrecisionPlan) -> contextlib.AbstractContextManager[None]:
         """ZeRO-3: deepspeed.zero.Init, which partitions each layer's parameters as soon as the layer is built, so
         no rank holds the whole model; stages 1 and 2 keep whole weights on every rank, so a plain build is all.
 
@@ -143,7 +152,7 @@ class DeepSpeed(Strategy):
         fp16-mixed; fp32 otherwise, as the Engine's bf16-mixed is autocast) and on where partitions live.
         """
         deepspeed = import_deepspeed(env)
-        config = self.config(precision, env.device)
+        config = self.config(plan)
         if config["zero_optimization"]["stage"] != 3:
             return contextlib.nullcontext()
         init = _trimming_init(deepspeed) if env.device.type == "cpu" else deepspeed.zero.Init
@@ -154,10 +163,10 @@ class DeepSpeed(Strategy):
         return self._config["zero_optimization"]["stage"]
 
     def setup(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, precision: Precision
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, plan: DeepSpeedPrecision
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         deepspeed = import_deepspeed(env)
-        self._config = self.config(precision, env.device)
+        self._config = self.config(plan)
         if optimizer is not None and optimizer.state:
             raise UsageError("deepspeed must partition a fresh optimizer; call engine.setup before the first step.")
         if optimizer is None and "optimizer" not in self._config:
@@ -168,8 +177,7 @@ class DeepSpeed(Strategy):
             raise UsageError(
                 "Both engine.setup and the DeepSpeed config give an optimizer; drop the config's 'optimizer' section."
             )
-        self._fp16 = precision.name == "fp16-mixed"
-        self.uses_autocast = not self._fp16  # DeepSpeed's fp16 runs the model in fp16 itself
+        self._fp16 = "fp16" in plan.section
         names = {id(p): name for name, p in model.named_parameters()}
         if optimizer is not None:
             self._groups = [
@@ -194,9 +202,6 @@ class DeepSpeed(Strategy):
     # micro-step by design (their gradients are partitioned), so there is nothing to skip here.
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
-
-    def grad_scaler(self, device: torch.device) -> None:
-        return None  # DeepSpeed scales fp16 losses itself
 
     def backward(self, model: nn.Module, loss: torch.Tensor, syncs: bool) -> None:
         model.set_gradient_accumulation_boundary(syncs)

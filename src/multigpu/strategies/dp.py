@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from multigpu.core.env import DistEnv
-from multigpu.core.precision import Precision
+from multigpu.core.precision import PrecisionPlan
 from multigpu.strategies.base import Strategy, move_to_device
+from multigpu.strategies.single import Single
 
 
 class InAutocast:
@@ -40,12 +42,22 @@ class AutocastDataParallel(nn.DataParallel):
         return super().parallel_apply(replicas, inputs, kwargs)
 
 
+@dataclass
 class DataParallel(Strategy):
     name = "dp"
-    needs_process_group = False
+
+    @classmethod
+    def build(cls, say: Callable[[str], None], **arguments: Any) -> Strategy:
+        """dp drives every visible GPU from one process; with fewer than two there is nothing to split."""
+        if torch.cuda.device_count() < 2:
+            say(
+                f"strategy dp needs 2 or more GPUs and this machine has {torch.cuda.device_count()}; running as single."
+            )
+            return Single(**arguments)
+        return cls(**arguments)
 
     def setup(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, precision: Precision
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, plan: PrecisionPlan
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         return AutocastDataParallel(move_to_device(model, env)), optimizer
 

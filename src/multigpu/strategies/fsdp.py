@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -13,12 +13,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from multigpu.core.env import DistEnv
-from multigpu.core.errors import UsageError
+from multigpu.core.errors import UsageError, require
+from multigpu.core.layout import SHARDS, ShardingOptions, TensorParallelOptions
 from multigpu.core.modules import MetaValues, default_units, repoint
-from multigpu.core.precision import Precision
+from multigpu.core.precision import Precision, PrecisionPlan
 from multigpu.strategies.base import Strategy, is_quantized
 from multigpu.strategies.fill import fill_shards
-from multigpu.strategies.tp import start_alike, tensor_parallelize
+from multigpu.strategies.tp import check_sequence_parallel, start_alike, tensor_parallelize
 
 UnitSelector = Callable[[nn.Module], list[nn.Module]]
 
@@ -36,40 +37,73 @@ def quantized_owners(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if any(is_quantized(p) for p in module.parameters(recurse=False))]
 
 
+@dataclass(frozen=True)
+class FSDPPrecision(PrecisionPlan):
+    """FSDP casts parameters itself, per unit: no autocast; each unit gathers its parameters in the mixed dtype and
+    reduces gradients in fp32, and the root casts its output back to fp32 so that losses are computed at full
+    width. A unit of packed 4-bit weights gathers them as they are (`whole`): a cast would scramble their bytes."""
+
+    unit: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
+    root: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
+    whole: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
+
+
 @dataclass
-class FSDP(Strategy):
+class FSDP(ShardingOptions, TensorParallelOptions, Strategy):
     #: True frees the gathered parameters after forward (ZeRO-3); False keeps them until backward (ZeRO-2).
     reshard_after_forward: bool = True
-    cpu_offload: bool = False
-    #: False (the default): every micro-step reduce-scatters its gradients, so each rank accumulates only its
-    #: shard. True: micro-steps keep whole unsharded gradients locally and only the last one reduce-scatters,
-    #: which saves communication at the price of a full gradient per rank during accumulation.
-    unsharded_grad_accum: bool = False
     units: UnitSelector = default_units
 
-    uses_autocast = False
+    spread = SHARDS
     mesh_dims = ("shard",)
-    composes_with_tp = True
+
+    def check(self) -> None:
+        require(
+            (
+                not self.cpu_offload or self.reshard_after_forward,
+                "cpu_offload works with strategy zero3 or hsdp only, not zero2; drop it or use zero3.",
+            )
+        )
+        check_sequence_parallel(self)
 
     @property
     def builds_on_meta(self) -> bool:  # type: ignore[override]
         # Filling shards from one rank (fill.py) knows the rows of one sharded dimension, not tp's splits as well.
-        return self.tp == 1
+        return self.layout.tp == 1
 
     @property
     def name(self) -> str:  # type: ignore[override]
         return "zero3" if self.reshard_after_forward else "zero2"
 
+    def check_runnable(self, device: torch.device, plan: PrecisionPlan) -> None:
+        if self.cpu_offload and device.type != "cuda":
+            raise UsageError(
+                "cpu_offload moves sharded parameters from the GPU to CPU memory, but this run is on CPU "
+                "already; drop cpu_offload or run on GPUs."
+            )
+
+    def precision_plan(self, precision: Precision, device: torch.device) -> FSDPPrecision:
+        compute, policies = precision.compute_dtype, {}
+        if compute is not None:
+            policies = {
+                "unit": MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32),
+                "root": MixedPrecisionPolicy(
+                    param_dtype=compute, reduce_dtype=torch.float32, output_dtype=torch.float32
+                ),
+            }
+        scaler = (lambda: ShardedGradScaler(device=device.type)) if precision.needs_grad_scaler else None
+        return FSDPPrecision(precision, None, precision.param_dtype, scaler, **policies)
+
     def setup(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, precision: Precision
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, plan: PrecisionPlan
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         names = {id(p): name for name, p in model.named_parameters()}
-        units, shard = self._wrapping(model, optimizer, env, precision)
+        units, shard = self._wrapping(model, optimizer, env, plan)
         if not self.cpu_offload:
             model.to(env.device)
         # fully_shard slices whatever each rank holds; unlike DDP it does not broadcast rank 0's weights.
         start_alike(model, env.device)
-        if self.tp > 1:  # tp splits the layers first; fully_shard then shards each slice over the shard dimension
+        if self.layout.tp > 1:  # tp splits the layers first; fully_shard then shards each slice over "shard"
             tensor_parallelize(model, self.mesh["tp"], self.sequence_parallel)
         for unit in [*units, model]:
             shard(unit)
@@ -82,13 +116,13 @@ class FSDP(Strategy):
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None,
         env: DistEnv,
-        precision: Precision,
+        plan: PrecisionPlan,
         values: MetaValues,
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         """Shards `model` while it is still on the meta device, gives each rank storage for its shards only, and
         fills them from the rank that makes the values (fill.py): no rank ever holds the whole model."""
         names = {id(p): name for name, p in model.named_parameters()}
-        units, shard = self._wrapping(model, optimizer, env, precision)
+        units, shard = self._wrapping(model, optimizer, env, plan)
         wanted = {id(unit) for unit in units}
         unit_names = {name for name, module in model.named_modules() if id(module) in wanted} | {""}
         for unit in [*units, model]:
@@ -101,43 +135,33 @@ class FSDP(Strategy):
         return model, optimizer
 
     def _wrapping(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, precision: Precision
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, plan: PrecisionPlan
     ) -> tuple[list[nn.Module], Callable[[nn.Module], None]]:
         """The units to shard, children first, and what shards one (the model itself last, as the root)."""
         if optimizer is not None and optimizer.state:
             raise UsageError(f"{self.name} must shard a fresh optimizer; call engine.setup before the first step.")
         self.build_mesh(env)
-        return children_first(model, [*self.units(model), *quantized_owners(model)]), self.sharder(model, precision)
+        return children_first(model, [*self.units(model), *quantized_owners(model)]), self.sharder(model, plan)
 
-    def shard_stage(self, stage: nn.Module, units: list[nn.Module], precision: Precision) -> None:
+    def shard_stage(self, stage: nn.Module, units: list[nn.Module], plan: FSDPPrecision) -> None:
         """Shards one pipeline stage (pp.py): `units` (those of the whole model that the stage holds) and then the
         stage itself, the root whose pre-forward gathers what no unit holds (embeddings, norm, head)."""
-        shard = self.sharder(stage, precision)
+        shard = self.sharder(stage, plan)
         for unit in [*children_first(stage, [*units, *quantized_owners(stage)]), stage]:
             shard(unit)
 
-    def sharder(self, root: nn.Module, precision: Precision) -> Callable[[nn.Module], None]:
-        """What shards one unit of the tree under `root` (and `root` itself, last), with the precision's casts."""
+    def sharder(self, root: nn.Module, plan: FSDPPrecision) -> Callable[[nn.Module], None]:
+        """What shards one unit of the tree under `root` (and `root` itself, last), with the plan's casts."""
         common = {"mesh": self.sharding_mesh(), "reshard_after_forward": self.reshard_after_forward}
         if self.cpu_offload:
             common["offload_policy"] = CPUOffloadPolicy()
-        compute = precision.compute_dtype
-        unit_policy = root_policy = no_cast = MixedPrecisionPolicy()  # full width: no casts at all
-        if compute is not None:
-            unit_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-            # The root casts its output back to fp32 so that losses are computed at full width.
-            root_policy = MixedPrecisionPolicy(
-                param_dtype=compute, reduce_dtype=torch.float32, output_dtype=torch.float32
-            )
-        # Packed 4-bit weights are bytes, not numbers: a cast to the compute dtype would scramble them. Their
-        # layers are units of their own that gather the storage as it is; the layers dequantise it themselves.
+        # Packed 4-bit weights are bytes, not numbers: their layers are units of their own that gather the storage
+        # as it is; the layers dequantise it themselves.
         quantized = quantized_owners(root)
 
         def shard(unit: nn.Module) -> None:
-            policy = no_cast if any(unit is q for q in quantized) else unit_policy
-            if unit is root:
-                policy = root_policy
-            fully_shard(unit, mp_policy=policy, **common)
+            policy = plan.whole if any(unit is q for q in quantized) else plan.unit
+            fully_shard(unit, mp_policy=plan.root if unit is root else policy, **common)
 
         return shard
 
@@ -153,9 +177,6 @@ class FSDP(Strategy):
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         return _without_gradient_sync(model)
 
-    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
-        return ShardedGradScaler(device=device.type)
-
 
 @contextlib.contextmanager
 def _without_gradient_sync(model: nn.Module) -> Iterator[None]:
@@ -164,3 +185,10 @@ def _without_gradient_sync(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)
+
+
+@dataclass
+class Zero2(FSDP):
+    """ZeRO-2: FSDP keeping the gathered parameters from forward until backward."""
+
+    reshard_after_forward: bool = False

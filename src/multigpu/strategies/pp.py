@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,14 +29,13 @@ from torch.distributed.tensor import DTensor
 
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
+from multigpu.core.layout import PIPELINE, PipelineOptions, TensorParallelOptions
 from multigpu.core.modules import repoint
-from multigpu.core.precision import Precision
-from multigpu.planner.layout import check_schedule
+from multigpu.core.precision import Precision, PrecisionPlan
 from multigpu.strategies.base import StepOutcome, Strategy, frozen_names
 from multigpu.strategies.fsdp import FSDP
-from multigpu.strategies.mesh import ParallelDims
 from multigpu.strategies.pp_stages import DecoderStage, stage_parts
-from multigpu.strategies.tp import start_alike, tensor_parallelize, tied_places
+from multigpu.strategies.tp import check_sequence_parallel, start_alike, tensor_parallelize, tied_places
 
 #: What a stage's loss function hands back to the engine: the loss (a mean, or a sum with its count).
 LossFn = Callable[[Any, Any], Any]
@@ -70,22 +69,23 @@ class PipelineModel(nn.Module):
 
 
 @dataclass
-class PipelineParallel(Strategy):
-    schedule: str = "1f1b"
-    stages_per_rank: int = 1
-    #: Slices of each batch that flow through the pipeline one after another; None: one per stage.
-    microbatches: int | None = None
-    #: Pipeline ranks; None: every process outside tensor parallelism. Fewer: the processes are also split by
-    #: `data` (zero2/zero3/hsdp shard each stage) or, without it, into whole replicas of the pipeline.
-    size: int | None = None
+class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
+    """Pipeline stages over the layout's pp ranks; over the rest, whole replicas of the pipeline, or `data`'s
+    shards (zero2/zero3/hsdp shard each stage: the registry puts a strategy that runs beside pp inside one)."""
+
     data: FSDP | None = None
     _schedules: dict = field(default_factory=dict, repr=False)
 
+    spread = PIPELINE
     pipelined = True
-    composes_with_tp = True
 
-    def __post_init__(self) -> None:
-        check_schedule(self.schedule, self.stages_per_rank, ("pp_schedule", "pp_stages_per_rank"))
+    def check(self) -> None:
+        check_sequence_parallel(self)
+        if self.data is not None and (self.data.cpu_offload or self.data.unsharded_grad_accum):
+            raise UsageError(
+                f"pp_size runs pipeline stages with zero2, zero3 or hsdp inside them (or whole replicas with strategy "
+                f"pp), not {self.data.name} with cpu_offload or unsharded_grad_accum; drop those or pp_size."
+            )
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -95,26 +95,16 @@ class PipelineParallel(Strategy):
     def mesh_dims(self) -> tuple[str, ...]:  # type: ignore[override]
         return ("pp", *(self.data.mesh_dims if self.data is not None else ()))
 
-    @property
-    def uses_autocast(self) -> bool:  # type: ignore[override]
-        return self.data is None or self.data.uses_autocast  # zero's stages cast their own parameters
-
-    def parallel_dims(self, world_size: int) -> ParallelDims:
-        pp = self.size or self.outside_tp(world_size)
-        if world_size % pp:
+    def precision_plan(self, precision: Precision, device: torch.device) -> PrecisionPlan:
+        """The plan of the strategy inside the stages (zero's stages cast their own parameters); no loss scaling."""
+        if precision.needs_grad_scaler:
             raise UsageError(
-                f"pp_size {pp} does not divide the {world_size} processes launched; choose a pp_size that divides "
-                f"{world_size}, or launch a multiple of {pp}."
+                "fp16-mixed's loss scaling needs every pipeline stage to see the loss, which only the last one "
+                "computes; use bf16-mixed or 32 under strategy pp."
             )
         if self.data is not None:
-            return replace(self.data.parallel_dims(world_size // pp), pp=pp)
-        inner = world_size // pp
-        if inner % self.tp:
-            raise UsageError(
-                f"pp {pp} x tp {self.tp} needs a multiple of {pp * self.tp} processes, but {world_size} were "
-                f"launched; launch a multiple of {pp * self.tp} or choose other degrees."
-            )
-        return ParallelDims(pp=pp, replicate=inner // self.tp, tp=self.tp)
+            return self.data.precision_plan(precision, device)
+        return super().precision_plan(precision, device)
 
     def build_mesh(self, env: DistEnv) -> DeviceMesh | None:
         mesh = super().build_mesh(env)
@@ -123,7 +113,7 @@ class PipelineParallel(Strategy):
         return mesh
 
     def setup(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, precision: Precision
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, plan: PrecisionPlan
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         if optimizer is not None and optimizer.state:
             raise UsageError("pp must split a fresh optimizer; call engine.setup before the first step.")
@@ -134,10 +124,10 @@ class PipelineParallel(Strategy):
         self._column = int((self._grid == dist.get_rank()).nonzero()[0, 1])
         replicated = self.data is None and "replicate" in mesh.mesh_dim_names
         self._replicas = mesh["replicate"].get_group() if replicated else None
-        self._stages = pp * self.stages_per_rank
+        self._stages = pp * self.pp_stages_per_rank
         self._mine = list(range(rank, self._stages, pp))  # interleaved: stages r, r + pp, ...
         start_alike(model, env.device)
-        if self.tp > 1:  # tp splits the whole model's layers first; the stages then take their split layers
+        if self.layout.tp > 1:  # tp splits the whole model's layers first; the stages then take their split layers
             whole_names = {id(p): name for name, p in model.named_parameters()}
             model.to(env.device)
             tensor_parallelize(model, mesh["tp"], self.sequence_parallel)
@@ -156,27 +146,27 @@ class PipelineParallel(Strategy):
         self._forwards = [parts[stage][1](stage == 0, stage == self._stages - 1) for stage in self._mine]
         for forward in self._forwards:
             if isinstance(forward, DecoderStage) and self.sequence_parallel:
-                forward.position_split = self.tp
+                forward.position_split = self.layout.tp
         pipeline = PipelineModel(model, kept)
         names = {id(p): name for name, p in pipeline.named_parameters()}
         if optimizer is not None:
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) in held]
         if self.data is not None:
-            self._shard_stages(model, precision)
+            self._shard_stages(model, plan)
             repoint(optimizer, names, pipeline)
         current = dict(pipeline.named_parameters())  # sharding replaced the Parameters; the names stay
         self._ties = [(current[names[id(p)]], group, count) for p, group, count in ties]
         return pipeline, optimizer
 
-    def _shard_stages(self, model: nn.Module, precision: Precision) -> None:
+    def _shard_stages(self, model: nn.Module, plan: PrecisionPlan) -> None:
         """zero2/zero3/hsdp inside each stage: the whole model's units that the stage holds, then the stage as
         their root (which the schedule tells when a step's last backward has run)."""
         units = self.data.units(model)
         tied = [(place, first, getattr(*first)) for place, first in tied_places(model)]
         for forward in self._forwards:
             inside = {id(m) for m in forward.modules()}
-            self.data.shard_stage(forward, [u for u in units if id(u) in inside], precision)
+            self.data.shard_stage(forward, [u for u in units if id(u) in inside], plan)
         # A tied weight's name outside this rank's stages (the embedding's, on the last stage) follows the
         # Parameter that sharding put in place of the one both names held.
         for place, first, old in tied:
@@ -227,7 +217,7 @@ class PipelineParallel(Strategy):
         rows = len(targets)
         # A stage sizes its buffers for one micro-batch shape, so the slices must be equal: a batch whose rows the
         # wanted count does not divide (a short last batch) takes the largest count that does.
-        wanted = min(self.microbatches or self._stages, rows)
+        wanted = min(self.pp_microbatches or self._stages, rows)
         micro = max(d for d in range(1, wanted + 1) if rows % d == 0)
         results: list = []
 
@@ -289,11 +279,11 @@ class PipelineParallel(Strategy):
         """The configured schedule, or for a batch too short for it (fewer micro-batches than 1f1b has stages, or
         than interleaving fills in whole rounds) the all-forwards-then-all-backwards order: the same gradients, and
         no more activations in flight than the configured schedule would hold with enough micro-batches."""
-        pp = self._stages // self.stages_per_rank
-        if self.schedule == "interleaved":
+        pp = self._stages // self.pp_stages_per_rank
+        if self.pp_schedule == "interleaved":
             rounds = max(1, micro // pp)
             return ScheduleInterleaved1F1B if micro >= pp and micro % rounds == 0 else ScheduleLoopedBFS
-        if self.schedule == "1f1b" and micro >= self._stages:
+        if self.pp_schedule == "1f1b" and micro >= self._stages:
             return Schedule1F1B
         return ScheduleGPipe
 
@@ -319,12 +309,6 @@ class PipelineParallel(Strategy):
                 param.grad = param.grad.redistribute(param.device_mesh, param.placements)
             dist.all_reduce(_local(param.grad), group=group)
         return super().optimizer_step(model, optimizer, *args)
-
-    def grad_scaler(self, device: torch.device) -> None:
-        raise UsageError(
-            "fp16-mixed's loss scaling needs every pipeline stage to see the loss, which only the last one computes; "
-            "use bf16-mixed or 32 under strategy pp."
-        )
 
     # A tied weight is named differently on the ranks that hold it (the embedding's name on the first, the head's
     # on the last); the optimizer's state is keyed by the whole model's first name, as one process keys it.

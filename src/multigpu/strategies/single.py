@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from multigpu.core.env import DistEnv
-from multigpu.core.precision import Precision
+from multigpu.core.precision import PrecisionPlan
 from multigpu.strategies.base import Strategy, move_to_device
 
 
+@dataclass
 class Single(Strategy):
     name = "single"
-    needs_process_group = False
 
     def setup(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, precision: Precision
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, plan: PrecisionPlan
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         return move_to_device(model, env), optimizer

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -29,11 +29,11 @@ from torch.distributed.tensor.parallel import (
 )
 
 from multigpu.core.env import DistEnv
-from multigpu.core.errors import UsageError
+from multigpu.core.errors import UsageError, require
+from multigpu.core.layout import TENSOR, TensorParallelOptions
 from multigpu.core.modules import repoint
-from multigpu.core.precision import Precision
+from multigpu.core.precision import Precision, PrecisionPlan
 from multigpu.strategies.base import Strategy, move_to_device
-from multigpu.strategies.mesh import ParallelDims
 
 #: The styles a plan may name (Hugging Face's names), and what each splits. A column split leaves each process a
 #: slice of the layer's outputs (the next rowwise layer takes exactly that slice); a row split sums the partial
@@ -272,24 +272,37 @@ def tied_places(model: nn.Module) -> list[tuple[tuple[nn.Module, str], tuple[nn.
     return ties
 
 
+def check_sequence_parallel(strategy: TensorParallelOptions) -> None:
+    """Refuses sequence parallelism where the layout has no tensor parallelism to split the sequence over."""
+    require(
+        (
+            not strategy.sequence_parallel or strategy.layout.tp > 1,
+            "sequence_parallel splits the sequence over the tp processes, and this run has no tensor parallelism; "
+            "add tp_size (or strategy tp), or drop sequence_parallel.",
+        )
+    )
+
+
 @dataclass
-class TensorParallel(Strategy):
+class TensorParallel(TensorParallelOptions, Strategy):
     """Tensor parallelism over every process: one slice of each planned layer per process, one batch for all."""
 
     name = "tp"
+    spread = TENSOR
     mesh_dims = ("tp",)
 
-    def parallel_dims(self, world_size: int) -> ParallelDims:
-        if self.tp not in (1, world_size):
-            raise UsageError(
-                f"Strategy tp splits each layer over every process, so tp_size {self.tp} needs {self.tp} processes, "
-                f"but {world_size} were launched; launch {self.tp}, or add data parallelism with strategy zero2, zero3 "
-                f"or hsdp and tp_size {self.tp}."
-            )
-        return ParallelDims(tp=world_size)
+    def check(self) -> None:
+        check_sequence_parallel(self)
+
+    def precision_plan(self, precision: Precision, device: torch.device) -> PrecisionPlan:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        # Split gradients are DTensors: an overflow found in one process's slice must skip the step everywhere.
+        plan = super().precision_plan(precision, device)
+        return replace(plan, scaler=lambda: ShardedGradScaler(device=device.type)) if plan.scaler else plan
 
     def setup(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, precision: Precision
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, plan: PrecisionPlan
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         mesh = self.build_mesh(env)
         names = {id(p): name for name, p in model.named_parameters()}
@@ -298,12 +311,6 @@ class TensorParallel(Strategy):
         tensor_parallelize(model, mesh["tp"], self.sequence_parallel)
         repoint(optimizer, names, model)
         return model, optimizer
-
-    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        # Split gradients are DTensors: an overflow found in one process's slice must skip the step everywhere.
-        return ShardedGradScaler(device=device.type)
 
 
 def start_alike(model: nn.Module, device: torch.device) -> None:

@@ -12,7 +12,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
-from multigpu.core.precision import Precision
+from multigpu.core.precision import PrecisionPlan
 from multigpu.strategies.ddp import DDP
 
 
@@ -21,9 +21,9 @@ class Zero1(DDP):
     name = "zero1"
 
     def setup(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, precision: Precision
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, plan: PrecisionPlan
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-        model, optimizer = super().setup(model, optimizer, env, precision)
+        model, optimizer = super().setup(model, optimizer, env, plan)
         if optimizer is None:
             return model, None
         if optimizer.state:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import statistics
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,8 @@ import numpy as np
 
 from multigpu.core.config import parse_list
 from multigpu.core.errors import UsageError
-from multigpu.core.precision import PRECISIONS
+from multigpu.core.settings import derive, setting
+from multigpu.engine.config import EngineConfig
 from multigpu.strategies import STRATEGIES
 from multigpu.tools import harness
 
@@ -35,32 +36,31 @@ RECIPES = {
 
 
 @dataclass
-class BenchConfig:
-    nproc: str = field(default="1,2", metadata={"help": "comma-separated process counts, e.g. 1,2,4"})
-    strategies: str = field(default="ddp", metadata={"help": "comma-separated strategies, e.g. ddp,zero2,zero3"})
-    steps: int = field(default=50, metadata={"help": "timed optimizer steps per run"})
-    warmup: int = field(default=5, metadata={"help": "optimizer steps before timing starts"})
-    repeats: int = field(default=3, metadata={"help": "runs per cell (min / median / max are reported)"})
-    recipe: str | None = field(
-        default=None, metadata={"help": "bench a built-in recipe instead of SCRIPT", "choices": tuple(RECIPES)}
+class BenchConfig(
+    derive(
+        "BenchOverrides",
+        EngineConfig,
+        only=("precision",),
+        overrides=True,
+        note="; bench: every run's (default: the script's own)",
     )
-    precision: str | None = field(
-        default=None, metadata={"help": "precision for every run (default: the script's own)", "choices": PRECISIONS}
-    )
-    comm_share: bool = field(
-        default=True, metadata={"help": "also run each multi-process cell without gradient sync, to measure it"}
-    )
-    out: str = field(default="bench", metadata={"help": "directory for bench.json, speedup.png and memory.png"})
-    baseline: str = field(
-        default="single",
-        metadata={
-            "help": "the 1-process run speedups are taken over: plain single-process training, or each strategy "
-            "itself on 1 process (separates a strategy's own overhead from its communication)",
-            "choices": ("single", "same"),
-        },
+):
+    nproc: str = setting("1,2", "comma-separated process counts, e.g. 1,2,4")
+    strategies: str = setting("ddp", "comma-separated strategies, e.g. ddp,zero2,zero3")
+    steps: int = setting(50, "timed optimizer steps per run")
+    warmup: int = setting(5, "optimizer steps before timing starts")
+    repeats: int = setting(3, "runs per cell (min / median / max are reported)")
+    recipe: str | None = setting(None, "bench a built-in recipe instead of SCRIPT", choices=tuple(RECIPES))
+    comm_share: bool = setting(True, "also run each multi-process cell without gradient sync, to measure it")
+    out: str = setting("bench", "directory for bench.json, speedup.png and memory.png")
+    baseline: str = setting(
+        "single",
+        "the 1-process run speedups are taken over: plain single-process training, or each strategy itself on 1 "
+        "process (separates a strategy's own overhead from its communication)",
+        choices=("single", "same"),
     )
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         self.counts = parse_list(self.nproc, "--nproc", int)
         if any(n < 1 for n in self.counts):
             raise UsageError(f"--nproc {self.nproc} must list process counts of 1 or more, e.g. 1,2,4.")
@@ -81,9 +81,9 @@ class BenchConfig:
 def run_cell(target: list[str], module: bool, n: int, strategy: str, config: BenchConfig, sync: bool) -> dict:
     """One run: rank 0's timed steps and every rank's peak memory."""
     with tempfile.TemporaryDirectory(prefix="multigpu-bench-") as tmp:
-        spec = harness.Harness(
-            tmp, strategy=strategy, precision=config.precision, warmup=config.warmup, steps=config.steps, grad_sync=sync
-        )
+        # The cell's strategy replaces the script's, with no tensor or pipeline parallelism of the script's own.
+        imposed = {"strategy": strategy, "tp_size": None, "pp_size": None, **config.values_for(EngineConfig)}
+        spec = harness.Harness(tmp, imposed, warmup=config.warmup, steps=config.steps, grad_sync=sync)
         ranks = harness.run(target, module, n, spec)
     steps = harness.timed_steps(ranks[0], config.warmup)
     if not steps:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +28,9 @@ from multigpu.launch.launcher import LaunchConfig, launch
 @dataclass
 class Harness:
     directory: str
-    strategy: str | None = None  # None: whatever the script asks for
-    precision: str | None = None
+    #: Engine settings to run with whatever the script asks for (bench's and verify's strategy, precision, layout).
+    engine: dict[str, Any] = field(default_factory=dict)
     grad_accum_factor: int = 1  # verify's 1-process reference multiplies accumulation to keep the global batch
-    tp_size: int | None = None  # with `strategy`: its tensor-parallel degree (the script's own is dropped)
-    pp_size: int | None = None  # with `strategy`: its pipeline degree, likewise
     warmup: int = 0  # optimizer steps before the timed ones
     steps: int | None = None  # timed optimizer steps; the run stops after warmup + steps
     grad_sync: bool = True  # False: no gradient communication, for bench's communication share
@@ -96,14 +94,8 @@ class Recorder(StepObserver):
 
     def configure(self, config: EngineConfig) -> EngineConfig:
         """Bench and verify decide the strategy, precision and accumulation, whatever the script asks for."""
-        return replace(
-            config,
-            strategy=self.harness.strategy or config.strategy,
-            precision=self.harness.precision or config.precision,
-            grad_accum_steps=config.grad_accum_steps * self.harness.grad_accum_factor,
-            tp_size=self.harness.tp_size if self.harness.strategy else config.tp_size,
-            pp_size=self.harness.pp_size if self.harness.strategy else config.pp_size,
-        )
+        accumulation = config.grad_accum_steps * self.harness.grad_accum_factor
+        return replace(config, **self.harness.engine, grad_accum_steps=accumulation)
 
     def attach(self, engine: Engine) -> None:
         self.engine = engine
@@ -117,6 +109,7 @@ class Recorder(StepObserver):
             "strategy": engine.strategy,
             "precision": engine.precision.name,
             "world_size": engine.world_size,
+            "data_parallel_size": engine.data_parallel_size,
             "grad_accum_steps": engine.config.grad_accum_steps,
             "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
             "data_rank": engine.data_parallel_rank,

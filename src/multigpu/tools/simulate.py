@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from multigpu.core.errors import UsageError
-from multigpu.planner.layout import bubble_fraction, check_schedule
+from multigpu.core.layout import SHARDS, LayoutSettings, ParallelDims, check_schedule, resolve_layout
+from multigpu.planner.layout import bubble_fraction
 
 if TYPE_CHECKING:
     from multigpu.planner.shapes import ModelShape
@@ -184,6 +185,12 @@ class SimulateConfig:
         """GPUs one model replica spans: tp x pp."""
         return self.tp_size * self.pp_size
 
+    def dims(self, n: int) -> ParallelDims:
+        """The layout of `n` GPUs: tp x pp per replica, the data-parallel strategy over the rest (as the Engine
+        resolves it)."""
+        request = LayoutSettings(tp_size=self.tp_size, pp_size=self.pp_size)
+        return resolve_layout(request, SHARDS, n, -(-n // self.gpus_per_node), self.strategy)
+
     def _check_layout(self) -> None:
         for flag, value in (
             ("--tp-size", self.tp_size),
@@ -270,7 +277,7 @@ def simulate(
         per_node = min(n, config.gpus_per_node)
         slots = config.compute_slots_per_node
         compute = config.compute_s * (per_node / slots if slots and per_node > slots else 1.0)
-        bubble, replicas = 0.0, n // config.model_parallel
+        bubble, replicas = 0.0, config.dims(n).data_parallel_size
         if config.model_parallel == 1:
             comm, exposed = strategy_comm(config, n, span_links(n, config.gpus_per_node, intra, inter), compute)
         else:
@@ -315,7 +322,7 @@ def layout_step(config: SimulateConfig, n: int, intra: Links, inter: Links, comp
     rank runs its own dp (and pp) traffic at once, so across nodes each gets 1/tp of the node's NICs.
     """
     tp, pp, gpn = config.tp_size, config.pp_size, config.gpus_per_node
-    dp, m, v = n // config.model_parallel, config.microbatches or 1, config.pp_stages_per_rank
+    dp, m, v = config.dims(n).data_parallel_size, config.microbatches or 1, config.pp_stages_per_rank
     micro_batch = config.units_per_step * config.tokens_per_unit / m * config.hidden * config.activation_bytes
     layers = config.layers / pp
     tp_link = span_link(tp, gpn, intra["all_reduce"], inter["all_reduce"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import io
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,8 @@ import numpy as np
 
 from multigpu.core.config import json_value, parse_list, read_json
 from multigpu.core.errors import UsageError
-from multigpu.planner.layout import PP_SCHEDULES
+from multigpu.core.settings import derive, setting
+from multigpu.engine.config import EngineConfig
 from multigpu.tools.simulate import (
     INTERCONNECTS,
     OPS,
@@ -115,56 +116,51 @@ def format_table(predictions: list[Prediction], title: str | None = None) -> str
     return console.file.getvalue()
 
 
+# The strategy and layout simulated are the Engine's settings; simulate models the data-parallel strategies.
+SimulatedLayout = derive(
+    "SimulatedLayout",
+    EngineConfig,
+    only=("strategy", "tp_size", "pp_size", "pp_schedule", "pp_stages_per_rank", "pp_microbatches"),
+    rename={"pp_microbatches": "microbatches"},
+    defaults={"strategy": "ddp", "tp_size": 1, "pp_size": 1},
+    choices={"strategy": STRATEGIES},
+    note={"strategy": "; simulate: the data-parallel one", "tp_size": "; simulate: inside a node"},
+)
+
+
 @dataclass
-class SimulateRequest:
+class SimulateRequest(SimulatedLayout):
     """`multigpu simulate`'s flags, one to one; `resolve` turns them into a SimulateConfig and its links."""
 
-    model: str | None = field(default=None, metadata={"help": "a built-in model name or a config.json (or its dir)"})
-    params: float | None = field(default=None, metadata={"help": "parameter count instead of --model, e.g. 7e9"})
-    layers: int | None = field(default=None, metadata={"help": "with --params: layers (zero3's units)"})
-    gpus: str = field(default="1,2,4,8,16,32,64,128", metadata={"help": "comma-separated GPU counts"})
-    gpus_per_node: int = field(default=8, metadata={"help": "GPUs in one node"})
-    interconnect: str = field(
-        default="infiniband", metadata={"help": "fabric between nodes", "choices": tuple(INTERCONNECTS)}
+    model: str | None = setting(None, "a built-in model name or a config.json (or its dir)")
+    params: float | None = setting(None, "parameter count instead of --model, e.g. 7e9")
+    layers: int | None = setting(None, "with --params: layers (zero3's units)")
+    gpus: str = setting("1,2,4,8,16,32,64,128", "comma-separated GPU counts")
+    gpus_per_node: int = setting(8, "GPUs in one node")
+    interconnect: str = setting("infiniband", "fabric between nodes", choices=INTERCONNECTS)
+    intra: str = setting("nvlink", "link inside a node", choices=INTERCONNECTS)
+    compute_s: float | None = setting(None, "seconds of one step on one device, if known")
+    units_per_step: float | None = setting(None, "with --compute-s: samples per device")
+    bench: str | None = setting(None, "take compute time and units from a bench.json's 1-process cell")
+    tflops: float | None = setting(None, "device peak TFLOPS, to derive the compute time")
+    mfu: float = setting(0.4, "with --tflops: the utilisation assumed")
+    seq_len: int = setting(2048, "tokens per sample (--tflops; tp/pp's activations)")
+    batch_size: int = setting(1, "with --tflops: samples per device per step (with tp/pp: per replica)")
+    grad_bytes: int = setting(4, "bytes per gradient element reduced (4: fp32, 2: bf16)")
+    param_bytes: int = setting(2, "bytes per parameter all-gathered (2: bf16 compute)")
+    bucket_mb: float = setting(25.0, "DDP bucket size, MiB")
+    overlap: bool = setting(True, "overlap communication with backward / prefetch")
+    compute_slots_per_node: int | None = setting(
+        None, "CPU hosts: cores shared by a node's processes (compute slows beyond it)"
     )
-    intra: str = field(default="nvlink", metadata={"help": "link inside a node", "choices": tuple(INTERCONNECTS)})
-    strategy: str = field(default="ddp", metadata={"help": "data-parallel strategy", "choices": STRATEGIES})
-    compute_s: float | None = field(default=None, metadata={"help": "seconds of one step on one device, if known"})
-    units_per_step: float | None = field(default=None, metadata={"help": "with --compute-s: samples per device"})
-    bench: str | None = field(
-        default=None, metadata={"help": "take compute time and units from a bench.json's 1-process cell"}
+    calibration: str | None = setting(None, "a bench --collectives JSON: replaces the intra-node link")
+    inter_calibration: str | None = setting(
+        None, "a bench --collectives JSON taken across nodes: replaces the inter-node link"
     )
-    tflops: float | None = field(default=None, metadata={"help": "device peak TFLOPS, to derive the compute time"})
-    mfu: float = field(default=0.4, metadata={"help": "with --tflops: the utilisation assumed"})
-    seq_len: int = field(default=2048, metadata={"help": "tokens per sample (--tflops; tp/pp's activations)"})
-    batch_size: int = field(
-        default=1, metadata={"help": "with --tflops: samples per device per step (with tp/pp: per replica)"}
+    activation_checkpointing: bool = setting(
+        False, "full recompute: a third more compute with --tflops, and tp's forward all-reduces again"
     )
-    grad_bytes: int = field(default=4, metadata={"help": "bytes per gradient element reduced (4: fp32, 2: bf16)"})
-    param_bytes: int = field(default=2, metadata={"help": "bytes per parameter all-gathered (2: bf16 compute)"})
-    bucket_mb: float = field(default=25.0, metadata={"help": "DDP bucket size, MiB"})
-    overlap: bool = field(default=True, metadata={"help": "overlap communication with backward / prefetch"})
-    compute_slots_per_node: int | None = field(
-        default=None, metadata={"help": "CPU hosts: cores shared by a node's processes (compute slows beyond it)"}
-    )
-    calibration: str | None = field(
-        default=None, metadata={"help": "a bench --collectives JSON: replaces the intra-node link"}
-    )
-    inter_calibration: str | None = field(
-        default=None, metadata={"help": "a bench --collectives JSON taken across nodes: replaces the inter-node link"}
-    )
-    tp_size: int = field(default=1, metadata={"help": "tensor-parallel degree, inside a node"})
-    pp_size: int = field(default=1, metadata={"help": "pipeline-parallel degree, across nodes"})
-    pp_schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule", "choices": PP_SCHEDULES})
-    pp_stages_per_rank: int = field(default=1, metadata={"help": "with --pp-schedule interleaved: stages per GPU"})
-    microbatches: int | None = field(
-        default=None, metadata={"help": "pipeline micro-batches per step (default: --pp-size)"}
-    )
-    activation_checkpointing: bool = field(
-        default=False,
-        metadata={"help": "full recompute: a third more compute with --tflops, and tp's forward all-reduces again"},
-    )
-    tp_overlap: bool = field(default=False, metadata={"help": "async tp: hide tp's all-reduces under the matmuls"})
+    tp_overlap: bool = setting(False, "async tp: hide tp's all-reduces under the matmuls")
 
 
 def resolve(request: SimulateRequest) -> tuple[SimulateConfig, Link | None, Link | None]:

@@ -17,15 +17,15 @@ import math
 import sys
 import tempfile
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from multigpu.core.errors import UsageError
-from multigpu.core.precision import PRECISIONS
-from multigpu.strategies import STRATEGIES
+from multigpu.core.settings import derive, setting
+from multigpu.engine.config import EngineConfig
 from multigpu.tools import harness
 
 # (loss: relative difference per step, parameters: difference as a fraction of how far training moved them).
@@ -34,35 +34,33 @@ from multigpu.tools import harness
 TOLERANCES = {"32": (1e-4, 1e-3), "bf16-mixed": (3e-2, 0.3), "fp16-mixed": (1e-2, 0.15), "bf16-true": (5e-2, 0.5)}
 
 
+# The Engine settings verify imposes on the script; unset, the script's own.
+VerifyOverrides = derive(
+    "VerifyOverrides",
+    EngineConfig,
+    only=("strategy", "precision", "tp_size", "pp_size"),
+    overrides=True,
+    note={
+        "strategy": "; verify: the N-process run's (default: the script's own)",
+        "precision": "; verify: both runs' (default: the script's own)",
+        "tp_size": "; verify: the N-process run's, with --strategy",
+        "pp_size": "; verify: the N-process run's, with --strategy",
+    },
+)
+
+
 @dataclass
-class VerifyConfig:
-    nproc: int | None = field(
-        default=None,
-        metadata={"help": "processes to compare with one (default: 2, or 1 under dp; 1 with --strategy, for one GPU)"},
+class VerifyConfig(VerifyOverrides):
+    nproc: int | None = setting(
+        None, "processes to compare with one (default: 2, or 1 under dp; 1 with --strategy, for one GPU)"
     )
-    strategy: str | None = field(
-        default=None,
-        metadata={"help": "strategy for the N-process run (default: the script's own)", "choices": STRATEGIES},
-    )
-    precision: str | None = field(
-        default=None, metadata={"help": "precision for both runs (default: the script's own)", "choices": PRECISIONS}
-    )
-    tp_size: int | None = field(
-        default=None, metadata={"help": "tensor-parallel degree of the N-process run (with --strategy zero3, ...)"}
-    )
-    pp_size: int | None = field(
-        default=None, metadata={"help": "pipeline degree of the N-process run (with --strategy pp, zero3, ...)"}
-    )
-    steps: int = field(default=20, metadata={"help": "optimizer steps to compare"})
-    loss_tolerance: float | None = field(
-        default=None, metadata={"help": "allowed relative loss difference per step (default: by precision)"}
-    )
-    param_tolerance: float | None = field(
-        default=None,
-        metadata={"help": "allowed parameter difference, as a fraction of the training update (default: by precision)"},
+    steps: int = setting(20, "optimizer steps to compare")
+    loss_tolerance: float | None = setting(None, "allowed relative loss difference per step (default: by precision)")
+    param_tolerance: float | None = setting(
+        None, "allowed parameter difference, as a fraction of the training update (default: by precision)"
     )
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         if self.strategy == "dp" and self.nproc not in (None, 1):
             raise UsageError(
                 f"--strategy dp is one process that drives every GPU, so there are no {self.nproc} processes to "
@@ -125,23 +123,20 @@ def verify(config: VerifyConfig, target: list[str], module: bool = False) -> Ver
         )
     assert config.nproc is not None  # set by VerifyConfig
     with tempfile.TemporaryDirectory(prefix="multigpu-verify-") as tmp:
-        common = {
-            "precision": config.precision,
-            "steps": config.steps,
-            "record_loss": True,
-            "dump_params": True,
-            "read_inputs": True,
-        }
-        layout = {"tp_size": config.tp_size, "pp_size": config.pp_size}
+        common = {"steps": config.steps, "record_loss": True, "dump_params": True, "read_inputs": True}
+        # A strategy given replaces the script's, its layout with it (the script's own tp_size, pp_size dropped).
+        imposed = config.values_for(EngineConfig)
+        if config.strategy is not None:
+            imposed |= {"tp_size": config.tp_size, "pp_size": config.pp_size}
+        precision = {"precision": config.precision} if config.precision is not None else {}
         many = _folder(tmp, "many")
-        dist = harness.run(
-            target, module, config.nproc, harness.Harness(str(many), config.strategy, **layout, **common)
-        )
+        dist = harness.run(target, module, config.nproc, harness.Harness(str(many), imposed, **common))
         samples = harness.step_samples(dist)
         # One process stands in for the N-process run's data-parallel ranks (tensor and pipeline ones share a batch).
-        factor = dist[0]["world_size"] // _model_parallel(config) if config.strategy != "dp" else 1
+        factor = dist[0]["data_parallel_size"]
+        reference = {"strategy": "single", "tp_size": None, "pp_size": None, **precision}
         one = _folder(tmp, "one")
-        ref = harness.run(target, module, 1, _reference(one, factor, samples, common))
+        ref = harness.run(target, module, 1, _reference(one, reference, factor, samples, common))
         ref_samples = harness.step_samples(ref)
         if samples is not None and ref_samples is not None and ref_samples != samples:
             # The script sized its batch by the world size: accumulate the 1-process batch as often as it takes.
@@ -153,7 +148,7 @@ def verify(config: VerifyConfig, target: list[str], module: bool = False) -> Ver
                     "script a global batch that is a multiple of its 1-process batch."
                 )
             one = _folder(tmp, "one-again")
-            ref = harness.run(target, module, 1, _reference(one, factor, samples, common))
+            ref = harness.run(target, module, 1, _reference(one, reference, factor, samples, common))
         return compare(config, ref, dist, _params(one), _params(many), factor)
 
 
@@ -163,15 +158,10 @@ def _folder(tmp: str, name: str) -> Path:
     return folder
 
 
-def _model_parallel(config: VerifyConfig) -> int:
-    """How many processes of the N-process run share one batch (its tensor x pipeline degree)."""
-    tp = config.tp_size or (config.nproc if config.strategy == "tp" else 1)
-    pp = config.pp_size or (config.nproc // tp if config.strategy == "pp" else 1)
-    return min(tp * pp, config.nproc)
-
-
-def _reference(folder: Path, factor: int, samples: int | None, common: dict[str, Any]) -> harness.Harness:
-    return harness.Harness(str(folder), "single", grad_accum_factor=factor, expect_samples=samples, **common)
+def _reference(
+    folder: Path, imposed: dict[str, Any], factor: int, samples: int | None, common: dict[str, Any]
+) -> harness.Harness:
+    return harness.Harness(str(folder), imposed, grad_accum_factor=factor, expect_samples=samples, **common)
 
 
 def _params(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -1,0 +1,157 @@
+"""Settings, each defined once: a dataclass field holds its type (the annotation), default, help text and choices,
+and its group's `check` holds its checks.
+
+Groups compose by inheritance: EngineConfig is every group the Engine reads, each defined in the lowest layer that
+reads it (the planner's in core, a strategy's own options in its file). A verb that shows settings of another
+config under its own defaults or flag names (train's `--multi-gpu` is the Engine's strategy, verify's overrides
+default to the script's own) derives them with `derive`: the fields keep their definition, and the derived group's
+check builds the source from the values, so the source's checks run. The CLI's flags, config files, `multigpu
+config VERB` and docs/cli.md are all made from the fields (core/config.py, core/config_file.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from multigpu.core.errors import UsageError, require
+from multigpu.core.precision import PRECISIONS, Precision
+
+
+def setting(default: Any, help: str, *, choices: Iterable[Any] | None = None, metavar: str | None = None) -> Any:
+    """A setting's definition as a dataclass field: its default, its help text and its choices."""
+    metadata: dict[str, Any] = {"help": help}
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    if metavar is not None:
+        metadata["metavar"] = metavar
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+class Settings:
+    """A group of settings (a dataclass): once built, each class's own `check` runs, base groups first, so a config
+    made of several groups checks each of them."""
+
+    def __post_init__(self) -> None:
+        for cls in reversed(type(self).__mro__):
+            check = cls.__dict__.get("check")
+            if check is not None:
+                check(self)
+
+
+class StrategyOptions(Settings):
+    """A group of settings that only some strategies take (their constructor arguments): the strategy registry
+    refuses a value other than the default for a strategy that does not take it."""
+
+
+class Derived(Settings):
+    """Settings made by `derive`: each field maps to a source config's field of its own name or of a renamed one."""
+
+    #: (source, {field here: field of the source}) for each source.
+    sources: ClassVar[tuple[tuple[type, dict[str, str]], ...]] = ()
+    #: Whether a field at None stands for "not set here" (the source's own default, or a script's own value).
+    overrides: ClassVar[bool] = False
+
+    def values_for(self, source: type) -> dict[str, Any]:
+        """The values given for `source`'s fields, keyed by its field names (overrides left unset are left out)."""
+        names = next(names for cls, names in self.sources if cls is source)
+        values = {theirs: getattr(self, ours) for ours, theirs in names.items()}
+        return {name: value for name, value in values.items() if not (self.overrides and value is None)}
+
+    def check(self) -> None:
+        for source, names in self.sources:
+            try:
+                source(**self.values_for(source))  # the source's own checks, on these values
+            except UsageError as error:
+                raise UsageError(_renamed(str(error), names)) from None
+
+
+def _renamed(message: str, names: Mapping[str, str]) -> str:
+    """A source's message naming its settings as the derived group names them. Only names of several words are
+    replaced: a one-word name (strategy) is also a word of the sentences around it."""
+    for ours, theirs in names.items():
+        if ours != theirs and "_" in theirs:
+            message = re.sub(rf"\b{theirs}\b", ours, message)
+    return message
+
+
+def derive(
+    name: str,
+    *sources: type,
+    only: Iterable[str] | None = None,
+    rename: Mapping[str, str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+    overrides: bool = False,
+    note: str | Mapping[str, str] = "",
+    choices: Mapping[str, tuple[Any, ...]] | None = None,
+) -> type:
+    """A group named `name` made of the settings of `sources` (all of them, or those named in `only`), each keeping
+    its source's type, help text, choices and checks.
+
+    `rename` shows a setting under another name (and so another flag and config key), `defaults` gives it another
+    default. With `overrides` every default is None, meaning "not set": a tool's override of what a script asks for;
+    `note` (one text, or one per setting) is added to the help to say what the setting means here, and `choices`
+    narrows a setting's choices to those a tool handles (simulate models the data-parallel strategies).
+    """
+    rename, defaults, narrowed = dict(rename or {}), dict(defaults or {}), dict(choices or {})
+    wanted = None if only is None else set(only)
+    fields, mapping = [], []
+    for source in sources:
+        hints, names = typing.get_type_hints(source), {}
+        for field in dataclasses.fields(source):
+            if wanted is not None and field.name not in wanted:
+                continue
+            ours = rename.get(field.name, field.name)
+            metadata = dict(field.metadata)
+            added = note.get(field.name, "") if isinstance(note, Mapping) else note
+            metadata["help"] = metadata.get("help", "") + added
+            if field.name in narrowed:
+                if not set(narrowed[field.name]) <= set(metadata.get("choices", ())):
+                    raise TypeError(f"derive({name!r}): {narrowed[field.name]} are not choices of {field.name}")
+                metadata["choices"] = tuple(narrowed[field.name])
+            default = None if overrides else defaults.get(field.name, field.default)
+            kind = hints[field.name] | None if overrides else hints[field.name]
+            fields.append((ours, kind, dataclasses.field(default=default, metadata=metadata)))
+            names[ours] = field.name
+        mapping.append((source, names))
+    missing = (wanted or set()) - {theirs for _, names in mapping for theirs in names.values()}
+    unknown = (set(rename) | set(defaults) | set(narrowed)) - {
+        theirs for _, names in mapping for theirs in names.values()
+    }
+    if missing or unknown:
+        raise TypeError(f"derive({name!r}): no setting {sorted(missing | unknown)} in {[s.__name__ for s in sources]}")
+    made = dataclasses.make_dataclass(name, fields, bases=(Derived,))
+    made.sources, made.overrides = tuple(mapping), overrides
+    return made
+
+
+def setting_names(config: type) -> tuple[str, ...]:
+    """The names of a config's settings, in order."""
+    return tuple(field.name for field in dataclasses.fields(config))
+
+
+@dataclass
+class TrainingSettings(Settings):
+    """What one optimizer step is: its number format, its micro-batches, its clipping, and the seed."""
+
+    precision: str = setting("32", "number format for training", choices=PRECISIONS)
+    grad_accum_steps: int = setting(1, "micro-batches per optimizer step")
+    max_grad_norm: float | None = setting(None, "clip the global gradient norm to this")
+    seed: int = setting(0, "seed for model init, data order and sampling (the same on every rank)")
+
+    def check(self) -> None:
+        # Each range is written as what passes, so that nan, for which every comparison is false, never does.
+        Precision(self.precision)
+        require(
+            (self.grad_accum_steps >= 1, f"grad_accum_steps must be 1 or more (got {self.grad_accum_steps})."),
+            (
+                self.max_grad_norm is None or 0 < self.max_grad_norm < math.inf,
+                f"max_grad_norm must be a positive finite number (got {self.max_grad_norm}); leave it unset for none.",
+            ),
+            (0 <= self.seed < 2**32, f"seed must be from 0 to 2**32 - 1, the seeds numpy takes (got {self.seed})."),
+        )
