@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import errno
 import functools
+import importlib
 import math
 import sys
 from collections.abc import Callable
@@ -18,49 +19,53 @@ from multigpu import __version__
 from multigpu.core import config_file
 from multigpu.core.config import Parser, add_config_arguments, config_from_args, finite_float
 from multigpu.core.errors import UsageError, exit_on_usage_error, shown_path
-from multigpu.engine.config import EngineConfig
 from multigpu.launch import stop
-from multigpu.launch.launcher import LaunchConfig, launch
-from multigpu.planner.memory import PlanConfig, plan_shape
-from multigpu.planner.report import print_table, to_json
-from multigpu.planner.shapes import BUILTIN, from_counts, load_shape
-from multigpu.recipes import common, demo, finetune, generate, train
-from multigpu.recipes.demo import DemoConfig
-from multigpu.recipes.finetune import FinetuneConfig
-from multigpu.recipes.generate import GenerateConfig
-from multigpu.recipes.train import TrainConfig
-from multigpu.tools import bench, collectives, preflight, simulate_request
-from multigpu.tools.bench import BenchConfig
-from multigpu.tools.collectives import CollectivesConfig
-from multigpu.tools.simulate_request import SimulateRequest
-from multigpu.tools.verify import VerifyConfig, print_verdict, verify
 
 # The collectives benchmark's flags that `multigpu bench --collectives` takes; --nproc and --out are bench's own.
 COLLECTIVE_FLAGS = ("ops", "min_bytes", "max_bytes", "factor", "iterations")
 
 
+def load(path: str) -> Any:
+    """The object at "package.module:name", imported when a verb needs it: `multigpu run` (every worker launch)
+    then imports the launcher alone, not every recipe and tool."""
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    config = config_from_args(LaunchConfig, args)
-    return launch(config, [args.script, *args.script_args], module=args.module)
+    from multigpu.launch.launcher import LaunchConfig, launch
+
+    return launch(config_from_args(LaunchConfig, args), [args.script, *args.script_args], module=args.module)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    return demo.run(config_from_args(DemoConfig, args), config_from_args(EngineConfig, args), args.nproc)
+    from multigpu.engine.config import EngineConfig
+    from multigpu.recipes import demo
+
+    return demo.run(config_from_args(demo.DemoConfig, args), config_from_args(EngineConfig, args), args.nproc)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    return train.run(config_from_args(TrainConfig, args))
+    from multigpu.recipes import train
+
+    return train.run(config_from_args(train.TrainConfig, args))
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
-    return finetune.run(config_from_args(FinetuneConfig, args))
+    from multigpu.recipes import finetune
+
+    return finetune.run(config_from_args(finetune.FinetuneConfig, args))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    return generate.run(config_from_args(GenerateConfig, args))
+    from multigpu.recipes import generate
+
+    return generate.run(config_from_args(generate.GenerateConfig, args))
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from multigpu.recipes import common, finetune
+
     checkpoint, out = Path(args.checkpoint), Path(args.out)
     if finetune.holds_adapter(checkpoint, args.key):  # a lora or qlora finetune's: a peft adapter directory
         finetune.export_adapter(checkpoint, out, args.key)
@@ -70,6 +75,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from multigpu.planner.memory import PlanConfig, plan_shape
+    from multigpu.planner.report import print_table, to_json
+    from multigpu.planner.shapes import from_counts, load_shape
+
     config = config_from_args(PlanConfig, args)
     if (args.model is None) == (args.params is None):
         raise UsageError("Give the model as --model (a name, config.json or its directory) or as --params, not both.")
@@ -86,12 +95,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    config = config_from_args(BenchConfig, args)
+    from multigpu.tools import bench, collectives
+
+    config = config_from_args(bench.BenchConfig, args)
     if args.collectives:
         if args.script is not None or config.recipe is not None:
             raise UsageError("--collectives measures the interconnect alone; drop SCRIPT and --recipe.")
         flags = {name: getattr(args, name) for name in COLLECTIVE_FLAGS}
-        code = collectives.calibrate(CollectivesConfig(nproc=max(config.counts), **flags), Path(config.out))
+        code = collectives.calibrate(collectives.CollectivesConfig(nproc=max(config.counts), **flags), Path(config.out))
     else:
         bench.run(config, args.script, args.script_args, args.module)
         code = 0
@@ -101,10 +112,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    return simulate_request.run(config_from_args(SimulateRequest, args), args.json)
+    from multigpu.tools import simulate_request
+
+    return simulate_request.run(config_from_args(simulate_request.SimulateRequest, args), args.json)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from multigpu.tools.verify import VerifyConfig, print_verdict, verify
+
     config = config_from_args(VerifyConfig, args)
     verdict = verify(config, [args.script, *args.script_args], module=args.module)
     print_verdict(verdict, args.json)
@@ -112,6 +127,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_env(args: argparse.Namespace) -> int:
+    from multigpu.tools import preflight
+
     if args.nproc < 1 or not 0 < args.size_mb < math.inf or args.iterations < 1:
         raise UsageError("--nproc and --iterations must be 1 or more and --size-mb a positive number.")
     return preflight.run(args.nproc, args.size_mb, args.iterations, args.json)
@@ -164,6 +181,8 @@ def add_demo_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_plan_flags(parser: argparse.ArgumentParser) -> None:
+    from multigpu.planner.shapes import BUILTIN
+
     parser.add_argument("--model", help=f"a built-in ({', '.join(BUILTIN)}), a config.json, or a directory with one")
     parser.add_argument("--params", type=finite_float, help="parameter count instead of --model, e.g. 7e9")
     for dim in ("layers", "hidden", "heads", "vocab"):
@@ -182,6 +201,8 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--collectives", action="store_true", help="measure the collectives' bandwidth instead of a script"
     )
+    from multigpu.tools.collectives import CollectivesConfig
+
     others = tuple(f.name for f in fields(CollectivesConfig) if f.name not in COLLECTIVE_FLAGS)
     add_config_arguments(parser, CollectivesConfig, skip=others)
     add_script_arguments(parser, optional=True)
@@ -195,18 +216,19 @@ def add_export_flags(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class Verb:
-    """One verb: what --help says of it, what makes its flags, in order (a config dataclass's fields, or a function
-    that adds the flags that are no setting), and what runs it."""
+    """One verb: what --help says of it, what makes its flags, in order (a config dataclass's fields, named
+    "module:Class" and imported when the verb is used, or a function that adds the flags that are no setting),
+    and what runs it."""
 
     help: str
     description: str
-    parts: tuple[type | Callable[[argparse.ArgumentParser], None], ...]
+    parts: tuple[str | Callable[[argparse.ArgumentParser], None], ...]
     handler: Callable[[argparse.Namespace], int]
 
     @property
     def configs(self) -> tuple[type, ...]:
         """The config dataclasses the verb builds from its flags (they check `multigpu config VERB --ask`)."""
-        return tuple(part for part in self.parts if isinstance(part, type))
+        return tuple(load(part) for part in self.parts if isinstance(part, str))
 
 
 VERBS: dict[str, Verb] = {
@@ -214,20 +236,20 @@ VERBS: dict[str, Verb] = {
         "launch a script in N processes (torch.distributed.run underneath)",
         "Launch SCRIPT in N processes per node. Plain torch.distributed, accelerate and HF Trainer scripts run "
         "unchanged; the exit code is the failing worker's.",
-        (LaunchConfig, add_run_flags),
+        ("multigpu.launch.launcher:LaunchConfig", add_run_flags),
         cmd_run,
     ),
     "demo": Verb(
         "a short built-in training run (spiral classification) to check a machine end to end",
         "Train a small MLP on a generated spiral with the Engine, in --nproc processes.",
-        (add_demo_flags, DemoConfig, EngineConfig),
+        (add_demo_flags, "multigpu.recipes.demo:DemoConfig", "multigpu.engine.config:EngineConfig"),
         cmd_demo,
     ),
     "train": Verb(
         "train the sensor-activity classifier (smartwatch IMU data) on any strategy",
         "Train an activity classifier on windows of inertial-sensor data. Runs in this process, or launches --nproc "
         "processes itself; also runs under multigpu run / torchrun.",
-        (TrainConfig,),
+        ("multigpu.recipes.train:TrainConfig",),
         cmd_train,
     ),
     "finetune": Verb(
@@ -235,7 +257,7 @@ VERBS: dict[str, Verb] = {
         "Fine-tune a local Hugging Face causal LM (or the built-in SmolLM2-135M-Instruct) on packed text or chat "
         "records, with a token-normalised loss over the global batch, on any strategy. Writes a peft adapter (lora, "
         "qlora) or a model directory (full) to --save-dir.",
-        (FinetuneConfig,),
+        ("multigpu.recipes.finetune:FinetuneConfig",),
         cmd_finetune,
     ),
     "generate": Verb(
@@ -243,14 +265,14 @@ VERBS: dict[str, Verb] = {
         'Generate continuations for a JSONL file of prompts ({"prompt": ...} or {"messages": [...]}); each process '
         "takes every N-th prompt; rank 0 writes the outputs in input order. --device-map splits one model's layers "
         "over this machine's GPUs instead (one process).",
-        (GenerateConfig,),
+        ("multigpu.recipes.generate:GenerateConfig",),
         cmd_generate,
     ),
     "plan": Verb(
         "memory per GPU for every strategy, and the fastest that fits",
         "Predict memory per GPU (parameters, gradients, optimizer states, activations, buffers) for every strategy, "
         "without loading weights; recommend the fastest that fits.",
-        (add_plan_flags, PlanConfig),
+        (add_plan_flags, "multigpu.planner.config:PlanConfig"),
         cmd_plan,
     ),
     "env": Verb(
@@ -266,7 +288,7 @@ VERBS: dict[str, Verb] = {
         "the share of the step spent on gradient communication. Writes OUT/bench.json, speedup.png and memory.png. "
         "With --collectives: all-reduce / all-gather / reduce-scatter bus bandwidth and latency over message sizes "
         "at the largest --nproc, as nccl-tests reports them.",
-        (BenchConfig, add_bench_flags),
+        ("multigpu.tools.bench:BenchConfig", add_bench_flags),
         cmd_bench,
     ),
     "simulate": Verb(
@@ -275,14 +297,18 @@ VERBS: dict[str, Verb] = {
         "intra- and inter-node links; overlap with backward; FSDP prefetch) on top of one step's compute time, "
         "measured (--bench), given (--compute-s) or derived (--tflops, --mfu). Calibrate links with `multigpu bench "
         "--collectives`.",
-        (SimulateRequest, functools.partial(add_json_flag, what="the predictions")),
+        ("multigpu.tools.simulate_request:SimulateRequest", functools.partial(add_json_flag, what="the predictions")),
         cmd_simulate,
     ),
     "verify": Verb(
         "check that N processes compute what 1 process computes, step by step",
         "Run an Engine script in 1 process and in N on the same global batches; compare the loss of every step and "
         "the final parameters. Exits 0 on PASS, 1 on FAIL.",
-        (VerifyConfig, functools.partial(add_json_flag, what="the comparison"), add_script_arguments),
+        (
+            "multigpu.tools.verify:VerifyConfig",
+            functools.partial(add_json_flag, what="the comparison"),
+            add_script_arguments,
+        ),
         cmd_verify,
     ),
     "export": Verb(
@@ -318,27 +344,32 @@ def add_config_verb(verbs: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=cmd_config)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole CLI, or with `only` the one verb a command line uses (its flags are all it imports)."""
     parser = Parser(prog="multigpu", description="One training loop, any number of GPUs.")
     parser.add_argument("--version", action="version", version=f"multigpu {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for name, verb in VERBS.items():
+        if only not in (None, name):
+            continue
         sub = verbs.add_parser(name, help=verb.help, description=verb.description)
         for part in verb.parts:
-            if isinstance(part, type):
-                add_config_arguments(sub, part)
+            if isinstance(part, str):
+                add_config_arguments(sub, load(part))
             else:
                 part(sub)
         sub.set_defaults(handler=verb.handler)
         config_file.add_config_flag(sub)
-    add_config_verb(verbs)
+    if only in (None, "config"):
+        add_config_verb(verbs)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """The CLI. A run in this process stopped by Ctrl-C or SIGTERM ends with one line naming the last complete
     checkpoint and exit code 130 or 143 (launched workers are stopped by `multigpu.launch.launcher` the same way)."""
-    parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
+    parser = build_parser(words[0] if words and words[0] in (*VERBS, "config") else None)
     with stop.raising_stopped():
         try:
             return exit_on_usage_error(lambda: run_verb(parser, argv))

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from multigpu.strategies.single import Single
 from multigpu.core.precision import PRECISIONS, Precision
+from multigpu.strategies.single import Single
 
 Pair = namedtuple("Pair", "loss logits")
 

@@ -16,7 +16,6 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import multigpu as mg
-from multigpu.core.env import DistEnv
 from multigpu.core.schedule import SampleSchedule
 from multigpu.strategies import build_strategy
 from tests.dist import run_command, run_in_processes

@@ -21,8 +21,7 @@ from multigpu.core.errors import UsageError
 from multigpu.core.modules import give_back_freed_memory
 from multigpu.core.precision import Precision
 from multigpu.engine import checkpoint
-from multigpu.strategies.deepspeed import DeepSpeed
-from multigpu.strategies.deepspeed import read_config
+from multigpu.strategies.deepspeed import DeepSpeed, read_config
 from tests.dist import multigpu, run_command, run_in_processes
 from tests.engine.test_checkpoint import GLOBAL_BATCH, SAMPLES, STOP, assert_resumed_exactly
 from tests.engine.test_init_module import SEED, WIDTH, Net, one_step, rss_bytes
@@ -159,7 +158,7 @@ def test_cli_refuses_what_deepspeed_cannot_do(tmp_path: Path) -> None:
     result = multigpu("train", "--multi-gpu", "deepspeed", "--precision", "bf16-true", "--save-dir", str(tmp_path))
     assert result.returncode == 2 and "use precision bf16-mixed" in result.stdout, result.stdout
     result = multigpu("train", "--multi-gpu", "ddp", "--zero-stage", "2", "--save-dir", str(tmp_path))
-    assert result.returncode == 2 and "options of strategy deepspeed" in result.stdout, result.stdout
+    assert result.returncode == 2 and "is an option of strategy deepspeed" in result.stdout, result.stdout
 
 
 def test_without_deepspeed_one_sentence_says_how_to_install_it() -> None:

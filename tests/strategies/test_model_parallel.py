@@ -185,8 +185,9 @@ def test_a_checkpoint_moves_between_layouts_and_lands_where_one_process_does(res
         (["--nproc", "6", "--strategy", "pp", "--pp-size", "2", "--tp-size", "2"], "pp 2 x tp 2 needs a multiple "),
         (["--nproc", "3", "--strategy", "zero3", "--pp-size", "2"], "pp_size 2 does not divide the 3 processes"),
         (["--nproc", "4", "--strategy", "ddp", "--pp-size", "2"], "pp_size runs pipeline stages with zero2, zero3 "),
-        (["--nproc", "2", "--strategy", "ddp", "--sequence-parallel"], "sequence_parallel splits the sequence over "),
-        (["--nproc", "2", "--strategy", "ddp", "--pp-schedule", "gpipe"], "pp_schedule, pp_stages_per_rank and "),
+        (["--nproc", "2", "--strategy", "ddp", "--sequence-parallel"], "sequence_parallel is an option of strategy "),
+        (["--nproc", "2", "--strategy", "zero3", "--sequence-parallel"], "sequence_parallel splits the sequence over "),
+        (["--nproc", "2", "--strategy", "ddp", "--pp-schedule", "gpipe"], "pp_schedule is an option of strategy pp "),
         (["--nproc", "2", "--strategy", "pp", "--pp-schedule", "interleaved"], "pp_stages_per_rank 1 does not fit"),
     ],
 )

@@ -89,6 +89,7 @@ def derive(
     overrides: bool = False,
     note: str | Mapping[str, str] = "",
     choices: Mapping[str, tuple[Any, ...]] | None = None,
+    base: type[Derived] = Derived,
 ) -> type:
     """A group named `name` made of the settings of `sources` (all of them, or those named in `only`), each keeping
     its source's type, help text, choices and checks.
@@ -96,7 +97,8 @@ def derive(
     `rename` shows a setting under another name (and so another flag and config key), `defaults` gives it another
     default. With `overrides` every default is None, meaning "not set": a tool's override of what a script asks for;
     `note` (one text, or one per setting) is added to the help to say what the setting means here, and `choices`
-    narrows a setting's choices to those a tool handles (simulate models the data-parallel strategies).
+    narrows a setting's choices to those a tool handles (simulate models the data-parallel strategies). `base`, a
+    subclass of Derived, may add values the sources take from elsewhere (a recipe's log_dir is its save_dir).
     """
     rename, defaults, narrowed = dict(rename or {}), dict(defaults or {}), dict(choices or {})
     wanted = None if only is None else set(only)
@@ -125,7 +127,7 @@ def derive(
     }
     if missing or unknown:
         raise TypeError(f"derive({name!r}): no setting {sorted(missing | unknown)} in {[s.__name__ for s in sources]}")
-    made = dataclasses.make_dataclass(name, fields, bases=(Derived,))
+    made = dataclasses.make_dataclass(name, fields, bases=(base,))
     made.sources, made.overrides = tuple(mapping), overrides
     return made
 

@@ -1,13 +1,41 @@
 """The Engine and what it is made of. Its own observers are attached here, to every Engine built in the process:
-the stuck-rank heartbeat, then the metrics monitor (engine.py imports neither; see multigpu.engine.observe)."""
+the stuck-rank heartbeat, then the metrics monitor (engine.py imports neither; see multigpu.engine.observe).
 
-from multigpu.engine.config import EngineConfig
-from multigpu.engine.engine import Engine
-from multigpu.engine.monitor import Monitor
+The public names are imported on first use: the launcher reads engine.progress's NCCL helpers, and must not pay for
+the Engine, its strategies and their imports on every `multigpu run`.
+"""
+
+import importlib
+from typing import Any
+
 from multigpu.engine.observe import StepObserver, StepStats, observe_every_engine
-from multigpu.engine.progress import Heartbeat
 
-observe_every_engine(Heartbeat)
-observe_every_engine(Monitor)
+
+def _heartbeat() -> StepObserver:
+    from multigpu.engine.progress import Heartbeat
+
+    return Heartbeat()
+
+
+def _monitor() -> StepObserver:
+    from multigpu.engine.monitor import Monitor
+
+    return Monitor()
+
+
+observe_every_engine(_heartbeat)
+observe_every_engine(_monitor)
+
+_PUBLIC = {
+    "Engine": "multigpu.engine.engine",
+    "EngineConfig": "multigpu.engine.config",
+    "Monitor": "multigpu.engine.monitor",
+}
 
 __all__ = ["Engine", "EngineConfig", "StepObserver", "StepStats", "observe_every_engine"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'multigpu.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_PUBLIC[name]), name)

@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -37,7 +37,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from multigpu.core import faults
 from multigpu.core.errors import UsageError
 from multigpu.core.notes import LAST_CHECKPOINT, note_for_launcher
-from multigpu.strategies import Strategy
+
+if TYPE_CHECKING:  # a type only: the launcher reads this module, and must not import every strategy
+    from multigpu.strategies import Strategy
 
 OBJECTS, METADATA = "objects.pt", ".metadata"
 STEP_DIR = re.compile(r"^step-(\d+)$")

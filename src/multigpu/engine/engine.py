@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,13 +28,13 @@ from multigpu.core.pretrained import SafetensorsCheckpoint
 from multigpu.core.schedule import SampleSchedule
 from multigpu.engine import start
 from multigpu.engine.config import EngineConfig
-from multigpu.engine.observe import StepObserver, StepStats, new_observers, watched, watching
+from multigpu.engine.observe import Reporting, StepObserver, StepStats, new_observers, watched, watching
 from multigpu.engine.saving import Saving
 from multigpu.engine.window import Window
 from multigpu.strategies import Strategy
 
 
-class Engine(Saving):
+class Engine(Saving, Reporting):
     def __init__(
         self, strategy: str | Strategy = "auto", *, observers: Sequence[StepObserver] = (), **settings: Any
     ) -> None:
@@ -385,27 +385,6 @@ class Engine(Saving):
         if grouped():
             with watching(self.observers, "barrier"):
                 dist.barrier()
-
-    def log(self, step: int, record: dict[str, Any]) -> None:
-        """Hands `record` to the observers on the main process: the monitor writes it to log_dir's metrics.jsonl
-        and the trackers of log_to (TensorBoard by default; nothing without log_dir)."""
-        if self.is_main_process:
-            for observer in self.observers:
-                observer.on_log(step, record)
-
-    def log_config(self, config: Mapping[str, Any]) -> None:
-        """Hands a recipe's or script's whole resolved configuration (plain values, nested mappings allowed) to the
-        experiment trackers of log_to: W&B's run config, MLflow's params. Main process only; nothing without
-        log_dir. The Engine's own settings are logged at its start, under "engine"."""
-        if self.is_main_process:
-            for observer in self.observers:
-                observer.on_config(config)
-
-    def close(self) -> None:
-        """Ends the run's logging on this process: flushes metrics.jsonl and finishes the trackers' runs (W&B,
-        MLflow). Without it they are closed at exit; call it to read them back, or to start another run."""
-        for observer in self.observers:
-            observer.on_close()
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """print() on the main process only."""

@@ -14,11 +14,12 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from multigpu.engine.config import EngineConfig
+if TYPE_CHECKING:  # the configure hook's type only: importing the config imports every strategy
+    from multigpu.engine.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -109,3 +110,31 @@ def watched(observers: list[StepObserver], op: str, function: Callable[..., Any]
             return function(*args, **kwargs)
 
     return call
+
+
+class Reporting:
+    """The Engine's calls that hand what a run reports to its observers (a base class of Engine)."""
+
+    observers: list[StepObserver]
+    is_main_process: bool
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        """Hands `record` to the observers on the main process: the monitor writes it to log_dir's metrics.jsonl
+        and the trackers of log_to (TensorBoard by default; nothing without log_dir)."""
+        if self.is_main_process:
+            for observer in self.observers:
+                observer.on_log(step, record)
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        """Hands a recipe's or script's whole resolved configuration (plain values, nested mappings allowed) to the
+        experiment trackers of log_to: W&B's run config, MLflow's params. Main process only; nothing without
+        log_dir. The Engine's own settings are logged at its start, under "engine"."""
+        if self.is_main_process:
+            for observer in self.observers:
+                observer.on_config(config)
+
+    def close(self) -> None:
+        """Ends the run's logging on this process: flushes metrics.jsonl and finishes the trackers' runs (W&B,
+        MLflow). Without it they are closed at exit; call it to read them back, or to start another run."""
+        for observer in self.observers:
+            observer.on_close()

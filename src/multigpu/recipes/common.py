@@ -20,7 +20,7 @@ from multigpu.core.errors import UsageError, require
 from multigpu.core.notes import LAST_CHECKPOINT, LAUNCHER_DIR, attempt, launched, launcher_note
 from multigpu.core.pretrained import give_usual_mode
 from multigpu.core.schedule import SampleSchedule
-from multigpu.core.settings import Settings, derive, setting
+from multigpu.core.settings import Derived, Settings, derive, setting
 from multigpu.engine import checkpoint, start
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
@@ -62,6 +62,14 @@ class RunDirSettings(Settings):
         require((self.save_every >= 0, f"--save-every must be 0 or more (got {self.save_every})."))
 
 
+class RecipeSettings(Derived):
+    """A recipe's derived settings: the Engine's log_dir is the run's save_dir (its metrics go with its checkpoints)."""
+
+    def values_for(self, source: type) -> dict[str, Any]:
+        values = super().values_for(source)
+        return values | {"log_dir": self.save_dir} if source is EngineConfig else values
+
+
 def recipe_settings(name: str, shown: tuple[str, ...], save_dir: str, **defaults: Any) -> type:
     """A recipe's settings made of others': the run directory's (with its default `save_dir`), and the Engine's and
     the launch's named in `shown`, with --multi-gpu for the strategy and the recipe's own `defaults`. Each keeps its
@@ -74,6 +82,7 @@ def recipe_settings(name: str, shown: tuple[str, ...], save_dir: str, **defaults
         only=("save_dir", "resume", "save_every", "strategy", *shown),
         rename={"strategy": "multi_gpu"},
         defaults={"save_dir": save_dir, **defaults},
+        base=RecipeSettings,
     )
 
 
@@ -119,7 +128,7 @@ def as_launched(config: Any) -> Any:
 def engine_settings(config: Any) -> dict[str, Any]:
     """The Engine settings of a recipe's config (TrainConfig, FinetuneConfig), with --save-dir for the logs. The
     check before launching (run_recipe) and the workers' Engine (recipe_engine) both take them from here."""
-    return config.values_for(EngineConfig) | {"log_dir": config.save_dir}
+    return config.values_for(EngineConfig)
 
 
 def resolve_resume(config: RunDir, say: Callable[[str], None] = print) -> Path | None:

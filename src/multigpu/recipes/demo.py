@@ -93,9 +93,10 @@ def hits(logits: torch.Tensor, label: torch.Tensor) -> tuple[torch.Tensor, torch
 
 def run(config: DemoConfig, engine_config: EngineConfig, nproc: int) -> int:
     """What `multigpu demo` does: refuse what the Engine would refuse, then launch `nproc` processes of this."""
+    launch_config = LaunchConfig(nproc=nproc)  # refuses a count of processes no launch can start
     start.check(engine_config, nproc)
     argv = config_to_argv(config) + config_to_argv(engine_config)
-    return launch(LaunchConfig(nproc=nproc), ["multigpu.recipes.demo", *argv], module=True)
+    return launch(launch_config, ["multigpu.recipes.demo", *argv], module=True)
 
 
 def main(argv: list[str] | None = None) -> None:
