@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ def run_command(
     """Runs argv in `cwd` with stdout+stderr captured; kills its whole process tree if it outlives `timeout`."""
     # faulthandler prints every thread's Python stack if a worker dies of a signal (SIGABRT, SIGSEGV).
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
+    started = time.perf_counter()
     with subprocess.Popen(
         argv,
         cwd=cwd,
@@ -45,7 +47,18 @@ def run_command(
                     os.kill(pid, signal.SIGKILL)
             output, _ = process.communicate()
             raise AssertionError(f"{' '.join(argv)} did not finish within {timeout}s; output:\n{output}") from None
+    _log_launch(argv, time.perf_counter() - started)
     return subprocess.CompletedProcess(argv, process.returncode, output, None)
+
+
+def _log_launch(argv: list[str], seconds: float) -> None:
+    """With MULTIGPU_TEST_LAUNCHES=FILE, one line per command a test ran: its test, seconds and command (where the
+    suite's time goes: each command starts processes that import torch and more)."""
+    path = os.environ.get("MULTIGPU_TEST_LAUNCHES")
+    if path:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+        with open(path, "a") as log:
+            log.write(f"{seconds:.2f}\t{test}\t{' '.join(argv[1:6])}\n")
 
 
 def descendants(pid: int) -> list[int]:

@@ -101,32 +101,27 @@ def derive(
     subclass of Derived, may add values the sources take from elsewhere (a recipe's log_dir is its save_dir).
     """
     rename, defaults, narrowed = dict(rename or {}), dict(defaults or {}), dict(choices or {})
-    wanted = None if only is None else set(only)
     fields, mapping = [], []
     for source in sources:
-        hints, names = typing.get_type_hints(source), {}
-        for field in dataclasses.fields(source):
-            if wanted is not None and field.name not in wanted:
-                continue
-            ours = rename.get(field.name, field.name)
-            metadata = dict(field.metadata)
+        hints = typing.get_type_hints(source)
+        chosen = [field for field in dataclasses.fields(source) if only is None or field.name in only]
+        for field in chosen:
             added = note.get(field.name, "") if isinstance(note, Mapping) else note
-            metadata["help"] = metadata.get("help", "") + added
+            metadata = {**field.metadata, "help": field.metadata.get("help", "") + added}
             if field.name in narrowed:
                 if not set(narrowed[field.name]) <= set(metadata.get("choices", ())):
                     raise TypeError(f"derive({name!r}): {narrowed[field.name]} are not choices of {field.name}")
                 metadata["choices"] = tuple(narrowed[field.name])
             default = None if overrides else defaults.get(field.name, field.default)
             kind = hints[field.name] | None if overrides else hints[field.name]
-            fields.append((ours, kind, dataclasses.field(default=default, metadata=metadata)))
-            names[ours] = field.name
-        mapping.append((source, names))
-    missing = (wanted or set()) - {theirs for _, names in mapping for theirs in names.values()}
-    unknown = (set(rename) | set(defaults) | set(narrowed)) - {
-        theirs for _, names in mapping for theirs in names.values()
-    }
-    if missing or unknown:
-        raise TypeError(f"derive({name!r}): no setting {sorted(missing | unknown)} in {[s.__name__ for s in sources]}")
+            fields.append(
+                (rename.get(field.name, field.name), kind, dataclasses.field(default=default, metadata=metadata))
+            )
+        mapping.append((source, {rename.get(field.name, field.name): field.name for field in chosen}))
+    found = {theirs for _, names in mapping for theirs in names.values()}
+    unknown = (set(only or ()) | set(rename) | set(defaults) | set(narrowed)) - found
+    if unknown:
+        raise TypeError(f"derive({name!r}): no setting {sorted(unknown)} in {[s.__name__ for s in sources]}")
     made = dataclasses.make_dataclass(name, fields, bases=(base,))
     made.sources, made.overrides = tuple(mapping), overrides
     return made
