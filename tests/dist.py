@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import pickle
 import signal
@@ -16,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -88,3 +90,24 @@ def run_in_processes(target: str, nproc: int, timeout: float = 120, **kwargs: An
         if result.returncode != 0:
             raise AssertionError(f"{target} failed in {nproc} processes (exit {result.returncode}):\n{result.stdout}")
         return [pickle.loads((Path(tmp) / f"rank{rank}.pkl").read_bytes()) for rank in range(nproc)]
+
+
+def refusal(*args: str) -> str:
+    """`multigpu ARGS` run in this process, where it must be refused before any worker starts (exit code 2): what it
+    printed. A command that would start workers fails the test instead (every launch goes through torch_run); the
+    CLI's process adds nothing a refusal depends on, so this is the command as typed, without a process's start."""
+    from multigpu.cli import main
+    from multigpu.launch import launcher
+
+    def started(*_: object) -> None:
+        raise AssertionError(f"multigpu {' '.join(args)} started workers")
+
+    printed = io.StringIO()
+    quiet = (contextlib.redirect_stderr(printed), contextlib.redirect_stdout(printed))
+    with mock.patch.object(launcher, "torch_run", started), quiet[0], quiet[1]:
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:
+            code = exit_.code
+    assert code == 2, f"multigpu {' '.join(args)} ended with {code}, not refused:\n{printed.getvalue()}"
+    return printed.getvalue()

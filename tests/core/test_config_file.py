@@ -409,7 +409,9 @@ def test_a_run_saves_what_ran_and_that_file_runs_it_again(tmp_path: Path, capsys
 
 def test_bench_saves_its_settings_in_its_out_directory(tmp_path: Path, monkeypatch) -> None:
     ran = []
-    monkeypatch.setattr(cli.bench, "run", lambda *args: ran.append(args))
+    from multigpu.tools import bench
+
+    monkeypatch.setattr(bench, "run", lambda *args: ran.append(args))
     path = write(tmp_path / "bench.yaml", "nproc: 1,2,4\nsteps: 5\nscript: s.py\nscript_args: [--x, 1]\n")
     out = tmp_path / "b"
     assert main(["bench", "--config", str(path), "--out", str(out), "--strategies", "ddp,fsdp"]) == 0

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.dist import multigpu, run_in_processes
+from tests.dist import multigpu, refusal, run_in_processes
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,25 +47,37 @@ def train_and_probe(**options: object) -> dict:
     return {"logits": logits, "output": result["output"], "history": result["history"]}
 
 
-@pytest.mark.parametrize("method", ["lora", "qlora"])
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def probe_all(runs: list[dict]) -> list[dict]:
+    """Runs in each worker: train_and_probe for each run, one after another in one launch."""
+    return [train_and_probe(**run) for run in runs]
+
+
+ADAPTERS = [(strategy, method) for strategy in ("ddp", "zero3") for method in ("lora", "qlora")]
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], tuple[Path, list[dict]]]:
+    """Each (strategy, method) of ADAPTERS trained on two processes, in one launch: its save dir and its ranks."""
+    root = tmp_path_factory.mktemp("adapters")
+    data = write_text(root / "text.txt")
+    runs = [
+        {"data": data, "method": method, "multi_gpu": strategy, "max_steps": 3, "resume": "none"}
+        | {"save_dir": str(root / f"{strategy}-{method}")}
+        for strategy, method in ADAPTERS
+    ]
+    ranks = run_in_processes("tests.recipes.test_finetune:probe_all", 2, timeout=480, runs=runs)
+    return {
+        cell: (root / f"{cell[0]}-{cell[1]}", [rank[index] for rank in ranks]) for index, cell in enumerate(ADAPTERS)
+    }
+
+
+@pytest.mark.parametrize(("strategy", "method"), ADAPTERS)
 def test_adapter_trained_on_two_processes_reloads_with_peft_as_written_and_as_exported(
-    tmp_path: Path, method: str, strategy: str
+    adapters: dict, tmp_path: Path, method: str, strategy: str
 ) -> None:
     from multigpu.recipes.lm_models import load_model
 
-    data = write_text(tmp_path / "text.txt")
-    ranks = run_in_processes(
-        "tests.recipes.test_finetune:train_and_probe",
-        2,
-        timeout=240,
-        data=data,
-        method=method,
-        multi_gpu=strategy,
-        max_steps=3,
-        save_dir=str(tmp_path / "run"),
-        resume="none",
-    )
+    run, ranks = adapters[(strategy, method)]
     assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])
     adapter = Path(ranks[0]["output"])
     assert (adapter / "adapter_config.json").is_file()
@@ -76,7 +88,7 @@ def test_adapter_trained_on_two_processes_reloads_with_peft_as_written_and_as_ex
     modes = {file.name: stat.S_IMODE(file.stat().st_mode) for file in adapter.iterdir()}
     assert modes["adapter_model.safetensors"] == modes["adapter_config.json"]  # not 0600 (safetensors 0.8)
     if strategy == "zero3":  # where the checkpoint is sharded: `multigpu export` writes the same adapter
-        exported = export_adapter(tmp_path / "run", tmp_path / "exported")
+        exported = export_adapter(run, tmp_path / "exported")
         exported_weights = load_file(exported / "adapter_model.safetensors")
         assert exported_weights.keys() == weights.keys()
         assert all(torch.equal(exported_weights[name], weight) for name, weight in weights.items())
@@ -129,16 +141,20 @@ def one_step(data: str, strategy: str, batch_size: int, accum: int) -> dict:
     return {"grads": [b - p.detach() for b, p in zip(before, trainable, strict=True)], "samples": len(lm.train)}
 
 
+def one_steps(steps: list[dict]) -> list[dict]:
+    """Runs in each worker: one_step for each of `steps`, one after another in one launch."""
+    return [one_step(**step) for step in steps]
+
+
 def test_token_normalised_loss_is_the_same_for_1x8_2x4_and_2x2x2(tmp_path: Path) -> None:
     data = write_chat(tmp_path / "chat.jsonl")  # 10 records: 9 train, 1 validation
     kwargs = {"data": data, "timeout": 180}
     (one,) = run_in_processes(
         "tests.recipes.test_finetune:one_step", 1, strategy="single", batch_size=8, accum=1, **kwargs
     )
-    two = run_in_processes("tests.recipes.test_finetune:one_step", 2, strategy="ddp", batch_size=4, accum=1, **kwargs)
-    accumulated = run_in_processes(
-        "tests.recipes.test_finetune:one_step", 2, strategy="ddp", batch_size=2, accum=2, **kwargs
-    )
+    steps = [{"data": data, "strategy": "ddp", "batch_size": size, "accum": accum} for size, accum in ((4, 1), (2, 2))]
+    ranks = run_in_processes("tests.recipes.test_finetune:one_steps", 2, timeout=180, steps=steps)
+    two, accumulated = ([rank[index] for rank in ranks] for index in range(2))  # 2 x 4, and 2 x 2 x 2
     assert one["samples"] == 9
     changed = [g for g in one["grads"] if g.abs().sum() > 0]
     assert changed, "the step changed nothing"
@@ -179,10 +195,10 @@ def test_finetune_cli_resumes_and_merges(tmp_path: Path) -> None:
     assert third.returncode == 0 and f"The run in {run} is complete at step 4; nothing to train" in third.stdout
     assert (run / "adapter" / "adapter_model.safetensors").stat().st_mtime_ns == written
     # Other data cannot continue the run's data: one sentence before anything starts.
-    other = multigpu(*again, "--data", write_text(tmp_path / "other.txt"))
-    assert other.returncode == 2 and f"--data {tmp_path / 'other.txt'} differs from {data}" in other.stdout
-    bad = multigpu("finetune", "--method", "full", "--merge")
-    assert bad.returncode == 2 and "--merge merges an adapter" in bad.stdout
+    assert f"--data {tmp_path / 'other.txt'} differs from {data}" in refusal(
+        *again, "--data", write_text(tmp_path / "other.txt")
+    )
+    assert "--merge merges an adapter" in refusal("finetune", "--method", "full", "--merge")
 
 
 def test_lora_under_deepspeed_zero3_writes_the_adapter_ddp_writes(tmp_path: Path) -> None:

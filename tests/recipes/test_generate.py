@@ -274,7 +274,7 @@ def test_device_map_without_gpus_is_refused() -> None:
         ({"temperature": -0.5}, "--temperature must be 0"),
         ({"batch_size": 0}, "--batch-size must be 1 or more"),
         ({"nproc": 0}, "--nproc must be 1 or more"),
-        ({"seed": -1}, "--seed must be 0 or more"),
+        ({"seed": -1}, r"seed must be from 0 to 2\*\*32 - 1"),
         ({"device_map": "everywhere"}, "Unknown --device-map"),
     ],
 )

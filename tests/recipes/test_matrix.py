@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from multigpu.core.precision import PRECISIONS
-from tests.dist import multigpu, run_in_processes
+from tests.dist import multigpu, refusal, run_in_processes
 from tests.recipes.test_train import write_uci_har
 
 # The first cell's test sets up both launches (600 s at most each, their own limits), past the suite's default 300 s
@@ -202,10 +202,9 @@ def test_unsupported_cells_are_refused_before_anything_starts(
 ) -> None:
     verb = ["train"] if recipe == "train" else ["finetune", "--model", "tiny", "--method", recipe]
     args = [*verb, "--multi-gpu", strategy, "--precision", precision, "--nproc", "2", "--save-dir", str(tmp_path)]
-    result = multigpu(*args, timeout=60)
-    assert result.returncode == 2, result.stdout
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
-    assert lines == [f"multigpu: error: {lines[-1].removeprefix('multigpu: error: ')}"], result.stdout
+    printed = refusal(*args)
+    lines = [line for line in printed.splitlines() if line.strip()]
+    assert lines == [f"multigpu: error: {lines[-1].removeprefix('multigpu: error: ')}"], printed
     assert REFUSED[(precision, strategy)] in lines[0]
     assert not any(tmp_path.iterdir())  # refused before anything was written
 

@@ -3,19 +3,19 @@
 validation loss of the same global batch, a checkpoint moves between layouts, and layouts that do not fit are
 refused before anything starts.
 
-Three launches (4, 2 and 1 processes) run every cell one after another; the 4-process launch saves a checkpoint
-that the 2-process one resumes, whose own checkpoint the 1-process one resumes.
+Three launches (4, 2 and 1 processes) run every cell one after another, and the demo's MLP under pipelines after
+them; the 4-process launch saves a checkpoint that the 2-process one resumes, whose own checkpoint the 1-process
+one resumes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from pathlib import Path
 
 import pytest
 
-from tests.dist import multigpu, run_in_processes
+from tests.dist import refusal, run_in_processes
 from tests.recipes.test_finetune import write_chat, write_text
 
 GLOBAL_BATCH, STEPS = 4, 4
@@ -81,14 +81,37 @@ MOVES: dict[str, list[tuple[int, dict]]] = {
 }
 
 
-def run_cells(workdir: str, runs: list[tuple[str, dict]]) -> dict:
+# The demo's MLP (an nn.Sequential, the pipeline's stages cut from its layers; a tp_plan of its own) under pipelines:
+# name -> (processes, Engine settings, demo settings). Batches of 5 rows; fp32, so only the order of sums differs.
+DEMO = {"epochs": 1, "batch_size": 5, "samples": 512}
+INTERLEAVED = {"strategy": "pp", "pp_schedule": "interleaved", "pp_stages_per_rank": 2}
+DEMOS: dict[str, tuple[int, dict, dict]] = {
+    "one-process": (1, {"strategy": "single"}, DEMO),
+    # 5 layers in 4 interleaved stages on 2 processes.
+    "pp-interleaved": (2, INTERLEAVED, DEMO),
+    # 5 rows in 5 micro-batches: too few for whole interleaved rounds on 2 ranks; then 4 wanted, 1 divides 5.
+    "pp-interleaved-5-rows": (2, {**INTERLEAVED, "pp_microbatches": 5}, DEMO),
+    "pp-uneven-rows": (2, {"strategy": "pp", "pp_microbatches": 4}, DEMO),
+    "pp-interleaved-x-tp": (4, {**INTERLEAVED, "tp_size": 2}, DEMO),
+    # 2 stages x 2 replicas of hsdp, 5 rows per replica, accumulating 2 batches: one process at a global batch of 10.
+    "one-process-10-rows": (1, {"strategy": "single", "grad_accum_steps": 2}, {**DEMO, "batch_size": 10}),
+    "hsdp-x-pp": (4, {"strategy": "hsdp", "replicate": 2, "pp_size": 2, "grad_accum_steps": 2}, DEMO),
+}
+
+
+def run_cells(workdir: str, runs: list[tuple[str, dict]], demos: list[str]) -> dict:
     """Fine-tunes the tiny Llama (full) for each (name, settings) in turn, in save directory `name`: the validation
-    losses, and how many rows of a split layer rank 0 holds."""
+    losses, and how many rows of a split layer rank 0 holds; then trains the demo under each of `demos` (DEMOS)."""
     from torch.distributed.tensor import DTensor
 
+    import multigpu as mg
+    from multigpu.recipes import demo
     from multigpu.recipes.finetune import FinetuneConfig, finetune
 
     out = {}
+    for name in demos:
+        _, settings, demo_settings = DEMOS[name]
+        out[f"demo {name}"] = demo.train(mg.Engine(**settings), demo.DemoConfig(**demo_settings))
     for name, settings in runs:
         options = {"batch_size": GLOBAL_BATCH, "max_steps": STEPS, "resume": "none", "method": "full", **settings}
         if options["resume"] != "none":
@@ -135,6 +158,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
             timeout=420,
             workdir=str(workdir),
             runs=runs_on(processes),
+            demos=[name for name, (n, _, _) in DEMOS.items() if n == processes],
         )
         assert all(rank.keys() == ranks[0].keys() for rank in ranks)
         found.update(ranks[0])
@@ -192,72 +216,25 @@ def test_a_checkpoint_moves_between_layouts_and_lands_where_one_process_does(res
     ],
 )
 def test_a_layout_that_does_not_fit_is_refused_before_anything_starts(args: list[str], sentence: str) -> None:
-    result = multigpu("demo", *args)
-    assert result.returncode == 2, result.stdout
-    assert result.stdout.count(sentence) == 1 and result.stdout.count("\n") == 1, result.stdout
+    printed = refusal("demo", *args)
+    assert printed.count(sentence) == 1 and printed.count("\n") == 1, printed
 
 
-def final_epoch(output: str) -> tuple[float, float]:
-    """(train loss, validation accuracy) of the demo's last epoch line."""
-    line = [line for line in output.splitlines() if line.startswith("epoch ")][-1]
-    words = line.split()
-    return float(words[words.index("loss") + 1]), float(words[words.index("accuracy") + 1])
-
-
-@pytest.mark.parametrize(
-    "layout",
-    [
-        ["--strategy", "pp", "--pp-schedule", "interleaved", "--pp-stages-per-rank", "2"],
-        # 5 rows in 5 micro-batches: too few for whole interleaved rounds on 2 ranks; then 4 wanted, 1 divides 5.
-        ["--strategy", "pp", "--pp-schedule", "interleaved", "--pp-stages-per-rank", "2", "--pp-microbatches", "5"],
-        ["--strategy", "pp", "--pp-microbatches", "4"],
-        [
-            "--nproc",
-            "4",
-            "--strategy",
-            "pp",
-            "--tp-size",
-            "2",
-            "--pp-schedule",
-            "interleaved",
-            "--pp-stages-per-rank",
-            "2",
-        ],
-    ],
-    ids=["pp-interleaved", "pp-interleaved-5-rows", "pp-uneven-rows", "pp-interleaved-x-tp"],
-)
-def test_the_demo_under_a_pipeline_trains_as_one_process(layout: list[str]) -> None:
-    """The demo's MLP (an nn.Sequential: 5 layers in 4 interleaved stages on 2 processes, or 2 stages), batches of
-    5 rows, lands on one process's loss and accuracy; fp32, so only the order of sums differs (the pipeline's
-    micro-batches, tp's split products). (tp alone: the layouts above and `multigpu verify --strategy tp`.)"""
-    common = ("--epochs", "1", "--batch-size", "5", "--samples", "512")
-    split = multigpu("demo", "--nproc", "2", *common, *layout, timeout=180)
-    assert split.returncode == 0, split.stdout
-    (loss, accuracy), (split_loss, split_accuracy) = one_process_demo(common), final_epoch(split.stdout)
+@pytest.mark.parametrize("name", ["pp-interleaved", "pp-interleaved-5-rows", "pp-uneven-rows", "pp-interleaved-x-tp"])
+def test_the_demo_under_a_pipeline_trains_as_one_process(results: dict, name: str) -> None:
+    """The demo's MLP (5 layers in 4 interleaved stages on 2 processes, or 2 stages), batches of 5 rows, lands on one
+    process's loss and accuracy; fp32, so only the order of sums differs (the pipeline's micro-batches, tp's split
+    products). (tp alone: the layouts above and `multigpu verify --strategy tp`.)"""
+    (loss, accuracy), (split_loss, split_accuracy) = results["demo one-process"], results[f"demo {name}"]
     assert split_loss == pytest.approx(loss, rel=1e-3) and abs(split_accuracy - accuracy) <= 2 / 1024
 
 
-def test_the_demo_sharded_inside_a_pipeline_trains_as_one_process() -> None:
+def test_the_demo_sharded_inside_a_pipeline_trains_as_one_process(results: dict) -> None:
     """2 stages x 2 replicas of hsdp (each stage sharded over its own process: hsdp holds zero2 and zero3's
     sharded-stage path; the layouts above run those on the tiny Llama), 5 rows per replica, accumulating 2 batches:
     one process's loss and accuracy at a global batch of 10. The epoch's short last batch is the second of its
     accumulation, and its new shape gets a new schedule, whose first run re-infers shapes by a real backward: the
     gradients of the first batch must survive that (without care, torch drops a sharded stage's, and the accuracy
     moves by 8/1024)."""
-    common = ("--epochs", "1", "--samples", "512", "--grad-accum-steps", "2")
-    layout = ["--nproc", "4", "--strategy", "hsdp", "--replicate", "2", "--pp-size", "2", "--batch-size", "5"]
-    split = multigpu("demo", *layout, *common, timeout=180)
-    assert split.returncode == 0, split.stdout
-    (loss, accuracy), (split_loss, split_accuracy) = (
-        one_process_demo((*common, "--batch-size", "10")),
-        final_epoch(split.stdout),
-    )
+    (loss, accuracy), (split_loss, split_accuracy) = results["demo one-process-10-rows"], results["demo hsdp-x-pp"]
     assert split_loss == pytest.approx(loss, rel=1e-3) and abs(split_accuracy - accuracy) <= 2 / 1024
-
-
-@functools.cache
-def one_process_demo(flags: tuple[str, ...]) -> tuple[float, float]:
-    """The demo's last epoch in one process, run once per set of flags."""
-    one = multigpu("demo", "--nproc", "1", "--strategy", "single", *flags)
-    assert one.returncode == 0, one.stdout
-    return final_epoch(one.stdout)

@@ -12,6 +12,7 @@ data (torch.load's weights_only), so a checkpoint from someone else cannot run c
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pickle
 import random
@@ -27,15 +28,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-from torch.distributed.checkpoint.storage import WriteResult
 
 from multigpu.core import faults
 from multigpu.core.errors import UsageError
+from multigpu.core.modules import instance_of
 from multigpu.core.notes import LAST_CHECKPOINT, note_for_launcher
 
 if TYPE_CHECKING:  # a type only: the launcher reads this module, and must not import every strategy
@@ -102,16 +99,23 @@ def _save_synced(obj: Any, file: Path) -> None:
         os.fsync(stream.fileno())
 
 
-class _Writer(dcp.FileSystemWriter):
-    """DCP's file writer (one file per rank, each synced to disk), whose failed writes raise their OSError."""
+@functools.cache
+def _writer() -> type:
+    """DCP's file writer (one file per rank, each synced to disk), whose failed writes raise their OSError. Made at
+    the first save: importing DCP costs each process ~0.6 s of CPU, which a process that saves nothing (the CLI, the
+    launcher reading its notes) need not pay."""
+    import torch.distributed.checkpoint as dcp
 
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        with _disk_errors_raised():
-            return super().write_data(plan, planner)
+    class Writer(dcp.FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Future:
+            with _disk_errors_raised():
+                return super().write_data(plan, planner)
 
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        with _disk_errors_raised():  # .metadata, written by rank 0 alone
-            super().finish(metadata, results)
+        def finish(self, metadata: Any, results: list) -> None:
+            with _disk_errors_raised():  # .metadata, written by rank 0 alone
+                super().finish(metadata, results)
+
+    return Writer
 
 
 def _load_data(file: Path) -> Any:
@@ -243,7 +247,7 @@ def causes(error: BaseException) -> Iterator[BaseException]:
         seen.add(id(current))
         yield current
         pending += [current.__cause__, current.__context__]
-        if isinstance(current, CheckpointException):
+        if instance_of(current, "torch.distributed.checkpoint.api", "CheckpointException"):
             pending += [failure for failure, _trace in current.failures.values()]
 
 
@@ -315,10 +319,13 @@ def commit(path: Path) -> None:
 
 def save(path: str | Path, state: dict[str, Any], strategy: Strategy, keep_last: int | None = None) -> Path:
     """Writes `state` at `path` on every rank; once it is complete, keeps the newest `keep_last` siblings."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     path = Path(path)
     tmp, tensors = begin_save(path, state, strategy)
     try:
-        dcp.save(tensors, storage_writer=_Writer(tmp))
+        dcp.save(tensors, storage_writer=_writer()(tmp))
     except (Exception, CheckpointException) as error:
         raise translate_write_error(path, error) from error
     _barrier()
@@ -334,13 +341,15 @@ def save(path: str | Path, state: dict[str, Any], strategy: Strategy, keep_last:
 def save_async(path: Path, state: dict[str, Any], strategy: Strategy, keep_last: int | None) -> Future:
     """Starts writing `state` in the background; rank 0 commits, and keeps the newest `keep_last`, once every
     rank's shards are written. Wait on the future returned before exiting."""
+    import torch.distributed.checkpoint as dcp
+
     global _background_group
     if _background_group is None and _grouped():
         # Background writes must not share a communicator with the training collectives running meanwhile.
         _background_group = dist.new_group(backend="gloo")
     tmp, tensors = begin_save(path, state, strategy)
     _barrier()  # every rank's small files are on disk before rank 0 may commit
-    future = dcp.async_save(tensors, storage_writer=_Writer(tmp), process_group=_background_group)
+    future = dcp.async_save(tensors, storage_writer=_writer()(tmp), process_group=_background_group)
     if _rank() != 0:
         return future
     # Rank 0's future completes after the metadata, i.e. after every rank's shards are written; the future it
@@ -355,6 +364,8 @@ _background_group: dist.ProcessGroup | None = None
 
 def wait(pending: Future, path: Path) -> None:
     """Waits for a background save of `path` to finish; a failed write raises as `save` would have raised."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         pending.result()
     except (Exception, CheckpointException) as error:
@@ -388,7 +399,7 @@ def translate_write_error(path: Path, error: BaseException) -> BaseException:
 def _failed_rank(error: BaseException) -> int | None:
     """The first rank whose write DCP reports as refused by the disk, if DCP reported it."""
     for current in causes(error):
-        if isinstance(current, CheckpointException):
+        if instance_of(current, "torch.distributed.checkpoint.api", "CheckpointException"):
             refused = [rank for rank, (failure, _) in current.failures.items() if disk_error(failure) is not None]
             if refused:
                 return min(refused)
@@ -420,6 +431,8 @@ def damage(path: Path) -> str | None:
     """What makes the checkpoint at `path` unloadable, in a few words, or None when every part of it is there and
     whole: its metadata and small files read back, and every shard file holds the bytes the metadata points to (a
     truncated or missing shard is caught here, not deep inside the load). Cheap: only the small files are read."""
+    import torch.distributed.checkpoint as dcp
+
     try:
         metadata = dcp.FileSystemReader(path).read_metadata()
     except Exception as error:  # unpickling a damaged file raises anything from EOFError to UnpicklingError
@@ -478,6 +491,8 @@ def newest_usable(directory: Path, say: Callable[[str], None]) -> Path | None:
 
 def _check_shapes(path: Path, tensors: dict[str, Any]) -> None:
     """Names the first parameter whose shape differs, instead of DCP's long error from deep inside the load."""
+    import torch.distributed.checkpoint as dcp
+
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     for key, value in _flatten(tensors):
         if not isinstance(value, torch.Tensor):
@@ -505,6 +520,8 @@ def load(path: str | Path, state: dict[str, Any], strategy: Strategy, optional: 
     """Restores `state` in place: modules and optimizers from DCP, stateful objects, plain values and RNG.
 
     Keys in `optional` (non-tensor entries only) may be absent from the checkpoint: they keep what they hold."""
+    import torch.distributed.checkpoint as dcp
+
     path = Path(path)
     check_checkpoint(path)
     tensors, _, restore = split_state(state, strategy, loading=True)
@@ -546,6 +563,8 @@ def prune(directory: Path, keep: int) -> None:
 def model_metadata(checkpoint: Path, key: str = "model") -> dict[str, Any]:
     """`key`'s tensors in a checkpoint, by name within `key`: their metadata (`.size`, `.properties.dtype`),
     read without any tensor."""
+    import torch.distributed.checkpoint as dcp
+
     check_checkpoint(checkpoint)
     metadata = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
     prefix = f"{key}."
@@ -564,6 +583,8 @@ def full_model_state(
 ) -> dict[str, torch.Tensor]:
     """One process reads the whole of `key` (or of its tensors `names`) from a sharded checkpoint (the
     consolidation for export)."""
+    import torch.distributed.checkpoint as dcp
+
     stored = model_metadata(checkpoint, key)
     wanted = {
         f"{key}.{name}": torch.empty(tuple(stored[name].size), dtype=stored[name].properties.dtype)

@@ -48,8 +48,8 @@ def spiral(samples: int, classes: int = 3, seed: int = 1234) -> TensorDataset:
     return TensorDataset(points, label)
 
 
-def train(engine: Engine, config: DemoConfig) -> float:
-    """Trains and returns the validation accuracy, computed over the whole validation set."""
+def train(engine: Engine, config: DemoConfig) -> tuple[float, float]:
+    """Trains; returns the last epoch's training loss and validation accuracy (over the whole validation set)."""
     model = nn.Sequential(nn.Linear(2, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 3))
     # Under tensor parallelism: the first layer's outputs split, the GELU works on each slice, the second layer
     # sums the slices' contributions (strategies/tp.py).
@@ -60,7 +60,7 @@ def train(engine: Engine, config: DemoConfig) -> float:
     train_loader = engine.dataloader(spiral(config.samples), batch_size=config.batch_size, shuffle=True)
     val_loader = engine.dataloader(spiral(1024, seed=99), batch_size=256, shuffle=False)
     loss_fn = nn.CrossEntropyLoss()
-    accuracy = 0.0
+    train_loss = accuracy = 0.0
     for epoch in range(config.epochs):
         start, total, batches = time.perf_counter(), 0.0, 0
         model.train()
@@ -82,7 +82,7 @@ def train(engine: Engine, config: DemoConfig) -> float:
             f"epoch {epoch + 1}/{config.epochs}  train loss {train_loss:.4f}  val accuracy {accuracy:.3f} "
             f"({len(val_loader.dataset)} samples)  {time.perf_counter() - start:.2f}s"
         )
-    return accuracy
+    return train_loss, accuracy
 
 
 def hits(logits: torch.Tensor, label: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

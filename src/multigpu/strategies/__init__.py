@@ -1,12 +1,14 @@
 """Strategy names -> strategy classes, and `build_strategy`, which builds the one a run asks for.
 
-Adding a strategy is one file with a Strategy subclass (strategies/base.py) and one line in STRATEGY_CLASSES: the
-Engine, the CLI's choices, config files and `multigpu demo` take it by name. Its constructor arguments are its
-options: the fields of the option groups it inherits (core/layout.py, or its own file), and the layout.
+Adding a strategy is one file with a Strategy subclass (strategies/base.py) and one line in STRATEGY_CLASSES (its
+name, and where its class is): the Engine, the CLI's choices, config files and `multigpu demo` take it by name. Its
+constructor arguments are its options, the fields of the option groups it inherits (core/layout.py, or its own
+file), and the layout.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import fields
 from typing import Any
@@ -15,28 +17,21 @@ from multigpu.core.errors import UsageError
 from multigpu.core.layout import resolve_layout
 from multigpu.core.settings import StrategyOptions
 from multigpu.strategies.base import Strategy
-from multigpu.strategies.ddp import DDP
-from multigpu.strategies.deepspeed import DeepSpeed
-from multigpu.strategies.dp import DataParallel
-from multigpu.strategies.fsdp import FSDP, Zero2
-from multigpu.strategies.hsdp import HSDP
-from multigpu.strategies.pp import PipelineParallel
-from multigpu.strategies.single import Single
-from multigpu.strategies.tp import TensorParallel
-from multigpu.strategies.zero1 import Zero1
 
-STRATEGY_CLASSES: dict[str, type[Strategy]] = {
-    "single": Single,
-    "dp": DataParallel,
-    "ddp": DDP,
-    "zero1": Zero1,
-    "zero2": Zero2,
-    "zero3": FSDP,
-    "fsdp": FSDP,
-    "hsdp": HSDP,
-    "tp": TensorParallel,
-    "pp": PipelineParallel,
-    "deepspeed": DeepSpeed,
+#: Each strategy's class, imported when a run uses it: pp's imports torch's pipelining (and dynamo), fsdp's FSDP2,
+#: which a process running another strategy (or the CLI, which only checks) need not pay for.
+STRATEGY_CLASSES: dict[str, str] = {
+    "single": "multigpu.strategies.single:Single",
+    "dp": "multigpu.strategies.dp:DataParallel",
+    "ddp": "multigpu.strategies.ddp:DDP",
+    "zero1": "multigpu.strategies.zero1:Zero1",
+    "zero2": "multigpu.strategies.fsdp:Zero2",
+    "zero3": "multigpu.strategies.fsdp:FSDP",
+    "fsdp": "multigpu.strategies.fsdp:FSDP",
+    "hsdp": "multigpu.strategies.hsdp:HSDP",
+    "tp": "multigpu.strategies.tp:TensorParallel",
+    "pp": "multigpu.strategies.pp:PipelineParallel",
+    "deepspeed": "multigpu.strategies.deepspeed:DeepSpeed",
 }
 STRATEGIES = ("auto", *STRATEGY_CLASSES)
 #: What a degree asked for beside a strategy that does not take it is told; {takers}: the strategies that do.
@@ -48,7 +43,13 @@ NOT_BESIDE = {
     "replicate": "replicate is {takers}'s number of replicas; drop it or use strategy {takers}, not {name}.",
 }
 
-__all__ = ["STRATEGIES", "STRATEGY_CLASSES", "Strategy", "build_strategy"]
+__all__ = ["STRATEGIES", "STRATEGY_CLASSES", "Strategy", "build_strategy", "strategy_class"]
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    """The class registered as `name`, imported now."""
+    module, attribute = STRATEGY_CLASSES[name].split(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def build_strategy(
@@ -59,17 +60,17 @@ def build_strategy(
     refuses what it cannot run."""
     if name not in STRATEGY_CLASSES:
         raise UsageError(f"Unknown strategy {name!r}; choose one of {', '.join(STRATEGY_CLASSES)}.")
-    cls = STRATEGY_CLASSES[name]
+    cls = strategy_class(name)
     asked = {"tp": settings.tp_size, "pp": settings.pp_size, "replicate": settings.replicate}
     for dim, degree in asked.items():  # composition is a rule over the layout: which degrees a strategy takes
         if degree not in (None, 1) and dim not in cls.spread.takes:
             takers = _either(n for n, c in _unaliased() if dim in c.spread.takes and dim not in c.spread.fills)
             raise UsageError(NOT_BESIDE[dim].format(takers=takers, name=name))
     layout = resolve_layout(settings, cls.spread, world, nodes, name)
-    piped = layout.pp > 1 and not cls.pipelined
-    _refuse_options_not_taken(name, [cls, *([PipelineParallel] if piped else [])], settings)
+    pipeline = strategy_class("pp") if layout.pp > 1 and not cls.pipelined else None
+    _refuse_options_not_taken(name, [cls, *([pipeline] if pipeline else [])], settings)
     strategy = cls.build(say, layout=layout, **_options(cls, settings))
-    return PipelineParallel(layout=layout, data=strategy, **_options(PipelineParallel, settings)) if piped else strategy
+    return pipeline(layout=layout, data=strategy, **_options(pipeline, settings)) if pipeline else strategy
 
 
 def _options(cls: type[Strategy], settings: Any) -> dict[str, Any]:
@@ -80,11 +81,11 @@ def _options(cls: type[Strategy], settings: Any) -> dict[str, Any]:
 def _refuse_options_not_taken(name: str, classes: list[type[Strategy]], settings: Any) -> None:
     """Refuses a strategy option (a field of a StrategyOptions group) set for a strategy that does not take it."""
     taken = {f.name for cls in classes for f in fields(cls)}
-    for group in {g for cls in STRATEGY_CLASSES.values() for g in cls.__mro__ if StrategyOptions in g.__bases__}:
+    for group in StrategyOptions.__subclasses__():  # every group: EngineConfig is made of them
         for option in fields(group):
             if option.name not in taken and getattr(settings, option.name) != option.default:
                 takers = _either(n for n, c in _unaliased() if issubclass(c, group))
-                via_pp = " (and zero2, zero3 or hsdp beside pp_size)" if issubclass(PipelineParallel, group) else ""
+                via_pp = " (and zero2, zero3 or hsdp beside pp_size)" if issubclass(strategy_class("pp"), group) else ""
                 raise UsageError(
                     f"{option.name} is an option of strategy {takers}{via_pp}, not of {name}; drop it, or choose "
                     f"{takers}."
@@ -92,8 +93,10 @@ def _refuse_options_not_taken(name: str, classes: list[type[Strategy]], settings
 
 
 def _unaliased() -> list[tuple[str, type[Strategy]]]:
-    """(name, class) of each strategy once: the first name of a class registered under two (zero3, fsdp)."""
-    return list({cls: (name, cls) for name, cls in reversed(STRATEGY_CLASSES.items())}.values())[::-1]
+    """(name, class) of each strategy once, imported: the first name of a class registered under two (zero3, fsdp).
+    Only a refusal needs them all, to name the strategies that take what was refused."""
+    classes = [(name, strategy_class(name)) for name in STRATEGY_CLASSES]
+    return list({cls: (name, cls) for name, cls in reversed(classes)}.values())[::-1]
 
 
 def _either(names: Iterable[str]) -> str:

@@ -13,20 +13,12 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from multigpu.core.env import DistEnv, grouped
 from multigpu.core.errors import UsageError
 from multigpu.core.layout import ALONE, ParallelDims, Spread
-from multigpu.core.modules import MetaValues, parameters_on_meta
+from multigpu.core.modules import MetaValues, instance_of, parameters_on_meta
 from multigpu.core.precision import Precision, PrecisionPlan
 from multigpu.strategies.mesh import build_mesh
 
@@ -174,7 +166,7 @@ class Strategy(ABC):
         by_copies: dict[int, list[torch.Tensor]] = {}
         for param in parameters:
             if param.grad is not None:
-                local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                local = param.grad.to_local() if is_dtensor(param.grad) else param.grad
                 by_copies.setdefault(self.holders(param), []).append(local)
         device = grads[0].device if grads else (parameters[0].device if parameters else torch.device("cpu"))
         square = torch.zeros((), dtype=torch.float64, device=device)
@@ -190,8 +182,11 @@ class Strategy(ABC):
 
     # State dicts keyed by parameter names, sharded as the strategy holds them (DTensors under FSDP), so that
     # torch.distributed.checkpoint can reshard them for any other world size or strategy on load. Frozen
-    # parameters (a LoRA run's base model) never change, so checkpoints leave them out.
+    # parameters (a LoRA run's base model) never change, so checkpoints leave them out. DCP is imported at the
+    # first call: importing it costs each process ~0.6 s of CPU, and a run that saves nothing need not pay it.
     def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         # torch's ignore_frozen_params keeps a tied weight's second name (a head tied to the embeddings).
         frozen = frozen_names(model)
         state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
@@ -206,12 +201,16 @@ class Strategy(ABC):
         """Whole weights and buffers on rank 0's CPU (nothing on the other ranks), assembled one at a time, keyed as
         the plain model, frozen weights left out with `trainable_only`; for writing a model or adapter out. Every
         rank must call it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
         state = get_model_state_dict(model, options=options)
         frozen = frozen_names(model) if trainable_only else set()
         return {key: value for key, value in state.items() if key not in frozen}
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
         keys = set_model_state_dict(model, state, options=StateDictOptions(strict=False))
         frozen = frozen_names(model)
         # Keyed as the wrapped module is (DDP's "module." prefix), as frozen_names is not.
@@ -223,6 +222,8 @@ class Strategy(ABC):
             )
 
     def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
         return get_optimizer_state_dict(model, optimizer)
 
     def optimizer_state_to_load(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -231,13 +232,15 @@ class Strategy(ABC):
     def load_optimizer_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
         set_optimizer_state_dict(model, optimizer, state)
 
 
 def holders(tensor: torch.Tensor) -> int:
     """How many ranks hold each element of `tensor`: a DTensor's replicated mesh dimensions, all ranks for a
     whole tensor."""
-    if not isinstance(tensor, DTensor):
+    if not is_dtensor(tensor):
         return dist.get_world_size() if grouped() else 1
     placements = zip(tensor.placements, tensor.device_mesh.shape, strict=True)
     return math.prod(size for placement, size in placements if placement.is_replicate())
@@ -251,7 +254,7 @@ def by_mesh(items: list, tensor_of: Callable[[Any], Any]) -> dict[object, list]:
     for item in items:
         tensor = tensor_of(item)
         if tensor is not None:
-            groups.setdefault(tensor.device_mesh if isinstance(tensor, DTensor) else None, []).append(item)
+            groups.setdefault(tensor.device_mesh if is_dtensor(tensor) else None, []).append(item)
     return groups
 
 
@@ -269,3 +272,7 @@ def is_quantized(param: torch.Tensor) -> bool:
 def move_to_device(model: nn.Module, env: DistEnv) -> nn.Module:
     # In-place `.to` keeps the Parameter objects, so an optimizer built before setup stays valid.
     return model.to(env.device)
+
+
+def is_dtensor(tensor: object) -> bool:
+    return instance_of(tensor, "torch.distributed.tensor", "DTensor")
