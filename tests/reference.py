@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.data import TensorDataset
 
 import multigpu as mg
+from multigpu.strategies.base import is_dtensor
 
 
 class TinyNet(nn.Module):
@@ -67,7 +67,7 @@ class Outcome:
 def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     params = {}
     for name, param in model.named_parameters():
-        tensor = param.full_tensor() if isinstance(param, DTensor) else param
+        tensor = param.full_tensor() if is_dtensor(param) else param
         params[name.removeprefix("module.")] = tensor.detach().float().cpu().clone()
     return params
 

@@ -9,6 +9,7 @@ import json
 import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,8 +79,30 @@ def auto_two() -> tuple[str, str, str]:
     return before, engine.strategy, said.getvalue()
 
 
-def test_auto_with_two_processes_asks_the_planner_at_setup() -> None:
-    results = run_in_processes("tests.engine.test_engine:auto_two", 2, timeout=60)
+def two_process_checks(log_dir: str) -> dict:
+    """Runs in each worker: this module's 2-process checks, one after another in one launch (each launch of two
+    processes costs ~4 s)."""
+    return {
+        "auto": auto_two(),
+        "tokens": {strategy: token_normalised_step(strategy, str(Path(log_dir, strategy))) for strategy in TOKENS},
+        "overflow": overflow_once_each(["ddp", "zero3"]),
+        "misuse": ddp_misuse(),
+    }
+
+
+TOKENS = ("ddp", "zero3")
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """The logs' directory of two_process_checks, and what each rank returned."""
+    log_dir = tmp_path_factory.mktemp("tokens")
+    ranks = run_in_processes("tests.engine.test_engine:two_process_checks", 2, timeout=300, log_dir=str(log_dir))
+    return log_dir, ranks
+
+
+def test_auto_with_two_processes_asks_the_planner_at_setup(two_processes: tuple[Path, list[dict]]) -> None:
+    results = [rank["auto"] for rank in two_processes[1]]
     assert [result[:2] for result in results] == [("auto", "ddp")] * 2
     # The reason names what the memory is: a GPU's, or on CPU each process's share of the RAM.
     per = "per GPU" if torch.cuda.is_available() else "per process"
@@ -121,7 +144,9 @@ def token_normalised_step(strategy: str, log_dir: str) -> dict:
     return {k.removeprefix("module."): v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
 
 
-def test_count_gives_the_token_mean_over_the_global_batch_and_the_monitor_logs(tmp_path) -> None:
+def test_count_gives_the_token_mean_over_the_global_batch_and_the_monitor_logs(
+    two_processes: tuple[Path, list[dict]],
+) -> None:
     torch.manual_seed(0)
     reference = torch.nn.Linear(3, 1)
     data = Tokens()
@@ -132,12 +157,9 @@ def test_count_gives_the_token_mean_over_the_global_batch_and_the_monitor_logs(t
         with torch.no_grad():
             for p in reference.parameters():
                 p -= 0.1 * p.grad
-    for strategy in ("ddp", "zero3"):
-        log_dir = tmp_path / strategy
-        results = run_in_processes(
-            "tests.engine.test_engine:token_normalised_step", 2, timeout=120, strategy=strategy, log_dir=str(log_dir)
-        )
-        for state in results:
+    for strategy in TOKENS:
+        log_dir = two_processes[0] / strategy
+        for state in (rank["tokens"][strategy] for rank in two_processes[1]):
             assert torch.allclose(state["weight"], reference.weight, atol=1e-6)
             assert torch.allclose(state["bias"], reference.bias, atol=1e-6)
         records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
@@ -185,11 +207,9 @@ def assert_skipped_second_step(result: dict) -> None:
     assert result["unchanged"] == [True, False, False]  # step 2 left the weights as step 1 did
 
 
-def test_fp16_overflow_skips_the_step_and_the_schedule_waits() -> None:
+def test_fp16_overflow_skips_the_step_and_the_schedule_waits(two_processes: tuple[Path, list[dict]]) -> None:
     assert_skipped_second_step(overflow_once("single"))
-    strategies = ["ddp", "zero3"]
-    results = run_in_processes("tests.engine.test_engine:overflow_once_each", 2, timeout=120, strategies=strategies)
-    for per_rank in results:
+    for per_rank in (rank["overflow"] for rank in two_processes[1]):
         for result in per_rank:
             assert_skipped_second_step(result)
 
@@ -315,8 +335,8 @@ def window_step_expected(ranks: int) -> torch.Tensor:
 PAST_THE_WINDOW = "engine.backward() was called after the last backward of its accumulation window (grad_accum_steps=4"
 
 
-def test_misuse_under_ddp_is_refused_at_the_call_with_what_to_do() -> None:
-    ranks = run_in_processes("tests.engine.test_engine:ddp_misuse", 2, timeout=120)
+def test_misuse_under_ddp_is_refused_at_the_call_with_what_to_do(two_processes: tuple[Path, list[dict]]) -> None:
+    ranks = [rank["misuse"] for rank in two_processes[1]]
     torch.manual_seed(0)
     untrained = dict(TwoHeads().named_parameters())  # the seed every Engine sets, as two_heads_steps builds it
     for rank, result in enumerate(ranks):
