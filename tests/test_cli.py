@@ -261,9 +261,12 @@ import time
 from multigpu.launch import stop
 stop.STOP_GRACE_S = 1.0
 with stop.raising_stopped():
-    print("ready", flush=True)
+    ready = False
     while True:
-        try:
+        try:  # everything in it, "ready" too: the stop may come as soon as the line is out
+            if not ready:
+                ready = True
+                print("ready", flush=True)
             time.sleep(0.05)
         except BaseException:  # as a finalizer does, or code that catches everything
             pass

@@ -204,18 +204,15 @@ def test_finetune_cli_resumes_and_merges(tmp_path: Path) -> None:
 def test_lora_under_deepspeed_zero3_writes_the_adapter_ddp_writes(tmp_path: Path) -> None:
     data = write_text(tmp_path / "text.txt")
     common = {"data": data, "method": "lora", "max_steps": 3, "resume": "none"}
-    adapters = {}
-    for strategy, options in (("ddp", {}), ("deepspeed", {"zero_stage": 3})):
-        ranks = run_in_processes(
-            "tests.recipes.test_finetune:train_and_probe",
-            2,
-            timeout=240,
-            multi_gpu=strategy,
-            save_dir=str(tmp_path / strategy),
-            **common,
-            **options,
-        )
-        adapters[strategy] = load_file(Path(ranks[0]["output"]) / "adapter_model.safetensors")
+    runs = [
+        {**common, "multi_gpu": strategy, "save_dir": str(tmp_path / strategy), **options}
+        for strategy, options in (("ddp", {}), ("deepspeed", {"zero_stage": 3}))
+    ]
+    ranks = run_in_processes("tests.recipes.test_finetune:probe_all", 2, timeout=360, runs=runs)
+    adapters = {
+        run["multi_gpu"]: load_file(Path(result["output"]) / "adapter_model.safetensors")
+        for run, result in zip(runs, ranks[0], strict=True)
+    }
     assert set(adapters["ddp"]) == set(adapters["deepspeed"])
     for name, weight in adapters["ddp"].items():
         torch.testing.assert_close(adapters["deepspeed"][name], weight, atol=1e-5, rtol=1e-5)
@@ -250,15 +247,24 @@ def first_steps(data: str, strategy: str, batch_size: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("processes", [2, 3])
-def test_finetune_from_safetensors_under_zero3_takes_the_one_process_first_step(tmp_path: Path, processes: int) -> None:
-    """zero3 builds the model on the meta device and streams the checkpoint into the shards; the first step must
-    be the single process's: the same loss and gradients, full finetuning and LoRA alike. fp32: only the order
-    of the sums over ranks differs (the gradient's reduce-scatter, the loss's all-reduce), ~1e-7 relative."""
-    data = write_chat(tmp_path / "chat.jsonl")  # 9 training records; 6 per global batch either way
+@pytest.fixture(scope="module")
+def first_step_one_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    """The chat data of the zero3 test below, and the first step one process takes on it (full and LoRA)."""
+    data = write_chat(tmp_path_factory.mktemp("chat") / "chat.jsonl")  # 9 training records, 6 per global batch
     (one,) = run_in_processes(
         "tests.recipes.test_finetune:first_steps", 1, timeout=180, data=data, strategy="single", batch_size=6
     )
+    return data, one
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_finetune_from_safetensors_under_zero3_takes_the_one_process_first_step(
+    first_step_one_process: tuple[str, dict], processes: int
+) -> None:
+    """zero3 builds the model on the meta device and streams the checkpoint into the shards; the first step must
+    be the single process's: the same loss and gradients, full finetuning and LoRA alike. fp32: only the order
+    of the sums over ranks differs (the gradient's reduce-scatter, the loss's all-reduce), ~1e-7 relative."""
+    data, one = first_step_one_process
     ranks = run_in_processes(
         "tests.recipes.test_finetune:first_steps",
         processes,

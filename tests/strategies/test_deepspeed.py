@@ -25,7 +25,7 @@ from multigpu.strategies.deepspeed import DeepSpeed, read_config
 from tests.dist import multigpu, refusal, run_command, run_in_processes
 from tests.engine.test_checkpoint import GLOBAL_BATCH, SAMPLES, STOP, assert_resumed_exactly
 from tests.engine.test_init_module import SEED, WIDTH, Net, one_step, rss_bytes
-from tests.reference import Case, Outcome, TinyNet, dataset, train_reference
+from tests.reference import Case, Outcome, TinyNet, dataset, train_engine, train_reference
 from tests.strategies.test_equivalence import assert_matches
 
 MATRIX = [Case("deepspeed", "32", accum, zero_stage=stage) for stage, accum in itertools.product((1, 2, 3), (1, 4))] + [
@@ -70,11 +70,19 @@ def test_a_deepspeed_checkpoint_resumes_anywhere(saved, strategy: str, stage: in
     assert_resumed_exactly(first, run(case, nproc, resume_from=str(path)))
 
 
+def save_then_resume(first: Case, second: Case, path: str) -> tuple[Outcome, Outcome]:
+    """Runs in each worker: `first` trains, saves at `path` and stops; `second`, a new Engine, resumes from it."""
+    return train_engine(first, save_to=path, stop_after=STOP), train_engine(second, resume_from=path)
+
+
 def test_a_zero3_checkpoint_resumes_under_deepspeed(tmp_path: Path) -> None:
-    path = tmp_path / "step-4"
-    first = run(Case("zero3", samples=SAMPLES, batch_size=GLOBAL_BATCH // 2), 2, save_to=str(path), stop_after=STOP)
-    case = Case("deepspeed", samples=SAMPLES, batch_size=GLOBAL_BATCH // 2, zero_stage=2)
-    assert_resumed_exactly(first, run(case, 2, resume_from=str(path)))
+    first = Case("zero3", samples=SAMPLES, batch_size=GLOBAL_BATCH // 2)
+    second = Case("deepspeed", samples=SAMPLES, batch_size=GLOBAL_BATCH // 2, zero_stage=2)
+    ranks = run_in_processes(
+        "tests.strategies.test_deepspeed:save_then_resume", 2, timeout=240, first=first, second=second,
+        path=str(tmp_path / "step-4"),
+    )  # fmt: skip
+    assert_resumed_exactly([rank[0] for rank in ranks], [rank[1] for rank in ranks])
 
 
 def test_export_consolidates_a_deepspeed_checkpoint(saved, tmp_path: Path) -> None:

@@ -291,10 +291,15 @@ def check_writable(directory: Path, flag: str, named: Path | None = None) -> Non
 
 
 _last_committed: Path | None = None  # by this process, for the line a stopped run ends with
+_committing: Path | None = None  # the checkpoint whose commit is under way
 
 
 def last_committed() -> Path | None:
-    """The checkpoint this process committed last (rank 0, or a single process), or None."""
+    """The checkpoint this process committed last (rank 0, or a single process), or None. A commit that a stop
+    interrupted right after its rename counts: the checkpoint is complete from the rename on, even if the stop came
+    before the commit recorded it."""
+    if _committing is not None and _committing.is_dir():
+        return _committing.resolve()
     return _last_committed
 
 
@@ -304,17 +309,18 @@ def commit(path: Path) -> None:
     A checkpoint already at `path` is moved aside and removed only once the new one is in place, so a crash at any
     moment leaves a complete checkpoint on disk (between the two renames, the old one as `.<name>.replaced`).
     """
+    global _committing, _last_committed
     tmp, replaced = partial_path(path), _replaced_path(path)
     _fsync(tmp)  # the names of its files; their bytes are synced by whoever wrote them (DCP: sync_files=True)
     if path.exists():
         shutil.rmtree(replaced, ignore_errors=True)  # left by a crash after an earlier commit of this name
         os.replace(path, replaced)
+    _committing = path
     os.replace(tmp, path)
+    _last_committed, _committing = path.resolve(), None
+    note_for_launcher(LAST_CHECKPOINT, str(_last_committed))  # named when the run is stopped or fails
     _fsync(path.parent)  # the rename itself must survive a power loss
     shutil.rmtree(replaced, ignore_errors=True)
-    global _last_committed
-    _last_committed = path.resolve()
-    note_for_launcher(LAST_CHECKPOINT, str(_last_committed))  # named when the run is stopped or fails
 
 
 def save(path: str | Path, state: dict[str, Any], strategy: Strategy, keep_last: int | None = None) -> Path:
