@@ -151,5 +151,5 @@ class PlanConfig(_ENGINE_SETTINGS):
 
     @property
     def data_parallel(self) -> int:
-        """The ranks that train on different batches: the world over tp x pp."""
-        return self.world // (self.tp_size * self.pp_size)
+        """The ranks that train on different batches beside tp x pp, as the data-parallel strategies lay them out."""
+        return self.layout("zero3").data_parallel_size
