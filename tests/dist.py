@@ -1,16 +1,23 @@
-"""The one helper that runs test code in N real processes, through `multigpu run`, with a hard timeout.
+"""The one helper that runs test code in N real processes, with a hard timeout.
 
 `run_in_processes("tests.x:fn", 2, case=...)` starts 2 workers; each calls `fn(**kwargs)` and its return value
 (anything picklable) comes back in a list indexed by rank. A hang is killed, process group and all, at `timeout`.
+`multigpu(ARGS)` runs a command as a user types it; `refusal(ARGS)` one that must be refused before any start.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import faulthandler
 import io
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -83,13 +90,87 @@ def multigpu(*args: str, timeout: float = 120, env: dict[str, str] | None = None
 
 
 def run_in_processes(target: str, nproc: int, timeout: float = 120, **kwargs: Any) -> list[Any]:
-    """Runs `module:function` in `nproc` processes; returns each rank's result, in rank order."""
+    """Runs `module:function` in `nproc` processes of one process group; returns each rank's result, in rank order.
+
+    The processes are forked from a server that imported torch once (multiprocessing's forkserver): a test pays for
+    its own work, not for three interpreters importing torch. Each is otherwise what `multigpu run` starts: its own
+    process, torchrun's variables, multigpu's worker around the call (the same exit handling), its output kept.
+    """
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "kwargs.pkl").write_bytes(pickle.dumps(kwargs))
-        result = multigpu("run", "-n", str(nproc), str(WORKER), target, tmp, timeout=timeout)
-        if result.returncode != 0:
-            raise AssertionError(f"{target} failed in {nproc} processes (exit {result.returncode}):\n{result.stdout}")
-        return [pickle.loads((Path(tmp) / f"rank{rank}.pkl").read_bytes()) for rank in range(nproc)]
+        folder = Path(tmp)
+        (folder / "kwargs.pkl").write_bytes(pickle.dumps(kwargs))
+        started, port = time.perf_counter(), free_port()
+        start_forkserver()
+        ranks = [_FORKS.Process(target=_rank_main, args=(target, folder, rank, nproc, port)) for rank in range(nproc)]
+        for process in ranks:
+            process.start()
+        failed = _wait(ranks, time.monotonic() + timeout)
+        logs = [folder / f"rank{rank}.log" for rank in range(nproc)]
+        output = "".join(f"--- rank {rank} ---\n{log.read_text()}" for rank, log in enumerate(logs) if log.exists())
+        _log_launch(["", "run_in_processes", str(nproc), target], time.perf_counter() - started)
+        if failed is not None:
+            raise AssertionError(f"{target} in {nproc} processes {failed}:\n{output}")
+        return [pickle.loads((folder / f"rank{rank}.pkl").read_bytes()) for rank in range(nproc)]
+
+
+def _wait(ranks: list[multiprocessing.process.BaseProcess], deadline: float) -> str | None:
+    """Waits for every rank, as torchrun's agent does: the first failure ends the others. What went wrong, if any."""
+    while True:
+        running = [process for process in ranks if process.exitcode is None]
+        failed = [process for process in ranks if process.exitcode not in (None, 0)]
+        if failed or not running or time.monotonic() > deadline:
+            break
+        multiprocessing.connection.wait(
+            [process.sentinel for process in running], min(1.0, deadline - time.monotonic())
+        )
+    for process in running:
+        # Each rank leads a process group of its own: end whatever it started too (a data loader's workers).
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.join()
+    if failed:
+        return f"failed (rank {ranks.index(failed[0])} exited {failed[0].exitcode})"
+    return "did not finish within the timeout" if running else None
+
+
+def _rank_main(target: str, folder: Path, rank: int, nproc: int, port: int) -> None:
+    """One rank: its output to rank<R>.log, torchrun's variables, then multigpu's worker runs tests/dist_worker.py."""
+    os.setsid()
+    log = os.open(folder / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    for stream in (1, 2):
+        os.dup2(log, stream)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONFAULTHANDLER="1")
+    faulthandler.enable()
+    from multigpu.launch import worker
+
+    with contextlib.suppress(SystemExit):
+        worker.main([str(WORKER), target, str(folder)])
+    atexit._run_exitfuncs()  # ends the process: the worker's last exit handler ends it without finalising
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_forkserver() -> None:
+    """Starts the server the ranks fork from, once per test process, with what `multigpu run` gives its workers:
+    one OpenMP thread that sleeps when idle (read when torch loads, so set before the server imports it)."""
+    # (A variable the user set wins, as it does under `multigpu run`.)
+    wanted = {
+        name: os.environ.get(name, value) for name, value in (("OMP_NUM_THREADS", "1"), ("OMP_WAIT_POLICY", "PASSIVE"))
+    }
+    with mock.patch.dict(os.environ, wanted):
+        multiprocessing.forkserver.ensure_running()
+
+
+# What every rank imports, imported once in the server.
+_FORKS = multiprocessing.get_context("forkserver")
+_FORKS.set_forkserver_preload(
+    ["torch", "torch.distributed", "multigpu.launch.worker", "multigpu.engine.engine", "tests.dist"]
+)
 
 
 def refusal(*args: str) -> str:
