@@ -17,7 +17,6 @@ import multiprocessing.forkserver
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 from unittest import mock
+
+from multigpu.core.env import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -147,12 +148,6 @@ def _rank_main(target: str, folder: Path, rank: int, nproc: int, port: int) -> N
     with contextlib.suppress(SystemExit):
         worker.main([str(WORKER), target, str(folder)])
     atexit._run_exitfuncs()  # ends the process: the worker's last exit handler ends it without finalising
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start_forkserver() -> None:

@@ -34,7 +34,7 @@ FLOAT_FLAGS = [
         (["--grad-accum-steps", "0"], "grad_accum_steps must be 1 or more (got 0)."),
         (["--backend", "nccl"], "The nccl backend needs CUDA GPUs"),
         (["--strategy", "single"], "Strategy single runs in one process, but 2 were launched"),
-        (["--strategy", "ddp", "--cpu-offload"], "cpu_offload is an option of strategy zero2, zero3 or hsdp, not of"),
+        (["--strategy", "ddp", "--cpu-offload"], "cpu_offload is an option of strategy zero3 or hsdp, not of"),
         (["--strategy", "zero3", "--cpu-offload"], "this run is on CPU already"),
         (["--max-grad-norm", "-1"], "max_grad_norm must be a positive finite number"),
     ],

@@ -1,7 +1,8 @@
 """multigpu: one training loop, any number of GPUs and machines, the same numbers."""
 
-import importlib
 from typing import Any
+
+from multigpu.core.lazy import imported
 
 # Where each public name lives. They are imported on first use, not here: a process that imports one module of the
 # package (a worker of `multigpu run`, before the user's script) must not pay for, or be changed by, the rest.
@@ -39,4 +40,4 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name not in _PUBLIC:
         raise AttributeError(f"module 'multigpu' has no attribute {name!r}")
-    return getattr(importlib.import_module(_PUBLIC[name]), name)
+    return imported(f"{_PUBLIC[name]}:{name}")

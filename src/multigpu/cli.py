@@ -1,13 +1,13 @@
-"""`multigpu <verb>`: a thin front end; each verb maps its flags one-to-one onto a config dataclass and hands it
-to a recipe or tool. Nothing imports this module: what a verb does lives below it, and a UsageError from there
-becomes one line and exit code 2 in `multigpu.core.errors.exit_on_usage_error`."""
+"""`multigpu <verb>`: a thin front end built from the table VERBS; each verb's flags come from its settings
+dataclasses (and a few functions that add flags of their own), and its handler hands them to a recipe or tool.
+Nothing in the package imports this module: what a verb does lives below it, and a UsageError from there becomes
+one line and exit code 2 in `multigpu.core.errors.exit_on_usage_error`."""
 
 from __future__ import annotations
 
 import argparse
 import errno
 import functools
-import importlib
 import math
 import sys
 from collections.abc import Callable
@@ -19,17 +19,11 @@ from multigpu import __version__
 from multigpu.core import config_file
 from multigpu.core.config import Parser, add_config_arguments, config_from_args, finite_float
 from multigpu.core.errors import UsageError, exit_on_usage_error, shown_path
+from multigpu.core.lazy import imported
 from multigpu.launch import stop
 
 # The collectives benchmark's flags that `multigpu bench --collectives` takes; --nproc and --out are bench's own.
 COLLECTIVE_FLAGS = ("ops", "min_bytes", "max_bytes", "factor", "iterations")
-
-
-def load(path: str) -> Any:
-    """The object at "package.module:name", imported when a verb needs it: `multigpu run` (every worker launch)
-    then imports the launcher alone, not every recipe and tool."""
-    module, name = path.split(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -228,7 +222,7 @@ class Verb:
     @property
     def configs(self) -> tuple[type, ...]:
         """The config dataclasses the verb builds from its flags (they check `multigpu config VERB --ask`)."""
-        return tuple(load(part) for part in self.parts if isinstance(part, str))
+        return tuple(imported(part) for part in self.parts if isinstance(part, str))
 
 
 VERBS: dict[str, Verb] = {
@@ -355,7 +349,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         sub = verbs.add_parser(name, help=verb.help, description=verb.description)
         for part in verb.parts:
             if isinstance(part, str):
-                add_config_arguments(sub, load(part))
+                add_config_arguments(sub, imported(part))
             else:
                 part(sub)
         sub.set_defaults(handler=verb.handler)

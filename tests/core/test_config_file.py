@@ -343,7 +343,8 @@ def test_the_questions_take_answers_explain_bad_ones_and_keep_defaults(tmp_path:
     asked = stderr.getvalue()
     assert "method: what trains; one of full, lora, qlora [lora]: " in asked
     assert (
-        "nproc: processes to launch when not under a launcher (default: 1, or one per --gpu-ids) [not set]: " in asked
+        "nproc: processes per node, launched when not under a launcher (default: 1, or one per --gpu-ids) "
+        "[not set]: " in asked
     )
     assert '\'lorax\' is not one of "full", "lora", "qlora"; type one of them.' in asked
     assert "--nproc must be 1 or more (got 0)." in asked

@@ -13,6 +13,7 @@ import multigpu
 from multigpu.core.errors import UsageError
 from multigpu.core.settings import Derived, derive, setting_names
 from multigpu.engine.config import EngineConfig
+from multigpu.planner.config import PlanConfig
 from multigpu.recipes.finetune import FinetuneConfig
 from multigpu.recipes.generate import GenerateConfig
 from multigpu.recipes.train import TrainConfig
@@ -53,7 +54,8 @@ def test_every_engine_setting_is_declared_in_one_dataclass_only() -> None:
 
 
 def test_derived_settings_keep_their_definition() -> None:
-    """A config that shows an Engine setting shows the Engine's: the same type, choices and help (a note added)."""
+    """A config that shows an Engine setting shows the Engine's: the same type, choices and help (a note added, and
+    what an unset value means here in place of the source's "(default: ...)")."""
     engine = {field.name: field for field in dataclasses.fields(EngineConfig)}
     configs = (TrainConfig, FinetuneConfig, GenerateConfig, VerifyConfig, BenchConfig, SimulateRequest)
     for config in configs:
@@ -62,7 +64,8 @@ def test_derived_settings_keep_their_definition() -> None:
             for ours, theirs in names.items():
                 field = next(f for f in dataclasses.fields(config) if f.name == ours)
                 original = next(f for f in dataclasses.fields(source) if f.name == theirs)
-                assert field.metadata["help"].startswith(original.metadata["help"]), (config, ours)
+                said_once = original.metadata["help"].split(" (default:")[0]
+                assert field.metadata["help"].startswith(said_once), (config, ours)
                 chosen = original.metadata.get("choices")
                 assert chosen is None or set(field.metadata["choices"]) <= set(chosen), (config, ours)
                 if source is EngineConfig:
@@ -88,3 +91,15 @@ def test_derive_refuses_what_its_sources_lack() -> None:
         derive("Broken", EngineConfig, only=("tp",))
     with pytest.raises(TypeError, match=r"are not choices of strategy"):
         derive("Broken", EngineConfig, only=("strategy",), choices={"strategy": ("ring",)})
+
+
+@pytest.mark.parametrize(
+    ("config", "name", "value"),
+    [(TrainConfig, "mode", "lstm"), (FinetuneConfig, "method", "dora"), (PlanConfig, "optimizer", "lion")],
+)
+def test_a_value_outside_a_settings_choices_is_refused_where_the_config_is_built(
+    config: type, name: str, value: str
+) -> None:
+    """The choices a setting declares are its check, for a config built in code or read from a file alike."""
+    with pytest.raises(UsageError, match=rf"^Unknown {name} '{value}'; choose one of .+\.$"):
+        config(**{name: value})

@@ -135,3 +135,14 @@ def test_bubble_fraction() -> None:
     assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
     assert bubble_fraction(4, 4, 2) == pytest.approx(3 / 11)
     assert bubble_fraction(1, 8) == 0.0
+
+
+def test_each_planner_row_lays_processes_out_as_its_strategy_does() -> None:
+    """The planner (below the strategies) names each row's spread itself; it must be the registered strategy's."""
+    from multigpu.planner.config import SPREADS
+    from multigpu.strategies import strategy_class
+
+    def strategy_of(row: str) -> str:
+        return {"tp+pp": "pp", "zero3+offload": "zero3"}.get(row, "deepspeed" if "deepspeed" in row else row)
+
+    assert {row: SPREADS[row] for row in SPREADS} == {row: strategy_class(strategy_of(row)).spread for row in SPREADS}

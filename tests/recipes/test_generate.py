@@ -275,7 +275,7 @@ def test_device_map_without_gpus_is_refused() -> None:
         ({"batch_size": 0}, "--batch-size must be 1 or more"),
         ({"nproc": 0}, "--nproc must be 1 or more"),
         ({"seed": -1}, r"seed must be from 0 to 2\*\*32 - 1"),
-        ({"device_map": "everywhere"}, "Unknown --device-map"),
+        ({"device_map": "everywhere"}, "Unknown device_map .everywhere.; choose one of"),
     ],
 )
 def test_config_refusals(options: dict, message: str) -> None:

@@ -8,6 +8,8 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
+
 import multigpu
 from tests.dist import run_command
 
@@ -75,3 +77,13 @@ def test_a_strategy_of_one_file_and_one_registry_line_runs_under_demo(tmp_path: 
     toy = demo("toy")
     # The same averaged gradients as DDP's, bit for bit: a sum of two values, halved, in any order.
     assert len(toy) == 2 and toy == demo("ddp")
+
+
+def test_each_registered_class_is_reachable_by_its_own_name_as_the_guide_shows_it() -> None:
+    import multigpu.strategies as strategies
+
+    ddp = strategies.DDP(bucket_cap_mb=50, find_unused_parameters=True, static_graph=False)
+    assert (ddp.name, ddp.bucket_cap_mb) == ("ddp", 50)
+    assert strategies.FSDP is strategies.strategy_class("zero3") is strategies.strategy_class("fsdp")
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        strategies.Nope  # noqa: B018

@@ -221,7 +221,7 @@ def resolve_layout(request: LayoutSettings, spread: Spread, world: int, nodes: i
             f"{what} needs a multiple of {pp * tp} processes, but {world} were launched; launch a multiple of "
             f"{pp * tp} or choose a tp_size that divides {world // pp}."
         )
-    degrees = {name: size for name, size in (("pp", request.pp_size), ("tp", request.tp_size)) if size is not None}
+    degrees = {dim: size for dim, size in (("pp", request.pp_size), ("tp", request.tp_size)) if size is not None}
     groups = world // (pp * tp)
     if "replicate" in spread.takes:
         replicate = request.replicate or max(1, nodes // pp)
@@ -236,7 +236,7 @@ def resolve_layout(request: LayoutSettings, spread: Spread, world: int, nodes: i
     rest = world // math.prod(degrees.values())
     taker = next((dim for dim in spread.fills if dim not in degrees), None)
     if taker is not None:
-        degrees[taker] = degrees.get(taker, 1) * rest
+        degrees[taker] = rest
     elif rest != 1 and spread.fills == ("tp",):
         raise UsageError(
             f"Strategy {name} splits each layer over every process, so tp_size {tp} needs {tp} processes, but {world} "

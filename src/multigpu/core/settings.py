@@ -34,10 +34,14 @@ def setting(default: Any, help: str, *, choices: Iterable[Any] | None = None, me
 
 
 class Settings:
-    """A group of settings (a dataclass): once built, each class's own `check` runs, base groups first, so a config
-    made of several groups checks each of them."""
+    """A group of settings (a dataclass): once built, a value outside its setting's choices is refused, then each
+    class's own `check` runs, base groups first, so a config made of several groups checks each of them."""
 
     def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):  # type: ignore[arg-type]
+            choices, value = field.metadata.get("choices"), getattr(self, field.name)
+            if choices is not None and value is not None and value not in choices:
+                raise UsageError(f"Unknown {field.name} {value!r}; choose one of {', '.join(map(str, choices))}.")
         for cls in reversed(type(self).__mro__):
             check = cls.__dict__.get("check")
             if check is not None:
@@ -89,6 +93,7 @@ def derive(
     overrides: bool = False,
     note: str | Mapping[str, str] = "",
     choices: Mapping[str, tuple[Any, ...]] | None = None,
+    unset: Mapping[str, str] | None = None,
     base: type[Derived] = Derived,
 ) -> type:
     """A group named `name` made of the settings of `sources` (all of them, or those named in `only`), each keeping
@@ -97,17 +102,24 @@ def derive(
     `rename` shows a setting under another name (and so another flag and config key), `defaults` gives it another
     default. With `overrides` every default is None, meaning "not set": a tool's override of what a script asks for;
     `note` (one text, or one per setting) is added to the help to say what the setting means here, and `choices`
-    narrows a setting's choices to those a tool handles (simulate models the data-parallel strategies). `base`, a
+    narrows a setting's choices to those a tool handles (simulate models the data-parallel strategies). `unset` says
+    what a setting's None default means here, in place of the "(default: ...)" its help ends with (a recipe launches
+    one process unless told, `multigpu run` one per GPU). `base`, a
     subclass of Derived, may add values the sources take from elsewhere (a recipe's log_dir is its save_dir).
     """
-    rename, defaults, narrowed = dict(rename or {}), dict(defaults or {}), dict(choices or {})
+    rename, defaults, narrowed, unset = dict(rename or {}), dict(defaults or {}), dict(choices or {}), dict(unset or {})
     fields, mapping = [], []
     for source in sources:
         hints = typing.get_type_hints(source)
         chosen = [field for field in dataclasses.fields(source) if only is None or field.name in only]
         for field in chosen:
             added = note.get(field.name, "") if isinstance(note, Mapping) else note
-            metadata = {**field.metadata, "help": field.metadata.get("help", "") + added}
+            help_text = field.metadata.get("help", "")
+            if field.name in unset:
+                help_text = f"{help_text.split(' (default:')[0]}{added} (default: {unset[field.name]})"
+            else:
+                help_text += added
+            metadata = {**field.metadata, "help": help_text}
             if field.name in narrowed:
                 if not set(narrowed[field.name]) <= set(metadata.get("choices", ())):
                     raise TypeError(f"derive({name!r}): {narrowed[field.name]} are not choices of {field.name}")
@@ -119,7 +131,7 @@ def derive(
             )
         mapping.append((source, {rename.get(field.name, field.name): field.name for field in chosen}))
     found = {theirs for _, names in mapping for theirs in names.values()}
-    unknown = (set(only or ()) | set(rename) | set(defaults) | set(narrowed)) - found
+    unknown = (set(only or ()) | set(rename) | set(defaults) | set(narrowed) | set(unset)) - found
     if unknown:
         raise TypeError(f"derive({name!r}): no setting {sorted(unknown)} in {[s.__name__ for s in sources]}")
     made = dataclasses.make_dataclass(name, fields, bases=(base,))

@@ -5,9 +5,9 @@ The public names are imported on first use: the launcher reads engine.progress's
 the Engine, its strategies and their imports on every `multigpu run`.
 """
 
-import importlib
 from typing import Any
 
+from multigpu.core.lazy import imported
 from multigpu.engine.observe import StepObserver, StepStats, observe_every_engine
 
 
@@ -38,4 +38,4 @@ __all__ = ["Engine", "EngineConfig", "StepObserver", "StepStats", "observe_every
 def __getattr__(name: str) -> Any:
     if name not in _PUBLIC:
         raise AttributeError(f"module 'multigpu.engine' has no attribute {name!r}")
-    return getattr(importlib.import_module(_PUBLIC[name]), name)
+    return imported(f"{_PUBLIC[name]}:{name}")

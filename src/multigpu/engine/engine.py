@@ -54,7 +54,7 @@ class Engine(Saving, Reporting):
         self.device = self.env.device
         start.join(self.env, self._strategy, config)
         self._scaler: torch.amp.GradScaler | None = None
-        # Which batch this rank reads, among how many: tensor-parallel ranks of one replica read the same one.
+        # Which batch this rank reads, among how many: the ranks of one replica's tp and pp groups read the same one.
         layout = self._strategy.layout
         self._data_rank, self._data_world = layout.data_parallel_rank(self.env.rank), layout.data_parallel_size
         wants_loss = any(observer.wants_loss for observer in self.observers)
@@ -96,8 +96,8 @@ class Engine(Saving, Reporting):
 
     @property
     def data_parallel_size(self) -> int:
-        """How many different batches one micro-step trains on (world_size over the tensor-parallel degree): the
-        loader's batch_size is per data-parallel rank, so the global batch is batch_size x this x accumulation."""
+        """How many different batches one micro-step trains on (replicate x shard; a tp or pp group shares one):
+        the loader's batch_size is per data-parallel rank, so a global batch is batch_size x this x accumulation."""
         return self._data_world
 
     @property

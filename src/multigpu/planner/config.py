@@ -125,8 +125,6 @@ class PlanConfig(_ENGINE_SETTINGS):
                 f"(--gpus x --nodes); choose degrees whose product divides {self.world}."
             )
         parse_bytes(self.gpu_memory)  # refuses what cannot be a GPU's memory, before anything is planned
-        if self.optimizer not in OPTIMIZERS:
-            raise UsageError(f"Unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}.")
         if self.lora_r is not None and self.lora_r < 1:
             raise UsageError(f"--lora-r must be 1 or more (got {self.lora_r}).")
         if self.qlora and self.lora_r is None:

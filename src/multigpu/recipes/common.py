@@ -20,30 +20,18 @@ from multigpu.core.errors import UsageError, require
 from multigpu.core.notes import LAST_CHECKPOINT, LAUNCHER_DIR, attempt, launched, launcher_note
 from multigpu.core.pretrained import give_usual_mode
 from multigpu.core.schedule import SampleSchedule
-from multigpu.core.settings import Derived, Settings, derive, setting
+from multigpu.core.settings import Derived, Settings, derive, setting, setting_names
 from multigpu.engine import checkpoint, start
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
 from multigpu.engine.monitor import peak_memory_bytes
 from multigpu.launch.launcher import LaunchConfig, launch, select_gpus
+from multigpu.strategies.deepspeed import DeepSpeedOptions
 
 
 class RunDir(Protocol):
     save_dir: str
     resume: str
-
-
-@dataclass
-class RecipeLaunch(Settings):
-    """How many processes a recipe launches itself when it is not under a launcher (multigpu run, torchrun)."""
-
-    nproc: int | None = setting(
-        None, "processes to launch when not under a launcher (default: 1, or one per --gpu-ids)"
-    )
-    gpu_ids: str | None = setting(None, "GPUs to use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES)")
-
-    def check(self) -> None:
-        require((self.nproc is None or self.nproc >= 1, f"--nproc must be 1 or more (got {self.nproc})."))
 
 
 @dataclass
@@ -70,18 +58,32 @@ class RecipeSettings(Derived):
         return values | {"log_dir": self.save_dir} if source is EngineConfig else values
 
 
+# The Engine's settings every recipe shows, after those a recipe names.
+EVERY_RECIPE_SHOWS = (
+    "seed",
+    "peak_tflops",
+    "timeout_s",
+    "log_every",
+    "log_to",
+    "run_name",
+    *setting_names(DeepSpeedOptions),
+)
+
+
 def recipe_settings(name: str, shown: tuple[str, ...], save_dir: str, **defaults: Any) -> type:
     """A recipe's settings made of others': the run directory's (with its default `save_dir`), and the Engine's and
-    the launch's named in `shown`, with --multi-gpu for the strategy and the recipe's own `defaults`. Each keeps its
-    one definition (core/settings.py: derive)."""
+    the launch's named in `shown` and EVERY_RECIPE_SHOWS, with --multi-gpu for the strategy and the recipe's own
+    `defaults`. Each keeps its one definition (core/settings.py: derive)."""
     return derive(
         name,
         LaunchConfig,
         RunDirSettings,
         EngineConfig,
-        only=("save_dir", "resume", "save_every", "strategy", *shown),
+        only=("nproc", "gpu_ids", "save_dir", "resume", "save_every", "strategy", *shown, *EVERY_RECIPE_SHOWS),
         rename={"strategy": "multi_gpu"},
         defaults={"save_dir": save_dir, **defaults},
+        note={"nproc": ", launched when not under a launcher"},
+        unset={"nproc": "1, or one per --gpu-ids"},
         base=RecipeSettings,
     )
 

@@ -26,13 +26,12 @@ from multigpu.core.config_file import RUN_CONFIG
 from multigpu.core.errors import UsageError, exit_on_usage_error, require
 from multigpu.core.pretrained import give_usual_mode
 from multigpu.core.schedule import SampleSchedule
-from multigpu.core.settings import setting, setting_names
+from multigpu.core.settings import setting
 from multigpu.engine.checkpoint import full_model_state, model_metadata
 from multigpu.engine.engine import Engine
 from multigpu.recipes import lm_data, lm_models
 from multigpu.recipes.common import (
     ProgressBar,
-    RecipeLaunch,
     as_launched,
     check_new_output,
     check_same_data,
@@ -48,7 +47,6 @@ from multigpu.recipes.common import (
     skipped_note,
     step_checkpoint,
 )
-from multigpu.strategies.deepspeed import DeepSpeedOptions
 
 # What a resume must keep (its loader counts samples of that data), and what it may change (the schedule follows).
 SAME_DATA = ("data", "seq_len")
@@ -69,13 +67,6 @@ FinetuneSettings = recipe_settings(
         "pp_schedule",
         "pp_stages_per_rank",
         "pp_microbatches",
-        "seed",
-        "peak_tflops",
-        "timeout_s",
-        "log_every",
-        "log_to",
-        "run_name",
-        *setting_names(DeepSpeedOptions),
     ),
     save_dir="checkpoints/finetune",
     log_every=10,
@@ -83,7 +74,7 @@ FinetuneSettings = recipe_settings(
 
 
 @dataclass
-class FinetuneConfig(FinetuneSettings, lm_models.ModelSettings, RecipeLaunch):
+class FinetuneConfig(FinetuneSettings, lm_models.ModelSettings):
     data: str = setting("shakespeare", "shakespeare, a .txt file, or a .jsonl of chat/instruction records")
     method: str = setting("lora", "what trains", choices=lm_models.METHODS)
     seq_len: int = setting(256, "tokens per sequence (packed blocks, or truncation)")
@@ -111,7 +102,6 @@ class FinetuneConfig(FinetuneSettings, lm_models.ModelSettings, RecipeLaunch):
             (self.max_steps is None or self.max_steps >= 1, f"--max-steps must be 1 or more (got {self.max_steps})."),
             (self.eval_batches >= 0, f"--eval-batches must be 0 or more (got {self.eval_batches})."),
             (self.lora_r >= 1 and self.lora_alpha >= 1, "--lora-r and --lora-alpha must be 1 or more."),
-            (self.method in lm_models.METHODS, f"Unknown --method {self.method!r}; choose full, lora or qlora."),
             (not self.merge or self.method != "full", "--merge merges an adapter; drop it for --method full."),
             (
                 self.method != "qlora" or (self.multi_gpu != "tp" and (self.tp_size or 1) == 1),

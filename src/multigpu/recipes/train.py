@@ -20,13 +20,12 @@ from multigpu.core import faults
 from multigpu.core.config import Parser, add_config_arguments, config_from_args
 from multigpu.core.errors import exit_on_usage_error, require
 from multigpu.core.schedule import SampleSchedule
-from multigpu.core.settings import setting, setting_names
+from multigpu.core.settings import setting
 from multigpu.engine.engine import Engine
 from multigpu.recipes import activity_data, activity_models
 from multigpu.recipes.activity_models import MODES
 from multigpu.recipes.common import (
     ProgressBar,
-    RecipeLaunch,
     as_launched,
     check_same_data,
     complete_line,
@@ -41,7 +40,6 @@ from multigpu.recipes.common import (
     step_checkpoint,
     write_safetensors,
 )
-from multigpu.strategies.deepspeed import DeepSpeedOptions
 
 LR_SCALING = ("none", "linear", "sqrt")
 # What a resume must keep (its loader counts samples of that data), and what it may change (the schedule follows).
@@ -60,13 +58,6 @@ TrainSettings = recipe_settings(
         "replicate",
         "tp_size",
         "max_grad_norm",
-        "seed",
-        "peak_tflops",
-        "timeout_s",
-        "log_every",
-        "log_to",
-        "run_name",
-        *setting_names(DeepSpeedOptions),
     ),
     save_dir="checkpoints/run",
     log_every=100,
@@ -74,7 +65,7 @@ TrainSettings = recipe_settings(
 
 
 @dataclass
-class TrainConfig(TrainSettings, RecipeLaunch):
+class TrainConfig(TrainSettings):
     mode: str = setting("conv", "model: MLP on the window or 1-D CNN", choices=MODES)
     data: str = setting("watch", "'watch' (seglearn's recordings) or a UCI HAR directory")
     epochs: int = setting(20, "passes over the training set")

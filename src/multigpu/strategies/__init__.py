@@ -8,13 +8,13 @@ file), and the layout.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import fields
 from typing import Any
 
 from multigpu.core.errors import UsageError
 from multigpu.core.layout import resolve_layout
+from multigpu.core.lazy import imported
 from multigpu.core.settings import StrategyOptions
 from multigpu.strategies.base import Strategy
 
@@ -48,8 +48,15 @@ __all__ = ["STRATEGIES", "STRATEGY_CLASSES", "Strategy", "build_strategy", "stra
 
 def strategy_class(name: str) -> type[Strategy]:
     """The class registered as `name`, imported now."""
-    module, attribute = STRATEGY_CLASSES[name].split(":")
-    return getattr(importlib.import_module(module), attribute)
+    return imported(STRATEGY_CLASSES[name])
+
+
+def __getattr__(name: str) -> Any:
+    """A registered class by its own name (`multigpu.strategies.DDP`), imported on first use."""
+    for path in STRATEGY_CLASSES.values():
+        if path.endswith(f":{name}"):
+            return imported(path)
+    raise AttributeError(f"module 'multigpu.strategies' has no attribute {name!r}")
 
 
 def build_strategy(
@@ -80,11 +87,11 @@ def _options(cls: type[Strategy], settings: Any) -> dict[str, Any]:
 
 def _refuse_options_not_taken(name: str, classes: list[type[Strategy]], settings: Any) -> None:
     """Refuses a strategy option (a field of a StrategyOptions group) set for a strategy that does not take it."""
-    taken = {f.name for cls in classes for f in fields(cls)}
+    taken = {f.name for cls in classes for f in fields(cls) if f.name not in cls.not_taken}
     for group in StrategyOptions.__subclasses__():  # every group: EngineConfig is made of them
         for option in fields(group):
             if option.name not in taken and getattr(settings, option.name) != option.default:
-                takers = _either(n for n, c in _unaliased() if issubclass(c, group))
+                takers = _either(n for n, c in _unaliased() if issubclass(c, group) and option.name not in c.not_taken)
                 via_pp = " (and zero2, zero3 or hsdp beside pp_size)" if issubclass(strategy_class("pp"), group) else ""
                 raise UsageError(
                     f"{option.name} is an option of strategy {takers}{via_pp}, not of {name}; drop it, or choose "

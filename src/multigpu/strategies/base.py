@@ -54,8 +54,10 @@ class Strategy(ABC):
     mesh_dims: ClassVar[tuple[str, ...]] = ()
     #: Whether a micro-step is one call through a schedule (pp: pipeline_step), not a forward and a backward.
     pipelined: ClassVar[bool] = False
+    #: Options of a group it inherits that it does not take (zero2 inherits zero3's, but cannot offload).
+    not_taken: ClassVar[tuple[str, ...]] = ()
     #: Built by `build_mesh` in setup; None until then and for strategies without mesh_dims.
-    mesh: ClassVar[DeviceMesh | None] = None
+    mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def build(cls, say: Callable[[str], None], **arguments: Any) -> Strategy:

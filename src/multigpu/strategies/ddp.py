@@ -54,7 +54,7 @@ class DDP(DDPOptions, Strategy):
         wrapped = DistributedDataParallel(
             model,
             device_ids=device_ids,
-            # DDP takes a 1-D mesh only; a slice of a larger one (replicate x tp) also makes it adapt tp's DTensors.
+            # DDP takes a 1-D mesh only: the replicate dimension of the strategy's mesh.
             device_mesh=mesh["replicate"],
             bucket_cap_mb=self.bucket_cap_mb,
             find_unused_parameters=self.find_unused_parameters,

@@ -192,3 +192,4 @@ class Zero2(FSDP):
     """ZeRO-2: FSDP keeping the gathered parameters from forward until backward."""
 
     reshard_after_forward: bool = False
+    not_taken = ("cpu_offload",)

@@ -186,8 +186,8 @@ class SimulateConfig:
         return self.tp_size * self.pp_size
 
     def dims(self, n: int) -> ParallelDims:
-        """The layout of `n` GPUs: tp x pp per replica, the data-parallel strategy over the rest (as the Engine
-        resolves it)."""
+        """The layout of `n` GPUs: tp x pp per replica, the data-parallel strategy over the rest (resolved as zero3's
+        is: every data-parallel strategy modelled here needs only how many ranks share the rest)."""
         request = LayoutSettings(tp_size=self.tp_size, pp_size=self.pp_size)
         return resolve_layout(request, SHARDS, n, -(-n // self.gpus_per_node), self.strategy)
 

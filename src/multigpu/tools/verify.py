@@ -128,12 +128,12 @@ def verify(config: VerifyConfig, target: list[str], module: bool = False) -> Ver
         imposed = config.values_for(EngineConfig)
         if config.strategy is not None:
             imposed |= {"tp_size": config.tp_size, "pp_size": config.pp_size}
-        precision = {"precision": config.precision} if config.precision is not None else {}
         many = _folder(tmp, "many")
         dist = harness.run(target, module, config.nproc, harness.Harness(str(many), imposed, **common))
         samples = harness.step_samples(dist)
         # One process stands in for the N-process run's data-parallel ranks (tensor and pipeline ones share a batch).
         factor = dist[0]["data_parallel_size"]
+        precision = {key: value for key, value in imposed.items() if key == "precision"}  # both runs take it
         reference = {"strategy": "single", "tp_size": None, "pp_size": None, **precision}
         one = _folder(tmp, "one")
         ref = harness.run(target, module, 1, _reference(one, reference, factor, samples, common))
