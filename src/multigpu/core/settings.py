@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 from multigpu.core.errors import UsageError, require
 from multigpu.core.precision import PRECISIONS, Precision
+from multigpu.core.recompute import MODES as RECOMPUTE_MODES
 
 
 def setting(default: Any, help: str, *, choices: Iterable[Any] | None = None, metavar: str | None = None) -> Any:
@@ -164,3 +165,15 @@ class TrainingSettings(Settings):
             ),
             (0 <= self.seed < 2**32, f"seed must be from 0 to 2**32 - 1, the seeds numpy takes (got {self.seed})."),
         )
+
+
+@dataclass
+class ComputeSettings(Settings):
+    """How a step's work is done, leaving what it computes as it is."""
+
+    activation_checkpointing: str = setting(
+        "none",
+        "what each block (FSDP's units) keeps for backward: none; full, its inputs only, recomputing the rest; "
+        "selective, also its matrix products' and attention's outputs; offload, everything, in host memory",
+        choices=RECOMPUTE_MODES,
+    )

@@ -11,7 +11,7 @@ from typing import Any
 from multigpu.core.env import BACKENDS
 from multigpu.core.errors import UsageError, require
 from multigpu.core.layout import LayoutSettings, PipelineOptions, ShardingOptions, TensorParallelOptions
-from multigpu.core.settings import Settings, TrainingSettings, setting
+from multigpu.core.settings import ComputeSettings, Settings, TrainingSettings, setting
 from multigpu.engine.trackers import parse_log_to
 from multigpu.strategies import STRATEGIES
 from multigpu.strategies.ddp import DDPOptions
@@ -41,6 +41,7 @@ class EngineConfig(
     PipelineOptions,
     TensorParallelOptions,
     LayoutSettings,
+    ComputeSettings,
     TrainingSettings,
     StrategyChoice,
 ):

@@ -134,7 +134,7 @@ class Engine(Saving, Reporting):
             self._auto_pending = False
         build = (self._init_rng, self._pretrained.pop(id(model), None))
         model, optimizer = start.set_up(
-            self._strategy, model, optimizer, self.env, self._plan, self.config.sync_batchnorm, build, self.print
+            self._strategy, model, optimizer, self.env, self._plan, self.config, build, self.print
         )
         model.forward = watched(self.observers, "forward", self._plan.wrap_forward(model.forward, self.device))
         self._scaler = self._plan.scaler() if self._plan.scaler is not None else None

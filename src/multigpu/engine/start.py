@@ -20,9 +20,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from multigpu.core.env import DistEnv, check_backend, init_process_group
 from multigpu.core.errors import UsageError
 from multigpu.core.layout import resolve_layout
-from multigpu.core.modules import MetaValues, materialize, on_meta, parameters_on_meta, repoint
+from multigpu.core.modules import MetaValues, default_units, materialize, on_meta, parameters_on_meta, repoint
 from multigpu.core.precision import Precision, PrecisionPlan
 from multigpu.core.pretrained import SafetensorsCheckpoint
+from multigpu.core.recompute import recompute_blocks
 from multigpu.core.settings import StrategyOptions
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.trackers import check_servers, parse_log_to
@@ -174,14 +175,16 @@ def set_up(
     optimizer: torch.optim.Optimizer | None,
     env: DistEnv,
     plan: PrecisionPlan,
-    sync_batchnorm: bool,
+    config: EngineConfig,
     build: tuple[torch.Tensor | None, SafetensorsCheckpoint | None],
     say: Callable[[str], None],
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """The model and optimizer set up for `strategy`, from a plain build or one on the meta device (init_module):
     `build` is where the random stream stood when that build began, and the checkpoint load_pretrained gave it."""
     values = meta_values(strategy, model, optimizer, env, *build, say)
-    model = batchnorm(model, strategy, env, sync_batchnorm)
+    model = batchnorm(model, strategy, env, config.sync_batchnorm)
+    # The blocks a sharding strategy wraps, before it wraps them (its hooks then run around the recomputation).
+    recompute_blocks(getattr(strategy, "units", default_units)(model), config.activation_checkpointing)
     if plan.params != torch.float32:
         model.to(plan.params)  # bf16-true; on the meta device, free: the values are cast as they arrive
     if values is None:
