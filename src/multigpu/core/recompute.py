@@ -24,7 +24,6 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
-    noop_context_fn,
 )
 
 MODES = ("none", "full", "selective", "offload")
@@ -60,8 +59,9 @@ def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             return forward(*args, **kwargs)
     if not torch.is_grad_enabled():  # evaluation saves nothing, so there is nothing to recompute
         return forward(*args, **kwargs)
-    context = _keep_matmuls if self._recompute_mode == "selective" else noop_context_fn
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
+    if self._recompute_mode == "selective":
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=_keep_matmuls, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def _keep_matmuls() -> tuple[Any, Any]:

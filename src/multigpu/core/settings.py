@@ -177,3 +177,6 @@ class ComputeSettings(Settings):
         "selective, also its matrix products' and attention's outputs; offload, everything, in host memory",
         choices=RECOMPUTE_MODES,
     )
+    compile: bool = setting(
+        False, "compile each block (FSDP's units) with torch.compile, after checkpointing and before sharding"
+    )

@@ -184,7 +184,11 @@ def set_up(
     values = meta_values(strategy, model, optimizer, env, *build, say)
     model = batchnorm(model, strategy, env, config.sync_batchnorm)
     # The blocks a sharding strategy wraps, before it wraps them (its hooks then run around the recomputation).
-    recompute_blocks(getattr(strategy, "units", default_units)(model), config.activation_checkpointing)
+    blocks = getattr(strategy, "units", default_units)(model)
+    recompute_blocks(blocks, config.activation_checkpointing)
+    if config.compile:
+        for block in blocks:
+            block.compile()
     if plan.params != torch.float32:
         model.to(plan.params)  # bf16-true; on the meta device, free: the values are cast as they arrive
     if values is None:
