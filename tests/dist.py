@@ -26,6 +26,7 @@ from typing import Any
 from unittest import mock
 
 from multigpu.core.env import free_port
+from multigpu.core.lazy import imported
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -112,6 +113,17 @@ def run_in_processes(target: str, nproc: int, timeout: float = 120, **kwargs: An
         if failed is not None:
             raise AssertionError(f"{target} in {nproc} processes {failed}:\n{output}")
         return [pickle.loads((folder / f"rank{rank}.pkl").read_bytes()) for rank in range(nproc)]
+
+
+def run_each_in_processes(target: str, nproc: int, calls: list[dict], timeout: float = 120) -> list[list[Any]]:
+    """Runs `module:function` once for each kwargs of `calls`, one after another, in one launch of `nproc`
+    processes (a launch costs more than a small call); returns each rank's results, in rank then call order."""
+    return run_in_processes("tests.dist:call_each", nproc, timeout=timeout, function=target, calls=calls)
+
+
+def call_each(function: str, calls: list[dict]) -> list[Any]:
+    """In each rank of run_each_in_processes: the `function` named ("module:name") called with each of `calls`."""
+    return [imported(function)(**kwargs) for kwargs in calls]
 
 
 def _wait(ranks: list[multiprocessing.process.BaseProcess], deadline: float) -> str | None:

@@ -85,7 +85,7 @@ def two_process_checks(log_dir: str) -> dict:
     return {
         "auto": auto_two(),
         "tokens": {strategy: token_normalised_step(strategy, str(Path(log_dir, strategy))) for strategy in TOKENS},
-        "overflow": overflow_once_each(["ddp", "zero3"]),
+        "overflow": [overflow_once(strategy) for strategy in ("ddp", "zero3")],
         "misuse": ddp_misuse(),
     }
 
@@ -195,10 +195,6 @@ def overflow_once(strategy: str) -> dict:
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def overflow_once_each(strategies: list[str]) -> list[dict]:
-    return [overflow_once(strategy) for strategy in strategies]
 
 
 def assert_skipped_second_step(result: dict) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.dist import multigpu, refusal, run_in_processes
+from tests.dist import multigpu, refusal, run_each_in_processes, run_in_processes
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,11 +47,6 @@ def train_and_probe(**options: object) -> dict:
     return {"logits": logits, "output": result["output"], "history": result["history"]}
 
 
-def probe_all(runs: list[dict]) -> list[dict]:
-    """Runs in each worker: train_and_probe for each run, one after another in one launch."""
-    return [train_and_probe(**run) for run in runs]
-
-
 ADAPTERS = [(strategy, method) for strategy in ("ddp", "zero3") for method in ("lora", "qlora")]
 
 
@@ -65,7 +60,7 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], 
         | {"save_dir": str(root / f"{strategy}-{method}")}
         for strategy, method in ADAPTERS
     ]
-    ranks = run_in_processes("tests.recipes.test_finetune:probe_all", 2, timeout=480, runs=runs)
+    ranks = run_each_in_processes("tests.recipes.test_finetune:train_and_probe", 2, runs, timeout=480)
     return {
         cell: (root / f"{cell[0]}-{cell[1]}", [rank[index] for rank in ranks]) for index, cell in enumerate(ADAPTERS)
     }
@@ -141,11 +136,6 @@ def one_step(data: str, strategy: str, batch_size: int, accum: int) -> dict:
     return {"grads": [b - p.detach() for b, p in zip(before, trainable, strict=True)], "samples": len(lm.train)}
 
 
-def one_steps(steps: list[dict]) -> list[dict]:
-    """Runs in each worker: one_step for each of `steps`, one after another in one launch."""
-    return [one_step(**step) for step in steps]
-
-
 def test_token_normalised_loss_is_the_same_for_1x8_2x4_and_2x2x2(tmp_path: Path) -> None:
     data = write_chat(tmp_path / "chat.jsonl")  # 10 records: 9 train, 1 validation
     kwargs = {"data": data, "timeout": 180}
@@ -153,7 +143,7 @@ def test_token_normalised_loss_is_the_same_for_1x8_2x4_and_2x2x2(tmp_path: Path)
         "tests.recipes.test_finetune:one_step", 1, strategy="single", batch_size=8, accum=1, **kwargs
     )
     steps = [{"data": data, "strategy": "ddp", "batch_size": size, "accum": accum} for size, accum in ((4, 1), (2, 2))]
-    ranks = run_in_processes("tests.recipes.test_finetune:one_steps", 2, timeout=180, steps=steps)
+    ranks = run_each_in_processes("tests.recipes.test_finetune:one_step", 2, steps, timeout=180)
     two, accumulated = ([rank[index] for rank in ranks] for index in range(2))  # 2 x 4, and 2 x 2 x 2
     assert one["samples"] == 9
     changed = [g for g in one["grads"] if g.abs().sum() > 0]
@@ -208,7 +198,7 @@ def test_lora_under_deepspeed_zero3_writes_the_adapter_ddp_writes(tmp_path: Path
         {**common, "multi_gpu": strategy, "save_dir": str(tmp_path / strategy), **options}
         for strategy, options in (("ddp", {}), ("deepspeed", {"zero_stage": 3}))
     ]
-    ranks = run_in_processes("tests.recipes.test_finetune:probe_all", 2, timeout=360, runs=runs)
+    ranks = run_each_in_processes("tests.recipes.test_finetune:train_and_probe", 2, runs, timeout=360)
     adapters = {
         run["multi_gpu"]: load_file(Path(result["output"]) / "adapter_model.safetensors")
         for run, result in zip(runs, ranks[0], strict=True)

@@ -22,7 +22,7 @@ from multigpu.core.modules import give_back_freed_memory
 from multigpu.core.precision import Precision
 from multigpu.engine import checkpoint
 from multigpu.strategies.deepspeed import DeepSpeed, read_config
-from tests.dist import multigpu, refusal, run_command, run_in_processes
+from tests.dist import multigpu, refusal, run_command, run_each_in_processes, run_in_processes
 from tests.engine.test_checkpoint import GLOBAL_BATCH, SAMPLES, STOP, assert_resumed_exactly
 from tests.engine.test_init_module import SEED, WIDTH, Net, one_step, rss_bytes
 from tests.reference import Case, Outcome, TinyNet, dataset, train_engine, train_reference
@@ -35,7 +35,7 @@ MATRIX = [Case("deepspeed", "32", accum, zero_stage=stage) for stage, accum in i
 
 @pytest.fixture(scope="module")
 def two_process_outcomes() -> list[list[Outcome]]:
-    return run_in_processes("tests.strategies.test_equivalence:train_cases", 2, timeout=300, cases=MATRIX)
+    return run_each_in_processes("tests.reference:train_engine", 2, [{"case": case} for case in MATRIX], timeout=300)
 
 
 @pytest.mark.parametrize(
@@ -263,14 +263,10 @@ def checkpoint_shares(stage: int) -> dict:
     }
 
 
-def every_stages_shares(stages: list[int]) -> list[dict]:
-    """Runs in each worker: checkpoint_shares of each ZeRO stage, one after another in one launch."""
-    return [checkpoint_shares(stage) for stage in stages]
-
-
 def test_each_rank_assembles_only_its_share_of_a_checkpoint() -> None:
     stages = [2, 3]
-    ranks = run_in_processes("tests.strategies.test_deepspeed:every_stages_shares", 2, timeout=180, stages=stages)
+    calls = [{"stage": stage} for stage in stages]
+    ranks = run_each_in_processes("tests.strategies.test_deepspeed:checkpoint_shares", 2, calls, timeout=180)
     names = {name for name, _ in TinyNet().named_parameters()}
     for index, stage in enumerate(stages):
         first, second = ranks[0][index], ranks[1][index]

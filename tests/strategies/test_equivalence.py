@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from tests.dist import run_in_processes
+from tests.dist import run_each_in_processes
 from tests.reference import Case, Outcome, train_engine, train_reference
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -22,11 +22,6 @@ TWO_CALLS = {
     for index, case in enumerate(MATRIX)
     if case.precision in ("32", "fp16-mixed") and case.grad_accum_steps > 1
 }
-
-
-def train_cases(cases: list[Case]) -> list[Outcome]:
-    """Runs in each worker: all cases one after another, in one process group (a launch costs ~4 s)."""
-    return [train_engine(case) for case in cases]
 
 
 def assert_matches(case: Case, got: Outcome, want: Outcome) -> None:
@@ -45,7 +40,7 @@ def assert_matches(case: Case, got: Outcome, want: Outcome) -> None:
 @pytest.fixture(scope="module")
 def two_process_outcomes() -> list[list[Outcome]]:
     cases = MATRIX + list(TWO_CALLS.values())
-    return run_in_processes("tests.strategies.test_equivalence:train_cases", 2, timeout=300, cases=cases)
+    return run_each_in_processes("tests.reference:train_engine", 2, [{"case": case} for case in cases], timeout=300)
 
 
 @pytest.mark.parametrize(
@@ -82,7 +77,9 @@ THREE_PROCESS = [
 
 def test_three_processes_uneven_dataset() -> None:
     """20 samples over 3 ranks: the last global batch has 2 samples, so one rank holds only padding."""
-    outcomes = run_in_processes("tests.strategies.test_equivalence:train_cases", 3, timeout=180, cases=THREE_PROCESS)
+    outcomes = run_each_in_processes(
+        "tests.reference:train_engine", 3, [{"case": case} for case in THREE_PROCESS], timeout=180
+    )
     for index, case in enumerate(THREE_PROCESS):
         assert_matches(case, outcomes[0][index], train_reference(case, world_size=3))
 

@@ -54,6 +54,11 @@ class StrategyOptions(Settings):
     refuses a value other than the default for a strategy that does not take it."""
 
 
+def strategy_option_fields() -> list[tuple[type, dataclasses.Field]]:
+    """(group, field) of every strategy option: each StrategyOptions group's fields (EngineConfig is made of them)."""
+    return [(group, field) for group in StrategyOptions.__subclasses__() for field in dataclasses.fields(group)]
+
+
 class Derived(Settings):
     """Settings made by `derive`: each field maps to a source config's field of its own name or of a renamed one."""
 

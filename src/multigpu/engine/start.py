@@ -9,7 +9,7 @@ import os
 import random
 import warnings
 from collections.abc import Callable
-from dataclasses import fields, replace
+from dataclasses import replace
 from datetime import timedelta
 
 import numpy as np
@@ -24,7 +24,7 @@ from multigpu.core.modules import MetaValues, default_units, materialize, on_met
 from multigpu.core.precision import Precision, PrecisionPlan
 from multigpu.core.pretrained import SafetensorsCheckpoint
 from multigpu.core.recompute import recompute_blocks
-from multigpu.core.settings import StrategyOptions
+from multigpu.core.settings import strategy_option_fields
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.trackers import check_servers, parse_log_to
 from multigpu.planner import choose_strategy
@@ -50,7 +50,7 @@ def resolve(given: str | Strategy, env: DistEnv, config: EngineConfig, say: Call
         )
     if env.is_distributed:  # ddp joins the process group now; Engine.setup asks the planner once it sees the model
         # (strategy_for), which takes the strategy options auto may use, such as cpu_offload: ddp takes none of them.
-        options = {f.name: f.default for group in StrategyOptions.__subclasses__() for f in fields(group)}
+        options = {option.name: option.default for _, option in strategy_option_fields()}
         return build_strategy("ddp", replace(config, **options), env.world_size, nodes, say)
     say("strategy auto -> single (1 process)")
     return build_strategy("single", config, env.world_size, nodes, say)

@@ -15,7 +15,7 @@ from typing import Any
 from multigpu.core.errors import UsageError
 from multigpu.core.layout import resolve_layout
 from multigpu.core.lazy import imported
-from multigpu.core.settings import StrategyOptions
+from multigpu.core.settings import strategy_option_fields
 from multigpu.strategies.base import Strategy
 
 #: Each strategy's class, imported when a run uses it: pp's imports torch's pipelining (and dynamo), fsdp's FSDP2,
@@ -88,15 +88,13 @@ def _options(cls: type[Strategy], settings: Any) -> dict[str, Any]:
 def _refuse_options_not_taken(name: str, classes: list[type[Strategy]], settings: Any) -> None:
     """Refuses a strategy option (a field of a StrategyOptions group) set for a strategy that does not take it."""
     taken = {f.name for cls in classes for f in fields(cls) if f.name not in cls.not_taken}
-    for group in StrategyOptions.__subclasses__():  # every group: EngineConfig is made of them
-        for option in fields(group):
-            if option.name not in taken and getattr(settings, option.name) != option.default:
-                takers = _either(n for n, c in _unaliased() if issubclass(c, group) and option.name not in c.not_taken)
-                via_pp = " (and zero2, zero3 or hsdp beside pp_size)" if issubclass(strategy_class("pp"), group) else ""
-                raise UsageError(
-                    f"{option.name} is an option of strategy {takers}{via_pp}, not of {name}; drop it, or choose "
-                    f"{takers}."
-                )
+    for group, option in strategy_option_fields():
+        if option.name not in taken and getattr(settings, option.name) != option.default:
+            takers = _either(n for n, c in _unaliased() if issubclass(c, group) and option.name not in c.not_taken)
+            via_pp = " (and zero2, zero3 or hsdp beside pp_size)" if issubclass(strategy_class("pp"), group) else ""
+            raise UsageError(
+                f"{option.name} is an option of strategy {takers}{via_pp}, not of {name}; drop it, or choose {takers}."
+            )
 
 
 def _unaliased() -> list[tuple[str, type[Strategy]]]:
