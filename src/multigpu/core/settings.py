@@ -185,3 +185,20 @@ class ComputeSettings(Settings):
     compile: bool = setting(
         False, "compile each block (FSDP's units) with torch.compile, after checkpointing and before sharding"
     )
+    float8: str = setting(
+        "none",
+        "train the blocks' linear layers in float8 (torchao; GPUs of compute capability 8.9 or newer, emulated on "
+        "CPU): none; tensorwise, one scale per tensor (its all-gather in float8 under zero2, zero3 and hsdp); "
+        "rowwise, one scale per row",
+        choices=("none", "tensorwise", "rowwise"),
+    )
+    loss: str = setting(
+        "plain",
+        "how a language model's cross-entropy is computed: plain, from the whole logits tensor; chunked, the output "
+        "head and the loss a slice of tokens at a time, so the whole logits tensor is never held; fused, "
+        "Liger-Kernel's fused linear cross-entropy (GPUs)",
+        choices=("plain", "chunked", "fused"),
+    )
+    liger: bool = setting(
+        False, "replace a Hugging Face decoder's RMSNorm, RoPE and SwiGLU with Liger-Kernel's fused kernels (GPUs)"
+    )
