@@ -119,7 +119,7 @@ def model_parallel(name: str, batch: int, gpus: int, **layout: object) -> float:
         param_bytes=2,
         grad_bytes=4,
         hidden=model.transformer.hidden,
-        activation_checkpointing=True,
+        activation_checkpointing="full",
         **layout,
     )
     return per_gpu(config, gpus, nvlink, infiniband)

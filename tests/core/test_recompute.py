@@ -52,7 +52,7 @@ def step(mode: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
     """One forward and backward (dropout on) under `mode`: the loss, the gradients and the matmuls of backward."""
     torch.manual_seed(0)
     model, inputs = Tiny(), torch.randn(2, 6, 16)
-    recompute_blocks(default_units(model), mode)
+    recompute_blocks(model, default_units(model), mode)
     torch.manual_seed(1)
     loss = model(inputs).square().mean()
     with CountMatmuls() as counted:
@@ -75,7 +75,7 @@ def test_every_mode_computes_the_plain_loss_and_gradients_bit_for_bit() -> None:
 def test_the_blocks_keep_their_names_and_a_copy_recomputes_itself() -> None:
     model = Tiny()
     names = list(model.state_dict())
-    recompute_blocks(default_units(model), "full")
+    recompute_blocks(model, default_units(model), "full")
     assert list(model.state_dict()) == names
     copied = copy.deepcopy(model)
     assert copied.layers[0].forward.__self__ is copied.layers[0]
@@ -85,10 +85,10 @@ def test_the_blocks_keep_their_names_and_a_copy_recomputes_itself() -> None:
 
 def test_evaluation_and_none_leave_the_forward_alone() -> None:
     model = Tiny()
-    recompute_blocks(default_units(model), "none")
+    recompute_blocks(model, default_units(model), "none")
     assert "forward" not in vars(model.layers[0])
-    recompute_blocks(default_units(model), "selective")
+    recompute_blocks(model, default_units(model), "selective")
     with torch.no_grad():
         assert model(torch.randn(1, 4, 16)).shape == (1, 4, 5)
     with pytest.raises(ValueError, match="unknown activation checkpointing mode"):
-        recompute_blocks(default_units(model), "sometimes")
+        recompute_blocks(model, default_units(model), "sometimes")

@@ -42,7 +42,7 @@ def test_sequence_parallelism_divides_the_norms_and_layer_inputs_by_tp() -> None
     assert whole.layer - split.layer == norms - norms // 8
     assert split.layer_input == whole.layer_input // 8 == tokens * t.hidden * 4 // 8  # the fp32 residual stream
     assert whole.outside - split.outside == (tokens * t.hidden * 8 + 4 * tokens) * 7 // 8  # the final norm
-    checkpointed = {"tp_size": 8, "activation_checkpointing": True}  # tp takes all 8 GPUs: the row is tp's
+    checkpointed = {"tp_size": 8, "activation_checkpointing": "full"}  # tp takes all 8 GPUs: the row is tp's
     assert rows(**checkpointed, sequence_parallel=True)["tp"].activations < rows(**checkpointed)["tp"].activations
 
 

@@ -8,6 +8,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import multigpu as mg
+from multigpu.core.recompute import recompute_blocks
 from multigpu.planner import plan
 from multigpu.planner.activations import transformer_activations
 from multigpu.planner.shapes import from_config
@@ -124,26 +125,53 @@ def saved_bytes(model: nn.Module, forward) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-@pytest.mark.parametrize(("batch", "seq"), [(2, 64), (4, 128), (1, 256)])
-def test_transformer_activations_match_saved_tensors(batch: int, seq: int, checkpointing: bool) -> None:
+TINY_LLAMA = {
+    "hidden_size": 128,
+    "intermediate_size": 344,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+}
+
+
+def tiny_llama(checkpointing: str) -> nn.Module:
     transformers = pytest.importorskip("transformers")
-    config = {
-        "hidden_size": 128,
-        "intermediate_size": 344,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 512,
-    }
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, attn_implementation="sdpa")).train()
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA, attn_implementation="sdpa"))
+    recompute_blocks(model, model.model.layers, checkpointing)
+    return model.train()
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+@pytest.mark.parametrize(("batch", "seq"), [(2, 64), (4, 128), (1, 256)])
+def test_transformer_activations_match_saved_tensors(batch: int, seq: int, checkpointing: str) -> None:
+    model = tiny_llama(checkpointing)
     ids = torch.randint(0, 512, (batch, seq))
     measured = saved_bytes(model, lambda: model(input_ids=ids, labels=ids))
-    predicted = transformer_activations(from_config(config, "tiny").transformer, batch, seq, "32", checkpointing)
+    predicted = transformer_activations(from_config(TINY_LLAMA, "tiny").transformer, batch, seq, "32", checkpointing)
     assert predicted.saved == pytest.approx(measured, rel=0.15)
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
+def test_the_activation_peak_of_each_checkpointing_mode_is_the_planned_one(checkpointing: str) -> None:
+    """The peak of everything but parameters and gradients over a step, followed tensor by tensor by torch's
+    MemTracker, once the gradients exist (as from a loop's second step). offload keeps its activations in host
+    memory, which on this CPU is the device: its figure is checked on a GPU (tests/gpu)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model, ids = tiny_llama(checkpointing), torch.randint(0, 512, (4, 128))
+    model(input_ids=ids, labels=ids).loss.backward()
+    model.zero_grad(set_to_none=False)
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    held = sum(value for kind, value in peak.items() if kind != "Total" and kind.value in ("Parameter", "Gradient"))
+    predicted = transformer_activations(from_config(TINY_LLAMA, "tiny").transformer, 4, 128, "32", checkpointing)
+    assert predicted.peak == pytest.approx(peak["Total"] - held, rel=0.15)
 
 
 def test_module_activations_come_from_a_traced_forward() -> None:

@@ -14,7 +14,7 @@ from multigpu.planner.memory import FRAMEWORK_OVERHEAD
 
 GIB = 2**30
 LLAMA_8B_FP32 = 8_030_261_248 * 4  # llama-3.1-8b's parameters, built in fp32
-SMALL_LLAMA = {"gpus": 8, "batch_size": 1, "activation_checkpointing": True}  # zero3's training fits 24GB
+SMALL_LLAMA = {"gpus": 8, "batch_size": 1, "activation_checkpointing": "full"}  # zero3's training fits 24GB
 
 
 def by_strategy(result) -> dict:
@@ -106,6 +106,6 @@ def test_the_table_shows_setup_beside_training(capsys: pytest.CaptureFixture) ->
     assert "setup" in out and "init_module" in out
     assert f"{LLAMA_8B_FP32 * 9 / 8 / GIB:.2f}" in zero3 and "5.70" in zero3  # 3.74 shard + 1.96 (the embedding)
     assert "warning:" not in out  # nothing trains at batch 8, so nothing is recommended
-    out, zero3 = table(capsys, "--batch-size", "1", "--activation-checkpointing")
+    out, zero3 = table(capsys, "--batch-size", "1", "--activation-checkpointing", "full")
     assert "init_module" in zero3.split("│")[-4]  # the fits column
     assert "warning: zero3's training fits, but setup does not" in " ".join(out.split())

@@ -70,6 +70,26 @@ CELLS: dict[str, tuple[int, dict]] = {
     "pp-x-tp": (4, {"multi_gpu": "pp", "tp_size": 2}),
     "pp-x-tp-sequence-parallel": (4, {"multi_gpu": "pp", "tp_size": 2, "sequence_parallel": True}),
     "zero3-x-pp-lora": (4, {"multi_gpu": "zero3", "pp_size": 2, "batch_size": 2, "method": "lora"}),
+    # How the step is computed (activation checkpointing, per-block torch.compile) under each strategy: the same
+    # numbers as the plain run, so the same reference. Checkpointing recomputes with the same kernels on the same
+    # inputs (bit for bit, tests/core/test_recompute.py); inductor fuses and reorders fp32 sums (~1e-7 relative).
+    "single-compile-selective": (1, {"multi_gpu": "single", "compile": True, "activation_checkpointing": "selective"}),
+    "ddp-compile-full": (2, {"multi_gpu": "ddp", "compile": True, "activation_checkpointing": "full"}),
+    "zero1-compile-offload": (2, {"multi_gpu": "zero1", "compile": True, "activation_checkpointing": "offload"}),
+    "zero2-compile-selective": (2, {"multi_gpu": "zero2", "compile": True, "activation_checkpointing": "selective"}),
+    "zero3-compile-full": (2, {"multi_gpu": "zero3", "compile": True, "activation_checkpointing": "full"}),
+    "tp-compile-selective": (2, {"multi_gpu": "tp", "compile": True, "activation_checkpointing": "selective"}),
+    "pp-compile-offload": (2, {"multi_gpu": "pp", "compile": True, "activation_checkpointing": "offload"}),
+    "pp-selective": (2, {"multi_gpu": "pp", "activation_checkpointing": "selective"}),
+    "hsdp-2x2-compile-selective": (
+        4,
+        {"multi_gpu": "hsdp", "replicate": 2, "batch_size": 1, "compile": True, "activation_checkpointing": "selective"},
+    ),
+    "zero3-x-tp-full": (4, {"multi_gpu": "zero3", "tp_size": 2, "batch_size": 2, "activation_checkpointing": "full"}),
+    "zero3-x-pp-compile-full": (
+        4,
+        {"multi_gpu": "zero3", "pp_size": 2, "batch_size": 2, "compile": True, "activation_checkpointing": "full"},
+    ),
 }
 # A run under one layout saves a checkpoint at step 2; another layout resumes it: (processes, settings) of each.
 MOVES: dict[str, list[tuple[int, dict]]] = {
@@ -190,6 +210,8 @@ def test_each_layout_reaches_the_one_process_validation_loss(results: dict, name
     # Llama's plan splits q_proj by output rows over tp (64 rows, 4 heads of 16): each rank holds half of them,
     # halved again where zero shards the slice; a pipeline's rank 0 holds layer 0 whole, or what tp or zero leave.
     split = {"tp-32": 32, "tp-bf16-mixed": 32, "tp-accumulate-2": 32, "replicas-x-tp": 32, "hsdp-2x2": 32}
+    split |= {"tp-compile-selective": 32, "hsdp-2x2-compile-selective": 32, "ddp-compile-full": 64}
+    split |= {"zero1-compile-offload": 64, "zero2-compile-selective": 32, "zero3-compile-full": 32}
     split |= {"tp-lora": 32} | {cell: 32 for cell in CELLS if cell.startswith("tp-sequence")}
     split |= {cell: 64 if "x-tp" not in cell else 32 for cell in CELLS if cell.startswith("pp")}
     split |= {cell: 32 for cell in CELLS if "-x-pp" in cell}

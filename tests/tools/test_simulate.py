@@ -454,7 +454,7 @@ def test_tp_adds_four_all_reduces_per_layer_on_the_intra_node_link() -> None:
     activations = LAYOUT["units_per_step"] * LAYOUT["hidden"] * 2
     expected = 4 * LAYOUT["layers"] * all_reduce(8, activations, INTERCONNECTS["nvlink"])
     assert p.comm_s == pytest.approx(expected) and p.exposed_comm_s == pytest.approx(expected)
-    recomputed = predict(gpus=(8,), tp_size=8, activation_checkpointing=True)
+    recomputed = predict(gpus=(8,), tp_size=8, activation_checkpointing="full")
     assert recomputed.comm_s == pytest.approx(expected * 6 / 4)
     hidden = predict(gpus=(8,), tp_size=8, tp_overlap=True)
     assert hidden.exposed_comm_s == 0.0 and hidden.step_s == pytest.approx(p.compute_s)

@@ -36,6 +36,12 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     return [child for child in model.children() if any(True for _ in child.parameters())]
 
 
+def outermost(blocks: list[nn.Module]) -> list[nn.Module]:
+    """Those of `blocks` that no other of them holds: a transformer's layers rather than the adapters inside them."""
+    inner = {id(module) for block in blocks for module in block.modules() if module is not block}
+    return [block for block in blocks if id(block) not in inner]
+
+
 def on_meta(model: nn.Module) -> bool:
     """Whether `model` was built on the meta device (engine.init_module): parameters without storage."""
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))

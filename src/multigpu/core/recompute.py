@@ -27,6 +27,11 @@ from torch.utils.checkpoint import (
 )
 
 MODES = ("none", "full", "selective", "offload")
+# The share of a block's forward that backward runs again: full, all of it; selective, only the element-wise ops
+# between the kept products (well under 1% of a transformer's FLOPs, counted as none); offload, nothing. The
+# planner's simulator adds it to the compute (a forward is a third of a step's FLOPs) and, under tp, to the forward
+# all-reduces.
+FORWARD_RUN_AGAIN = {"none": 0.0, "full": 1.0, "selective": 0.0, "offload": 0.0}
 
 # The ops whose outputs selective keeps: the compute-bound ones, where running again costs the most per byte kept.
 _KEPT_OPS = (
@@ -39,14 +44,22 @@ _KEPT_OPS = (
     "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention",
 )
+# Collectives inside a block (tp's all-reduces, sequence parallelism's reduce-scatters): kept, so that a
+# recomputation never communicates again.
+_KEPT_COLLECTIVES = ("all_reduce", "reduce_scatter_tensor")
 
 
-def recompute_blocks(blocks: Iterable[nn.Module], mode: str) -> None:
-    """Makes each of `blocks` keep for backward what `mode` says (see the module's doc); "none" leaves them."""
+def recompute_blocks(model: nn.Module, blocks: Iterable[nn.Module], mode: str) -> None:
+    """Makes each of `blocks` of `model` keep for backward what `mode` says (see the module's doc); "none" leaves
+    them. A Hugging Face model stops filling its key/value cache in forward: a recomputed block would add its keys
+    to the cache a second time and compute something else than the first time (transformers does the same for its
+    own gradient checkpointing)."""
     if mode not in MODES:
         raise ValueError(f"unknown activation checkpointing mode {mode!r}")
     if mode == "none":
         return
+    if getattr(getattr(model, "config", None), "use_cache", False):
+        model.config.use_cache = False
     for block in blocks:
         block._recompute_mode = mode  # read by the forward below; a deep copy of the block keeps it
         block.forward = types.MethodType(_forward, block)
@@ -70,7 +83,9 @@ def _keep_matmuls() -> tuple[Any, Any]:
 
 @functools.cache
 def _kept_ops() -> frozenset[Any]:
-    return frozenset(getattr(torch.ops.aten, name).default for name in _KEPT_OPS if hasattr(torch.ops.aten, name))
+    kept = [getattr(torch.ops.aten, name).default for name in _KEPT_OPS if hasattr(torch.ops.aten, name)]
+    functional = torch.ops._c10d_functional
+    return frozenset(kept + [getattr(functional, name).default for name in _KEPT_COLLECTIVES])
 
 
 def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

@@ -1,5 +1,5 @@
 """The Engine and what it is made of. Its own observers are attached here, to every Engine built in the process:
-the stuck-rank heartbeat, then the metrics monitor (engine.py imports neither; see multigpu.engine.observe).
+the stuck-rank heartbeat, the metrics monitor, then torch.compile's report (engine.py imports neither; see multigpu.engine.observe).
 
 The public names are imported on first use: the launcher reads engine.progress's NCCL helpers, and must not pay for
 the Engine, its strategies and their imports on every `multigpu run`.
@@ -23,8 +23,15 @@ def _monitor() -> StepObserver:
     return Monitor()
 
 
+def _compile_report() -> StepObserver:
+    from multigpu.engine.compiled import CompileReport
+
+    return CompileReport()
+
+
 observe_every_engine(_heartbeat)
 observe_every_engine(_monitor)
+observe_every_engine(_compile_report)
 
 _PUBLIC = {
     "Engine": "multigpu.engine.engine",

@@ -20,11 +20,20 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from multigpu.core.env import DistEnv, check_backend, init_process_group
 from multigpu.core.errors import UsageError
 from multigpu.core.layout import resolve_layout
-from multigpu.core.modules import MetaValues, default_units, materialize, on_meta, parameters_on_meta, repoint
+from multigpu.core.modules import (
+    MetaValues,
+    default_units,
+    materialize,
+    on_meta,
+    outermost,
+    parameters_on_meta,
+    repoint,
+)
 from multigpu.core.precision import Precision, PrecisionPlan
 from multigpu.core.pretrained import SafetensorsCheckpoint
 from multigpu.core.recompute import recompute_blocks
 from multigpu.core.settings import strategy_option_fields
+from multigpu.engine.compiled import compile_blocks
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.trackers import check_servers, parse_log_to
 from multigpu.planner import choose_strategy
@@ -65,6 +74,12 @@ def precision_plan(strategy: Strategy, config: EngineConfig, env: DistEnv) -> Pr
         raise UsageError(
             "sync_batchnorm needs one process per GPU and strategy dp drives every GPU from one process; "
             "use strategy ddp (multigpu run -n N) or drop sync_batchnorm."
+        )
+    changed = [name for name in ("compile", "activation_checkpointing") if getattr(config, name) not in (False, "none")]
+    if changed and isinstance(strategy, DataParallel):
+        raise UsageError(
+            f"{' and '.join(changed)} cannot run under strategy dp: nn.DataParallel copies the model to each GPU in "
+            "every step, and the copies would run the original blocks' forward on the first GPU; use strategy ddp."
         )
     if config.sync_batchnorm and strategy.needs_process_group and env.device.type != "cuda":
         raise UsageError(
@@ -184,11 +199,10 @@ def set_up(
     values = meta_values(strategy, model, optimizer, env, *build, say)
     model = batchnorm(model, strategy, env, config.sync_batchnorm)
     # The blocks a sharding strategy wraps, before it wraps them (its hooks then run around the recomputation).
-    blocks = getattr(strategy, "units", default_units)(model)
-    recompute_blocks(blocks, config.activation_checkpointing)
+    blocks = outermost(getattr(strategy, "units", default_units)(model))
+    recompute_blocks(model, blocks, config.activation_checkpointing)
     if config.compile:
-        for block in blocks:
-            block.compile()
+        compile_blocks(blocks)
     if plan.params != torch.float32:
         model.to(plan.params)  # bf16-true; on the meta device, free: the values are cast as they arrive
     if values is None:

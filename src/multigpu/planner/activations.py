@@ -10,8 +10,13 @@ Per layer, without checkpointing (measured tensor by tensor with saved_tensors_h
   MLP                 4*T*i*c               gate, up, SiLU(gate), and down_proj's input
 Outside the layers: token ids and labels (16T), the final norm and lm_head's input, and the fp32 log-softmax over
 the vocabulary (4*T*V), which dominates small models with large vocabularies.
-With activation checkpointing a layer keeps only its input (T*h*r); backward recomputes one layer at a time,
-so one layer's full activations come on top at the peak.
+Under activation checkpointing (core/recompute.py's modes) a layer keeps
+  full                only its input (T*h*r);
+  selective           its input and the outputs of its matrix products and attention: q, k, v, sdpa's output and
+                      logsumexp, o_proj, gate, up and down_proj (T*c*(4h + 2kv + 2i) + 4*b*heads*s);
+  offload             nothing on the device: every saved tensor waits in host memory until backward needs it;
+and backward brings the rest of one layer's activations back at a time (recomputed, or copied back), on top at
+the peak.
 Tensor and pipeline parallelism divide these per rank: see transformer_parts and layout.py.
 """
 
@@ -33,7 +38,8 @@ class ActivationParts:
     """One micro-batch's bytes, in the pieces a model-parallel layout divides differently."""
 
     layer: int  # one decoder layer without checkpointing
-    layer_input: int  # one decoder layer's input: all that checkpointing keeps of it
+    layer_input: int  # one decoder layer's input: all that full checkpointing keeps of it
+    layer_products: int  # the outputs of its matrix products and attention, which selective keeps besides
     outside: int  # token ids, labels, the final norm, the head's input and the log-softmax
 
 
@@ -57,13 +63,27 @@ def transformer_parts(
     final_norm = tokens * h * (4 + residual) + 4 * tokens
     outside = 16 * tokens + -(-final_norm // positions) + tokens * h * compute + 4 * tokens * t.vocab
     layer = -(-norms // positions) + inputs + -(-split // tp)
-    return ActivationParts(layer, -(-tokens * h * residual // positions), outside)
+    products = tokens * compute * (4 * h + 2 * kv + 2 * i) + 4 * batch * t.heads * seq
+    layer_input = -(-tokens * h * residual // positions)
+    return ActivationParts(layer, layer_input, -(-products // tp), outside)
 
 
-def transformer_activations(t: Transformer, batch: int, seq: int, precision: str, checkpointing: bool) -> Activations:
+def kept_per_layer(parts: ActivationParts, checkpointing: str) -> int:
+    """Bytes one layer keeps on the device between its forward and its backward under `checkpointing`."""
+    kept = {
+        "none": parts.layer,
+        "full": parts.layer_input,
+        "selective": parts.layer_input + parts.layer_products,
+        "offload": 0,
+    }
+    return kept[checkpointing]
+
+
+def transformer_activations(t: Transformer, batch: int, seq: int, precision: str, checkpointing: str) -> Activations:
     parts = transformer_parts(t, batch, seq, precision)
-    if not checkpointing:
-        saved = t.layers * parts.layer + parts.outside
-        return Activations(saved, saved)
-    saved = t.layers * parts.layer_input + parts.outside
-    return Activations(saved, saved + parts.layer)
+    kept = kept_per_layer(parts, checkpointing)
+    saved = t.layers * kept + parts.outside
+    # Backward starts with the loss's: the gradients of the fp32 log-softmax and of the logits, each tokens x vocab.
+    # It frees what lies outside the layers before it reaches the last layer, whose activations then come back.
+    loss_backward = 2 * 4 * batch * seq * t.vocab
+    return Activations(saved, max(saved + loss_backward, t.layers * kept + parts.layer - kept))

@@ -22,7 +22,7 @@ from multigpu.core.layout import (
     TensorParallelOptions,
     resolve_layout,
 )
-from multigpu.core.settings import TrainingSettings, derive, setting
+from multigpu.core.settings import ComputeSettings, TrainingSettings, derive, setting
 
 OPTIMIZERS = ("adamw", "sgd", "adamw8bit")
 
@@ -77,8 +77,10 @@ _ENGINE_SETTINGS = derive(
     LayoutSettings,
     TensorParallelOptions,
     PipelineOptions,
+    ComputeSettings,
     only=(
         "precision",
+        "activation_checkpointing",
         "grad_accum_steps",
         "unsharded_grad_accum",
         "cpu_offload",
@@ -94,6 +96,7 @@ _ENGINE_SETTINGS = derive(
     note={
         "grad_accum_steps": " (plan: changes memory only with --unsharded-grad-accum)",
         "cpu_offload": " (plan: allows the zero3+offload row to be recommended)",
+        "activation_checkpointing": " (plan: offload counts what stays on the GPU)",
     },
 )
 
@@ -106,7 +109,6 @@ class PlanConfig(_ENGINE_SETTINGS):
     optimizer: str = setting("adamw", "optimizer states to count", choices=OPTIMIZERS)
     batch_size: int = setting(8, "sequences per GPU per micro-batch")
     seq_len: int = setting(2048, "tokens per sequence")
-    activation_checkpointing: bool = setting(False, "keep layer inputs only, recompute")
     lora_r: int | None = setting(None, "LoRA rank: train adapters on every projection")
     qlora: bool = setting(False, "4-bit (nf4) frozen base under LoRA adapters")
 

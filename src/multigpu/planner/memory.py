@@ -220,7 +220,7 @@ def plan_shape(shape: ModelShape, config: PlanConfig, per: str = "GPU") -> Plan:
         return plan
     more = "GPUs" if per == "GPU" else "machines"
     instead = (
-        f"lower --batch-size or --seq-len, add --activation-checkpointing, more {more} or --tp-size/--pp-size, "
+        f"lower --batch-size or --seq-len, add --activation-checkpointing full, more {more} or --tp-size/--pp-size, "
         "LoRA/QLoRA"
     )
     if fitting:  # zero3+offload alone, which the config does not allow: the table says it fits, and so must this

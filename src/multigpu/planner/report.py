@@ -41,10 +41,11 @@ def print_table(plan: Plan) -> None:
     from rich.table import Table
 
     c = plan.config
+    checkpointing = "" if c.activation_checkpointing == "none" else f", {c.activation_checkpointing} checkpointing"
     title = (
         f"{plan.model}: {plan.params / 1e9:.3g}B parameters ({plan.trainable / 1e6:,.1f}M trainable), "
         f"{c.world} GPU(s) of {c.gpu_bytes / 2**30:.0f} GiB, {c.precision}, {c.optimizer}, "
-        f"batch {c.batch_size} x {c.seq_len} tokens{', activation checkpointing' if c.activation_checkpointing else ''}"
+        f"batch {c.batch_size} x {c.seq_len} tokens{checkpointing}"
         + layout(plan)
     )
     table = Table(

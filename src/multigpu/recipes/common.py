@@ -61,6 +61,9 @@ class RecipeSettings(Derived):
 # The Engine's settings every recipe shows, after those a recipe names.
 EVERY_RECIPE_SHOWS = (
     "seed",
+    "activation_checkpointing",
+    "compile",
+    "float8",
     "peak_tflops",
     "timeout_s",
     "log_every",

@@ -40,7 +40,7 @@ class BenchConfig(
     derive(
         "BenchOverrides",
         EngineConfig,
-        only=("precision",),
+        only=("precision", "activation_checkpointing", "compile", "float8", "loss"),
         overrides=True,
         note="; bench: every run's (default: the script's own)",
     )

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from multigpu.core.errors import UsageError
+from multigpu.core.recompute import FORWARD_RUN_AGAIN
 from multigpu.core.layout import SHARDS, LayoutSettings, ParallelDims, check_schedule, resolve_layout
 from multigpu.planner.layout import bubble_fraction
 
@@ -145,7 +146,7 @@ class SimulateConfig:
     hidden: int = 0  # the model's width: tp's all-reduces and pp's sends move tokens x hidden activations
     tokens_per_unit: float = 1.0  # seq_len where the unit is samples
     activation_bytes: int = 2
-    activation_checkpointing: bool = False  # the recomputed forward repeats its tp all-reduces
+    activation_checkpointing: str = "none"  # full's recomputed forward repeats its tp all-reduces
     tp_overlap: bool = False  # async tp: each all-reduce runs under the matmul it feeds, hidden up to the compute
 
     def __post_init__(self) -> None:
@@ -314,7 +315,7 @@ def layout_step(config: SimulateConfig, n: int, intra: Links, inter: Links, comp
     that GPU's share of the replica's compute.
 
     tp: per layer, 2 all-reduces of a micro-batch's tokens x hidden activations in forward and 2 in backward (2 more
-    when checkpointing recomputes the forward), on the critical path unless tp_overlap.
+    when full checkpointing recomputes the forward), on the critical path unless tp_overlap.
     pp: a micro-batch's activations go forward and its gradients back once per stage; sends overlap the next
     micro-batch's compute, except on the fill and drain, where each boundary waits for them. The bubble is
     (pp - 1) / (v m + pp - 1) of the pipelined time (planner.layout.bubble_fraction).
@@ -326,7 +327,7 @@ def layout_step(config: SimulateConfig, n: int, intra: Links, inter: Links, comp
     micro_batch = config.units_per_step * config.tokens_per_unit / m * config.hidden * config.activation_bytes
     layers = config.layers / pp
     tp_link = span_link(tp, gpn, intra["all_reduce"], inter["all_reduce"])
-    per_layer = 6 if config.activation_checkpointing else 4
+    per_layer = 4 + 2 * FORWARD_RUN_AGAIN[config.activation_checkpointing]
     tp_comm = per_layer * layers * m * all_reduce(tp, micro_batch, tp_link)
     tp_exposed = max(0.0, tp_comm - compute) if config.tp_overlap else tp_comm
     pp_comm = pp_exposed = 0.0

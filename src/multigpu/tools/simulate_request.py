@@ -16,6 +16,7 @@ import numpy as np
 
 from multigpu.core.config import json_value, parse_list, read_json
 from multigpu.core.errors import UsageError
+from multigpu.core.recompute import FORWARD_RUN_AGAIN
 from multigpu.core.settings import derive, setting
 from multigpu.engine.config import EngineConfig
 from multigpu.tools.simulate import (
@@ -120,11 +121,24 @@ def format_table(predictions: list[Prediction], title: str | None = None) -> str
 SimulatedLayout = derive(
     "SimulatedLayout",
     EngineConfig,
-    only=("strategy", "tp_size", "pp_size", "pp_schedule", "pp_stages_per_rank", "pp_microbatches"),
+    only=(
+        "strategy",
+        "tp_size",
+        "pp_size",
+        "pp_schedule",
+        "pp_stages_per_rank",
+        "pp_microbatches",
+        "activation_checkpointing",
+    ),
     rename={"pp_microbatches": "microbatches"},
     defaults={"strategy": "ddp", "tp_size": 1, "pp_size": 1},
     choices={"strategy": STRATEGIES},
-    note={"strategy": "; simulate: the data-parallel one", "tp_size": "; simulate: inside a node"},
+    note={
+        "strategy": "; simulate: the data-parallel one",
+        "tp_size": "; simulate: inside a node",
+        "activation_checkpointing": " (simulate: full runs the forward again, a third more compute with --tflops, "
+        "and tp's forward all-reduces again; offload's copies to host memory are not modelled)",
+    },
 )
 
 
@@ -156,9 +170,6 @@ class SimulateRequest(SimulatedLayout):
     calibration: str | None = setting(None, "a bench --collectives JSON: replaces the intra-node link")
     inter_calibration: str | None = setting(
         None, "a bench --collectives JSON taken across nodes: replaces the inter-node link"
-    )
-    activation_checkpointing: bool = setting(
-        False, "full recompute: a third more compute with --tflops, and tp's forward all-reduces again"
     )
     tp_overlap: bool = setting(False, "async tp: hide tp's all-reduces under the matmuls")
 
@@ -192,8 +203,7 @@ def resolve(request: SimulateRequest) -> tuple[SimulateConfig, Link | None, Link
     else:
         units, unit = request.batch_size * request.seq_len, "tokens"
         compute = compute_time(flops_per_token(shape, request.seq_len), units, request.tflops, request.mfu)
-        if request.activation_checkpointing:
-            compute *= 4 / 3  # the forward (a third of the FLOPs) runs again in backward
+        compute *= 1 + FORWARD_RUN_AGAIN[request.activation_checkpointing] / 3  # a forward: a third of the FLOPs
     config = SimulateConfig(
         params=shape.params,
         compute_s=compute,

@@ -34,15 +34,17 @@ from multigpu.tools import harness
 TOLERANCES = {"32": (1e-4, 1e-3), "bf16-mixed": (3e-2, 0.3), "fp16-mixed": (1e-2, 0.15), "bf16-true": (5e-2, 0.5)}
 
 
+# The settings given to verify that the 1-process run takes too: what is computed, not how the processes split it.
+BOTH_RUNS_TAKE = ("precision", "activation_checkpointing", "compile", "float8", "loss")
 # The Engine settings verify imposes on the script; unset, the script's own.
 VerifyOverrides = derive(
     "VerifyOverrides",
     EngineConfig,
-    only=("strategy", "precision", "tp_size", "pp_size"),
+    only=("strategy", "tp_size", "pp_size", *BOTH_RUNS_TAKE),
     overrides=True,
     note={
         "strategy": "; verify: the N-process run's (default: the script's own)",
-        "precision": "; verify: both runs' (default: the script's own)",
+        **{name: "; verify: both runs' (default: the script's own)" for name in BOTH_RUNS_TAKE},
         "tp_size": "; verify: the N-process run's, with --strategy",
         "pp_size": "; verify: the N-process run's, with --strategy",
     },
@@ -133,8 +135,8 @@ def verify(config: VerifyConfig, target: list[str], module: bool = False) -> Ver
         samples = harness.step_samples(dist)
         # One process stands in for the N-process run's data-parallel ranks (tensor and pipeline ones share a batch).
         factor = dist[0]["data_parallel_size"]
-        precision = {key: value for key, value in imposed.items() if key == "precision"}  # both runs take it
-        reference = {"strategy": "single", "tp_size": None, "pp_size": None, **precision}
+        both = {key: value for key, value in imposed.items() if key in BOTH_RUNS_TAKE}
+        reference = {"strategy": "single", "tp_size": None, "pp_size": None, **both}
         one = _folder(tmp, "one")
         ref = harness.run(target, module, 1, _reference(one, reference, factor, samples, common))
         ref_samples = harness.step_samples(ref)
