@@ -92,3 +92,23 @@ def test_evaluation_and_none_leave_the_forward_alone() -> None:
         assert model(torch.randn(1, 4, 16)).shape == (1, 4, 5)
     with pytest.raises(ValueError, match="unknown activation checkpointing mode"):
         recompute_blocks(model, default_units(model), "sometimes")
+
+
+def test_a_hugging_face_decoder_recomputes_its_plain_gradients_with_its_cache_off() -> None:
+    """A decoder fills its key/value cache in a training forward unless told not to; a recomputed layer would then
+    add its keys to it twice (selective checkpointing raised: backward met other ops than the forward had run)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64
+    )
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for mode in MODES:
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config)
+        recompute_blocks(model, model.model.layers, mode)
+        assert model.config.use_cache == (mode == "none")
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads[mode] = [p.grad for p in model.parameters()]
+    for mode in MODES[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[mode], grads["none"], strict=True)), mode

@@ -113,7 +113,7 @@ def test_parse_bytes_refuses_what_cannot_be_a_gpus_memory(text: str | float, mes
 
 
 def test_json_output(capsys: pytest.CaptureFixture) -> None:
-    main(["plan", "--model", "smollm2-135m", "--gpus", "2", "--gpu-memory", "24GB", "--json"])
+    main(["plan", "--model", "smollm2-135m", "--gpus", "2", "--gpu-memory", "24GB", "--batch-size", "4", "--json"])
     data = json.loads(capsys.readouterr().out)
     assert [s["strategy"] for s in data["strategies"]] == [
         *("ddp", "zero1", "zero2", "zero3", "zero3+offload"),

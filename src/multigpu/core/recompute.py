@@ -52,8 +52,8 @@ _KEPT_COLLECTIVES = ("all_reduce", "reduce_scatter_tensor")
 def recompute_blocks(model: nn.Module, blocks: Iterable[nn.Module], mode: str) -> None:
     """Makes each of `blocks` of `model` keep for backward what `mode` says (see the module's doc); "none" leaves
     them. A Hugging Face model stops filling its key/value cache in forward: a recomputed block would add its keys
-    to the cache a second time and compute something else than the first time (transformers does the same for its
-    own gradient checkpointing)."""
+    to the cache a second time, and selective checkpointing, meeting other ops than the forward ran, raises
+    (transformers turns the cache off for its own gradient checkpointing too)."""
     if mode not in MODES:
         raise ValueError(f"unknown activation checkpointing mode {mode!r}")
     if mode == "none":

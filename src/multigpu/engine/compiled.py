@@ -12,6 +12,12 @@ from torch import nn
 from multigpu.engine.observe import StepObserver, StepStats
 
 
+# What compile_blocks compiles with: torch.compile's default, inductor. The multi-process tests trace with aot_eager,
+# the same graphs (FSDP's hooks, tp's DTensors and checkpointing included) without inductor's code generation, which
+# costs a minute per process on 2 CPU cores; inductor itself is tested in one process (tests/engine/test_compiled.py).
+BACKEND = "inductor"
+
+
 def compile_blocks(blocks: Iterable[nn.Module]) -> None:
     """Compiles each block in place (its parameters keep their names; FSDP's hooks, registered on the block, stay
     out of the graph, as dynamo skips them). A shape that changes compiles once more and is dynamic from then on
@@ -20,7 +26,7 @@ def compile_blocks(blocks: Iterable[nn.Module]) -> None:
     here it raises instead."""
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     for block in blocks:
-        block.compile()
+        block.compile(backend=BACKEND)
 
 
 def compiled_graphs() -> int:

@@ -81,6 +81,11 @@ def precision_plan(strategy: Strategy, config: EngineConfig, env: DistEnv) -> Pr
             f"{' and '.join(changed)} cannot run under strategy dp: nn.DataParallel copies the model to each GPU in "
             "every step, and the copies would run the original blocks' forward on the first GPU; use strategy ddp."
         )
+    if config.compile and strategy.layout.tp > 1:
+        raise UsageError(
+            "compile cannot run with tensor parallelism on torch 2.13: a compiled block's backward hands DTensor's "
+            "redistribution a plain tensor and fails in the first step; drop --compile, or the tensor parallelism."
+        )
     if config.sync_batchnorm and strategy.needs_process_group and env.device.type != "cuda":
         raise UsageError(
             "sync_batchnorm synchronises BatchNorm between GPUs, and torch's SyncBatchNorm refuses to run on CPU; "

@@ -40,6 +40,7 @@ class ActivationParts:
     layer: int  # one decoder layer without checkpointing
     layer_input: int  # one decoder layer's input: all that full checkpointing keeps of it
     layer_products: int  # the outputs of its matrix products and attention, which selective keeps besides
+    layer_gradients: int  # the gradients of the MLP's gate and up outputs, alive together in its backward
     outside: int  # token ids, labels, the final norm, the head's input and the log-softmax
 
 
@@ -65,7 +66,8 @@ def transformer_parts(
     layer = -(-norms // positions) + inputs + -(-split // tp)
     products = tokens * compute * (4 * h + 2 * kv + 2 * i) + 4 * batch * t.heads * seq
     layer_input = -(-tokens * h * residual // positions)
-    return ActivationParts(layer, layer_input, -(-products // tp), outside)
+    gradients = -(-2 * tokens * i * compute // tp)
+    return ActivationParts(layer, layer_input, -(-products // tp), gradients, outside)
 
 
 def kept_per_layer(parts: ActivationParts, checkpointing: str) -> int:
@@ -86,4 +88,10 @@ def transformer_activations(t: Transformer, batch: int, seq: int, precision: str
     # Backward starts with the loss's: the gradients of the fp32 log-softmax and of the logits, each tokens x vocab.
     # It frees what lies outside the layers before it reaches the last layer, whose activations then come back.
     loss_backward = 2 * 4 * batch * seq * t.vocab
-    return Activations(saved, max(saved + loss_backward, t.layers * kept + parts.layer - kept))
+    return Activations(saved, max(saved + loss_backward, t.layers * kept + recomputed(parts, checkpointing)))
+
+
+def recomputed(parts: ActivationParts, checkpointing: str) -> int:
+    """Bytes a checkpointed layer's backward adds to what the layers keep: the rest of its activations, recomputed
+    or copied back, and the gradients of its widest tensors."""
+    return 0 if checkpointing == "none" else parts.layer - kept_per_layer(parts, checkpointing) + parts.layer_gradients

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, replace
 
 from multigpu.core.errors import UsageError
-from multigpu.planner.activations import kept_per_layer, transformer_parts
+from multigpu.planner.activations import kept_per_layer, recomputed, transformer_parts
 from multigpu.planner.shapes import ModelShape, Transformer
 
 COLUMN_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # the rest (o_proj, down_proj) split rows
@@ -136,8 +136,7 @@ def stage_activations(
     if t is None:
         return shape.activation_bytes_per_sample * batch * stage.in_flight  # per-rank bytes from held_shape
     parts = transformer_parts(t, batch, seq, precision, tp, sequence_parallel)
-    kept = kept_per_layer(parts, checkpointing)
-    per_micro_batch = stage.layers * kept + (parts.outside if stage.last else 0)
+    per_micro_batch = stage.layers * kept_per_layer(parts, checkpointing) + (parts.outside if stage.last else 0)
     # Checkpointing brings the rest of one layer's activations back at a time in backward: on top, once.
-    recompute = parts.layer - kept if stage.layers else 0
+    recompute = recomputed(parts, checkpointing) if stage.layers else 0
     return per_micro_batch * stage.in_flight + recompute
