@@ -40,17 +40,24 @@ def test_script_over_process_counts_and_strategies(tmp_path: Path) -> None:
         assert (tmp_path / plot).read_bytes()[:8] == PNG
 
 
-def test_recipe_train(tmp_path: Path) -> None:
-    report = bench(tmp_path, "--recipe", "train", "--nproc", "2", "--repeats", "1", "--no-comm-share")
-    (cell,) = report["cells"]
-    assert cell["nproc"] == 2 and cell["strategy"] == "ddp" and cell["speedup"] is None
-    assert cell["tokens_per_s"] is None and cell["comm_share"] is None
+def test_recipe_train_with_each_gradient_compression(tmp_path: Path) -> None:
+    compressions = ("none", "bf16")  # powersgd's bytes: tests/strategies/test_compression.py
+    flags = ("--nproc", "2", "--repeats", "1", "--no-comm-share", "--grad-compressions", ",".join(compressions))
+    report = bench(tmp_path, "--recipe", "train", *flags)
+    assert [cell["grad_compression"] for cell in report["cells"]] == list(compressions)
+    for cell in report["cells"]:
+        assert cell["nproc"] == 2 and cell["strategy"] == "ddp" and cell["speedup"] is None
+        assert cell["tokens_per_s"] is None and cell["comm_share"] is None
     assert "multigpu.recipes.train" in report["target"]
+    # 2 processes: a ring all-reduce sends 2 (n - 1) / n = 1 times the payload; bf16 halves fp32's 4 bytes.
+    sent = {cell["grad_compression"]: cell["grad_bytes_sent"] for cell in report["cells"]}
+    assert sent["none"] > 0 and sent["bf16"] == sent["none"] / 2
 
 
 def test_usage_errors_exit_2(tmp_path: Path) -> None:
     for flags, words in [
         (["--strategies", "dp", SCRIPT], "--strategies has dp"),
+        (["--grad-compressions", "none,int8", SCRIPT], "Unknown grad_compression 'int8'"),
         (["--nproc", "0,2", SCRIPT], "process counts of 1 or more"),
         ([], "Give bench a SCRIPT or --recipe train|finetune"),
         (["--collectives", SCRIPT], "drop SCRIPT"),

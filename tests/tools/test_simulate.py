@@ -488,3 +488,27 @@ def test_cli_takes_the_layout(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["simulate", "--params", "7e9", "--tp-size", "2", "--tflops", "989", "--gpus", "2"])
     assert exit_info.value.code == 2 and "give --model" in capsys.readouterr().err
+
+
+def test_grad_compression_sets_the_gradient_bytes_reduced() -> None:
+    """bf16/fp16 send 2 bytes per gradient element; PowerSGD rank r sends r (m + n) per m x n matrix and every
+    vector whole; zero2/zero3 cannot take PowerSGD and a model given by its count has no matrices to factor."""
+    from multigpu.strategies.compression import Compression, payload_bytes
+    from multigpu.tools.simulate import strategy_comm
+    from multigpu.tools.simulate_request import SimulateRequest, gradient_shapes, resolve
+
+    shape = load_shape("smollm2-135m")
+    assert sum(math.prod(s) for s in gradient_shapes(shape.transformer)) == shape.params
+    request = {"model": "smollm2-135m", "compute_s": 1.0, "units_per_step": 1.0, "gpus": "8"}
+    plain, _, _ = resolve(SimulateRequest(**request))
+    half, _, _ = resolve(SimulateRequest(**request, grad_compression="bf16"))
+    factored, _, _ = resolve(SimulateRequest(**request, grad_compression="powersgd:4"))
+    assert plain.grad_payload is None and half.grad_payload == 2 * shape.params
+    want = payload_bytes(gradient_shapes(shape.transformer), Compression("powersgd", 4), 4)
+    assert factored.grad_payload == want < shape.params * 4 / 10  # 576 x 1536 at rank 4: 1% of the matrix
+    comm = [strategy_comm(c, 8, INTERCONNECTS["pcie"], 1.0)[0] for c in (plain, half, factored)]
+    assert comm[2] < comm[1] < 0.6 * comm[0]  # bf16: half the bytes, the same latency
+    with pytest.raises(UsageError, match="zero3 reduces through FSDP2"):
+        resolve(SimulateRequest(**request, strategy="zero3", grad_compression="powersgd"))
+    with pytest.raises(UsageError, match="give --model instead of --params"):
+        resolve(SimulateRequest(**{**request, "model": None, "params": 1e8}, grad_compression="powersgd"))

@@ -4,6 +4,7 @@ A checkpoint is a directory:
   .metadata, __*_*.distcp   model and optimizer tensors, each rank writing its own shards (DCP)
   objects.pt                everything else in the state (schedulers, the loader's position, counters), rank 0
   rng-rank<R>.pt            each rank's random number generator states
+  communication-rank<R>.pt  each rank's gradient compression state (ddp's PowerSGD), when it keeps one
 It is written under `.<name>.partial` and renamed to `<name>` only when every part is synced to disk, so a crash or
 a power loss during a save never leaves something that resume would pick up. Loading builds only tensors and plain
 data (torch.load's weights_only), so a checkpoint from someone else cannot run code.
@@ -39,6 +40,7 @@ if TYPE_CHECKING:  # a type only: the launcher reads this module, and must not i
     from multigpu.strategies import Strategy
 
 OBJECTS, METADATA = "objects.pt", ".metadata"
+COMMUNICATION = "communication-rank{rank}.pt"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -217,6 +219,10 @@ def begin_save(path: Path, state: dict[str, Any], strategy: Strategy) -> tuple[P
         if _rank() == 0:
             _save_synced(objects, tmp / OBJECTS)
         _save_synced(rng_state(), tmp / f"rng-rank{_rank()}.pt")
+        # State a strategy keeps per rank beside the model and optimizer (ddp's PowerSGD error feedback).
+        communication = getattr(strategy, "communication_state", lambda: None)()
+        if communication is not None:
+            _save_synced(communication, tmp / COMMUNICATION.format(rank=_rank()))
     except OSError as error:
         failure = error
     _agree(path, failure)
@@ -547,10 +553,19 @@ def load(path: str | Path, state: dict[str, Any], strategy: Strategy, optional: 
             value.load_state_dict(objects[key])
         else:
             state[key] = objects[key]
+    load_communication = getattr(strategy, "load_communication_state", None)
+    if load_communication is not None:
+        load_communication(functools.partial(_communication_state, path), _rank())
     rng = path / f"rng-rank{_rank()}.pt"
     if rng.is_file():  # a rank that did not exist when the checkpoint was written keeps its seeded streams
         with torch.serialization.safe_globals(NUMPY_RNG_GLOBALS):
             set_rng_state(_load_data(rng))
+
+
+def _communication_state(path: Path, rank: int) -> Any:
+    """Rank `rank`'s saved communication state, or None where the checkpoint has none."""
+    file = path / COMMUNICATION.format(rank=rank)
+    return _load_data(file) if file.is_file() else None
 
 
 def list_checkpoints(directory: Path) -> list[Path]:

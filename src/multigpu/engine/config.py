@@ -14,6 +14,7 @@ from multigpu.core.layout import LayoutSettings, PipelineOptions, ShardingOption
 from multigpu.core.settings import ComputeSettings, Settings, TrainingSettings, setting
 from multigpu.engine.trackers import parse_log_to
 from multigpu.strategies import STRATEGIES
+from multigpu.strategies.compression import CompressionOptions
 from multigpu.strategies.ddp import DDPOptions
 from multigpu.strategies.deepspeed import DeepSpeedOptions
 
@@ -36,6 +37,7 @@ class StrategyChoice(Settings):
 @dataclass
 class EngineConfig(
     DeepSpeedOptions,
+    CompressionOptions,
     DDPOptions,
     ShardingOptions,
     PipelineOptions,

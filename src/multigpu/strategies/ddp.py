@@ -6,7 +6,7 @@ import contextlib
 import functools
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from multigpu.core.layout import REPLICAS
 from multigpu.core.precision import PrecisionPlan
 from multigpu.core.settings import Settings, setting
 from multigpu.strategies.base import Strategy, move_to_device
+from multigpu.strategies.compression import CompressionOptions
 
 # DDP's reducer notices a bucket left waiting only when the next forward starts, and says so in these words.
 UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
@@ -37,9 +38,11 @@ class DDPOptions(Settings):
 
 
 @dataclass
-class DDP(DDPOptions, Strategy):
+class DDP(CompressionOptions, DDPOptions, Strategy):
     bucket_cap_mb: float = 25.0
     static_graph: bool = False
+    #: PowerSGD's state (strategies/powersgd.py), saved per rank in checkpoints; None without powersgd.
+    powersgd: Any = field(default=None, init=False, repr=False, compare=False)
 
     name = "ddp"
     spread = REPLICAS
@@ -62,7 +65,21 @@ class DDP(DDPOptions, Strategy):
         )
         if not (self.find_unused_parameters or self.static_graph):  # both change what that error means
             wrapped.forward = self._explaining_unused(wrapped)
+        if self.compression.kind != "none":
+            from multigpu.strategies.powersgd import register  # torch's hooks, imported only by runs that use them
+
+            self.powersgd = register(wrapped, self.compression, mesh["replicate"].get_group())
         return wrapped, optimizer
+
+    def communication_state(self) -> dict[str, Any] | None:
+        """This rank's PowerSGD state for a checkpoint (engine/checkpoint.py), or None without powersgd."""
+        return None if self.powersgd is None else self.powersgd.state_dict()
+
+    def load_communication_state(self, read: Callable[[int], Any], rank: int) -> None:
+        """Puts back the PowerSGD state a checkpoint holds; `read(r)` is rank r's (None where none was saved)."""
+        from multigpu.strategies.powersgd import load_keeper_state
+
+        load_keeper_state(self.powersgd, read, rank)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         return model.no_sync()

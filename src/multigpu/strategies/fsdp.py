@@ -18,6 +18,7 @@ from multigpu.core.layout import SHARDS, ShardingOptions, TensorParallelOptions
 from multigpu.core.modules import MetaValues, default_units, repoint
 from multigpu.core.precision import Precision, PrecisionPlan
 from multigpu.strategies.base import Strategy, is_quantized
+from multigpu.strategies.compression import CompressionOptions, refuse_powersgd
 from multigpu.strategies.fill import fill_shards
 from multigpu.strategies.tp import check_sequence_parallel, start_alike, tensor_parallelize
 
@@ -40,8 +41,9 @@ def quantized_owners(model: nn.Module) -> list[nn.Module]:
 @dataclass(frozen=True)
 class FSDPPrecision(PrecisionPlan):
     """FSDP casts parameters itself, per unit: no autocast; each unit gathers its parameters in the mixed dtype and
-    reduces gradients in fp32, and the root casts its output back to fp32 so that losses are computed at full
-    width. A unit of packed 4-bit weights gathers them as they are (`whole`): a cast would scramble their bytes."""
+    reduces gradients in fp32 (or grad_compression's bf16 or fp16), and the root casts its output back to fp32 so
+    that losses are computed at full width. A unit of packed 4-bit weights gathers them as they are (`whole`): a
+    cast would scramble their bytes."""
 
     unit: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     root: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
@@ -49,7 +51,7 @@ class FSDPPrecision(PrecisionPlan):
 
 
 @dataclass
-class FSDP(ShardingOptions, TensorParallelOptions, Strategy):
+class FSDP(CompressionOptions, ShardingOptions, TensorParallelOptions, Strategy):
     #: True frees the gathered parameters after forward (ZeRO-3); False keeps them until backward (ZeRO-2).
     reshard_after_forward: bool = True
     units: UnitSelector = default_units
@@ -65,6 +67,7 @@ class FSDP(ShardingOptions, TensorParallelOptions, Strategy):
             )
         )
         check_sequence_parallel(self)
+        refuse_powersgd(self.name, self.grad_compression)
 
     @property
     def builds_on_meta(self) -> bool:  # type: ignore[override]
@@ -83,14 +86,17 @@ class FSDP(ShardingOptions, TensorParallelOptions, Strategy):
             )
 
     def precision_plan(self, precision: Precision, device: torch.device) -> FSDPPrecision:
-        compute, policies = precision.compute_dtype, {}
+        # grad_compression bf16/fp16 is the dtype gradients are reduced in, whatever the parameters' (FSDP2 casts
+        # them for the reduce-scatter and back to the parameters' dtype after).
+        compute, reduce, policies = precision.compute_dtype, self.compression.reduce_dtype, {}
         if compute is not None:
+            reduce = reduce or torch.float32
             policies = {
-                "unit": MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32),
-                "root": MixedPrecisionPolicy(
-                    param_dtype=compute, reduce_dtype=torch.float32, output_dtype=torch.float32
-                ),
+                "unit": MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce),
+                "root": MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce, output_dtype=torch.float32),
             }
+        elif reduce is not None:
+            policies = {name: MixedPrecisionPolicy(reduce_dtype=reduce) for name in ("unit", "root", "whole")}
         scaler = (lambda: ShardedGradScaler(device=device.type)) if precision.needs_grad_scaler else None
         return FSDPPrecision(precision, None, precision.param_dtype, scaler, **policies)
 

@@ -23,7 +23,11 @@ from multigpu.core.errors import UsageError
 from multigpu.core.settings import derive, setting
 from multigpu.engine.config import EngineConfig
 from multigpu.strategies import STRATEGIES
+from multigpu.strategies.compression import CompressionOptions, refuse_powersgd, wire_factor
 from multigpu.tools import harness
+
+#: The strategies whose gradient collectives bench counts (bytes sent per step); tp reduces no gradients.
+REDUCING = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
 RECIPES = {
     "train": ["multigpu.recipes.train", "--resume", "none", "--epochs", "1000", "--log-every", "0"],
@@ -47,6 +51,9 @@ class BenchConfig(
 ):
     nproc: str = setting("1,2", "comma-separated process counts, e.g. 1,2,4")
     strategies: str = setting("ddp", "comma-separated strategies, e.g. ddp,zero2,zero3")
+    grad_compressions: str = setting(
+        "none", "comma-separated grad_compression values to run each strategy with, e.g. none,bf16,powersgd"
+    )
     steps: int = setting(50, "timed optimizer steps per run")
     warmup: int = setting(5, "optimizer steps before timing starts")
     repeats: int = setting(3, "runs per cell (min / median / max are reported)")
@@ -71,6 +78,11 @@ class BenchConfig(
                 f"--strategies has {', '.join(unknown)}; choose among ddp, zero1, zero2, zero3, fsdp "
                 "(1 process always runs as the single-process baseline)."
             )
+        self.compressions = parse_list(self.grad_compressions, "--grad-compressions", str)
+        for compression in self.compressions:  # each checked as the Engine's setting is, before any launch
+            CompressionOptions(grad_compression=compression)
+            for strategy in set(self.strategy_names) - {"ddp", "zero1", "tp"}:
+                refuse_powersgd(strategy, compression)
         for name in ("steps", "repeats"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name} must be 1 or more (got {getattr(self, name)}).")
@@ -78,11 +90,15 @@ class BenchConfig(
             raise UsageError(f"--warmup must be 0 or more (got {self.warmup}).")
 
 
-def run_cell(target: list[str], module: bool, n: int, strategy: str, config: BenchConfig, sync: bool) -> dict:
-    """One run: rank 0's timed steps and every rank's peak memory."""
+def run_cell(
+    target: list[str], module: bool, n: int, strategy: str, config: BenchConfig, sync: bool, compression: str = "none"
+) -> dict:
+    """One run: rank 0's timed steps, every rank's peak memory and the gradient bytes it sends per step."""
     with tempfile.TemporaryDirectory(prefix="multigpu-bench-") as tmp:
         # The cell's strategy replaces the script's, with no tensor or pipeline parallelism of the script's own.
         imposed = {"strategy": strategy, "tp_size": None, "pp_size": None, **config.values_for(EngineConfig)}
+        if strategy in REDUCING:  # the one-process baseline (single) and tp take no grad_compression
+            imposed["grad_compression"] = compression
         spec = harness.Harness(tmp, imposed, warmup=config.warmup, steps=config.steps, grad_sync=sync)
         ranks = harness.run(target, module, n, spec)
     steps = harness.timed_steps(ranks[0], config.warmup)
@@ -98,6 +114,8 @@ def run_cell(target: list[str], module: bool, n: int, strategy: str, config: Ben
         "memory": [r["peak_memory_bytes"] for r in ranks],
         "device": ranks[0]["device"],
         "precision": ranks[0]["precision"],
+        # The ring's share of what each rank hands to the gradient collectives (harness.py); none on 1 process.
+        "grad_bytes": ranks[0]["gradient_bytes"] * wire_factor(strategy, n) if strategy in REDUCING and n > 1 else None,
     }
 
 
@@ -105,12 +123,18 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
-def summarise(n: int, strategy: str, runs: list[dict], unsynced: list[dict]) -> dict[str, Any]:
+def summarise(
+    n: int, strategy: str, runs: list[dict], unsynced: list[dict], compression: str = "none"
+) -> dict[str, Any]:
     times = [t for run in runs for t in run["times"]]
     seconds = [sum(run["times"]) for run in runs]
     cell: dict[str, Any] = {
         "nproc": n,
         "strategy": strategy,
+        "grad_compression": compression if strategy in REDUCING else "none",
+        # Gradient bytes each rank sends per optimizer step (a ring's share of its payload; PowerSGD's after its
+        # warm-up steps), or None where no gradients are reduced.
+        "grad_bytes_sent": runs[0]["grad_bytes"],
         "repeats": len(runs),
         "step_time_s": {"median": statistics.median(times), "p90": float(np.percentile(times, 90))},
         "samples_per_s": spread([run["samples"] / s for run, s in zip(runs, seconds, strict=True)]),
@@ -129,16 +153,17 @@ def summarise(n: int, strategy: str, runs: list[dict], unsynced: list[dict]) -> 
 def bench(config: BenchConfig, target: list[str], module: bool = False) -> dict[str, Any]:
     """Runs every cell and returns the report (also written to OUT/bench.json with the plots)."""
     cells, device, precision = [], None, None
-    for n in config.counts:
-        for strategy in ["single"] if n == 1 and config.baseline == "single" else config.strategy_names:
-            runs = [run_cell(target, module, n, strategy, config, sync=True) for _ in range(config.repeats)]
-            unsynced = []
-            # tp communicates inside every layer's forward and backward, which no_sync leaves in place: the
-            # gradient-sync share would read 0%, so it is not measured ("-").
-            if config.comm_share and n > 1 and strategy != "tp":
-                unsynced = [run_cell(target, module, n, strategy, config, sync=False) for _ in range(config.repeats)]
-            cells.append(summarise(n, strategy, runs, unsynced))
-            device, precision = runs[0]["device"], runs[0]["precision"]
+    for n, strategy, compression in cell_list(config):
+        runs = [run_cell(target, module, n, strategy, config, True, compression) for _ in range(config.repeats)]
+        unsynced = []
+        # tp communicates inside every layer's forward and backward, which no_sync leaves in place: the
+        # gradient-sync share would read 0%, so it is not measured ("-").
+        if config.comm_share and n > 1 and strategy != "tp":
+            unsynced = [
+                run_cell(target, module, n, strategy, config, False, compression) for _ in range(config.repeats)
+            ]
+        cells.append(summarise(n, strategy, runs, unsynced, compression))
+        device, precision = runs[0]["device"], runs[0]["precision"]
     for cell in cells:
         wanted = "single" if config.baseline == "single" else cell["strategy"]
         base = next((c for c in cells if c["nproc"] == 1 and c["strategy"] == wanted), None)
@@ -161,6 +186,16 @@ def bench(config: BenchConfig, target: list[str], module: bool = False) -> dict[
     return report
 
 
+def cell_list(config: BenchConfig) -> list[tuple[int, str, str]]:
+    """(processes, strategy, grad_compression) of every cell, in order: the one-process baseline once."""
+    cells = []
+    for n in config.counts:
+        for strategy in ["single"] if n == 1 and config.baseline == "single" else config.strategy_names:
+            reducing = strategy in REDUCING and n > 1  # one process reduces nothing: compression changes nothing
+            cells += [(n, strategy, c) for c in (config.compressions if reducing else ["none"])]
+    return cells
+
+
 def plot(report: dict[str, Any], out: Path) -> None:
     """speedup.png (with the ideal line) and memory.png (peak per rank, by strategy and process count)."""
     import matplotlib
@@ -169,12 +204,12 @@ def plot(report: dict[str, Any], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     cells = report["cells"]
-    strategies = list(dict.fromkeys(c["strategy"] for c in cells if c["strategy"] != "single"))
+    strategies = list(dict.fromkeys(label(c) for c in cells if c["strategy"] != "single"))
     counts = sorted({c["nproc"] for c in cells})
     figure, axes = plt.subplots(figsize=(6, 4))
     axes.plot(counts, counts, "k--", label="ideal")
     for strategy in strategies:
-        points = [(c["nproc"], c["speedup"]) for c in cells if c["strategy"] in (strategy, "single") and c["speedup"]]
+        points = [(c["nproc"], c["speedup"]) for c in cells if label(c) in (strategy, "single") and c["speedup"]]
         axes.plot(*zip(*points, strict=True), "o-", label=strategy)
     axes.set(xlabel="processes", ylabel="speedup over 1 process", title=f"{report['device']}: speedup")
     axes.set_xticks(counts)
@@ -183,11 +218,17 @@ def plot(report: dict[str, Any], out: Path) -> None:
     plt.close(figure)
 
     figure, axes = plt.subplots(figsize=(6, 4))
-    labels = [f"{c['strategy']}\n{c['nproc']}p" for c in cells]
+    labels = [f"{label(c)}\n{c['nproc']}p" for c in cells]
     axes.bar(labels, [max(c["peak_memory_mb"]) for c in cells])
     axes.set(ylabel="peak memory per rank (MB, largest rank)", title=f"{report['device']}: memory per rank")
     figure.savefig(out / "memory.png", dpi=120, bbox_inches="tight")
     plt.close(figure)
+
+
+def label(cell: dict[str, Any]) -> str:
+    """The strategy, with its grad_compression where it has one: ddp, ddp+bf16."""
+    compression = cell.get("grad_compression", "none")
+    return cell["strategy"] if compression == "none" else f"{cell['strategy']}+{compression}"
 
 
 def rate(value: float) -> str:
@@ -202,12 +243,12 @@ def print_report(report: dict[str, Any]) -> None:
     tokens = any(c["tokens_per_s"] for c in report["cells"])
     table = Table(title=f"bench on {report['device']} ({report['precision']}): {report['target']}")
     columns = ["procs", "strategy", "samples/s (min/med/max)", *(["tokens/s"] if tokens else [])]
-    columns += ["step ms med / p90", "speedup", "efficiency", "comm share", "peak MB per rank"]
+    columns += ["step ms med / p90", "speedup", "efficiency", "comm share", "grad MB sent/step", "peak MB per rank"]
     for column in columns:
         table.add_column(column, justify="right")
     for c in report["cells"]:
         s = c["samples_per_s"]
-        row = [str(c["nproc"]), c["strategy"], " / ".join(rate(s[k]) for k in ("min", "median", "max"))]
+        row = [str(c["nproc"]), label(c), " / ".join(rate(s[k]) for k in ("min", "median", "max"))]
         if tokens:
             row.append(rate(c["tokens_per_s"]["median"]) if c["tokens_per_s"] else "-")
         row += [
@@ -215,6 +256,7 @@ def print_report(report: dict[str, Any]) -> None:
             f"{c['speedup']:.2f}x" if c["speedup"] is not None else "-",
             f"{c['efficiency']:.0%}" if c["efficiency"] is not None else "-",
             f"{c['comm_share']:.0%}" if c["comm_share"] is not None else "-",
+            f"{c['grad_bytes_sent'] / 2**20:,.3f}" if c.get("grad_bytes_sent") is not None else "-",
             " / ".join(f"{m:,.0f}" for m in c["peak_memory_mb"]),
         ]
         table.add_row(*row)

@@ -23,6 +23,7 @@ from multigpu.engine import Engine, EngineConfig, StepObserver, StepStats, obser
 from multigpu.engine.monitor import Monitor, peak_memory_bytes
 from multigpu.launch import worker
 from multigpu.launch.launcher import LaunchConfig, launch
+from multigpu.strategies.compression import step_payload_bytes
 
 
 @dataclass
@@ -114,6 +115,8 @@ class Recorder(StepObserver):
             "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
             "data_rank": engine.data_parallel_rank,
             "layers": per_batch_layers(model),
+            # What each rank hands to the gradient collectives per step (bench: bytes sent per step).
+            "gradient_bytes": step_payload_bytes(model, engine.config.grad_compression, engine.precision.param_dtype),
         }
         if self.harness.read_inputs:
             model.register_forward_pre_hook(self._read_inputs, with_kwargs=True)

@@ -129,6 +129,7 @@ class SimulateConfig:
     intra: str = "nvlink"  # inside a node
     strategy: str = "ddp"
     grad_bytes: int = 4  # 4: fp32 reductions, 2: bf16
+    grad_payload: float | None = None  # a step's gradient bytes as compressed (grad_compression); None: uncompressed
     param_bytes: int = 4  # of parameter all-gathers; 2 for bf16 mixed precision
     bucket_mb: float = 25.0  # DDP's bucket_cap_mb (MiB)
     backward_fraction: float = 2 / 3  # backward is about twice the forward's FLOPs
@@ -241,7 +242,8 @@ def strategy_comm(config: SimulateConfig, n: int, links: Link | Links, compute_s
     links = per_op(links)
     if n <= 1:
         return 0.0, 0.0
-    grads, weights = config.params * config.grad_bytes, config.params * config.param_bytes
+    grads = config.params * config.grad_bytes if config.grad_payload is None else config.grad_payload
+    weights = config.params * config.param_bytes
     backward = config.backward_fraction * compute_s
     if config.strategy in ("ddp", "zero1", "zero2"):
         full, rest = divmod(grads, config.bucket_mb * 2**20)
@@ -344,6 +346,7 @@ def layout_step(config: SimulateConfig, n: int, intra: Links, inter: Links, comp
         rank = dataclasses.replace(
             config,
             params=math.ceil(config.params / config.model_parallel),
+            grad_payload=None if config.grad_payload is None else config.grad_payload / config.model_parallel,
             layers=max(1, math.ceil(layers)),
             gpus=(dp,),
             tp_size=1,

@@ -10,7 +10,7 @@ import io
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,6 +19,7 @@ from multigpu.core.errors import UsageError
 from multigpu.core.recompute import FORWARD_RUN_AGAIN
 from multigpu.core.settings import derive, setting
 from multigpu.engine.config import EngineConfig
+from multigpu.strategies.compression import Compression, payload_bytes, refuse_powersgd
 from multigpu.tools.simulate import (
     INTERCONNECTS,
     OPS,
@@ -32,6 +33,9 @@ from multigpu.tools.simulate import (
     hops_and_factor,
     simulate,
 )
+
+if TYPE_CHECKING:  # the planner's shapes are imported where a request is resolved
+    from multigpu.planner.shapes import ModelShape, Transformer
 
 
 def fit_link(results: list[dict[str, Any]], world_size: int) -> Link:
@@ -129,6 +133,7 @@ SimulatedLayout = derive(
         "pp_stages_per_rank",
         "pp_microbatches",
         "activation_checkpointing",
+        "grad_compression",
     ),
     rename={"pp_microbatches": "microbatches"},
     defaults={"strategy": "ddp", "tp_size": 1, "pp_size": 1},
@@ -216,6 +221,7 @@ def resolve(request: SimulateRequest) -> tuple[SimulateConfig, Link | None, Link
         intra=request.intra,
         strategy=request.strategy,
         grad_bytes=request.grad_bytes,
+        grad_payload=compressed_gradients(request, shape),
         param_bytes=request.param_bytes,
         bucket_mb=request.bucket_mb,
         overlap=request.overlap,
@@ -233,6 +239,29 @@ def resolve(request: SimulateRequest) -> tuple[SimulateConfig, Link | None, Link
     intra = load_calibration(request.calibration) if request.calibration else None
     inter = load_calibration(request.inter_calibration, "--inter-calibration") if request.inter_calibration else None
     return config, intra, inter
+
+
+def compressed_gradients(request: SimulateRequest, shape: ModelShape) -> float | None:
+    """A step's gradient bytes as grad_compression sends them (None: uncompressed, params x grad_bytes): 2 per
+    element with bf16 or fp16, PowerSGD's factors of each matrix of the model (needs its shape: --model)."""
+    compression = Compression.parse(request.grad_compression)
+    if compression.kind == "none":
+        return None
+    if request.strategy not in ("ddp", "zero1"):
+        refuse_powersgd(request.strategy, request.grad_compression)
+    if compression.kind != "powersgd":
+        return float(payload_bytes([(shape.params,)], compression, request.grad_bytes))
+    if shape.transformer is None:
+        raise UsageError("PowerSGD's bytes depend on the model's matrices; give --model instead of --params.")
+    return float(payload_bytes(gradient_shapes(shape.transformer), compression, request.grad_bytes))
+
+
+def gradient_shapes(t: Transformer) -> list[tuple[int, ...]]:
+    """The shapes of a decoder's parameters, as torch holds them: each projection (out, in), the embeddings and
+    head (vocab, hidden), and the RMSNorm weights (hidden)."""
+    layer = [(o, i) for i, o in t.linears().values()] + [(t.hidden,)] * 2
+    embeddings = [(t.vocab, t.hidden)] * (1 if t.tied_embeddings else 2)
+    return layer * t.layers + embeddings + [(t.hidden,)]
 
 
 def from_bench(path: Path, strategy: str) -> tuple[float, float, str]:
@@ -263,6 +292,8 @@ def run(request: SimulateRequest, as_json: bool) -> int:
         title = f"{config.strategy}, {config.intra} in a node, {config.interconnect} between nodes"
         if config.tp_size > 1:
             title += f"; tp {config.tp_size}"
+        if request.grad_compression != "none":
+            title += f"; gradients {request.grad_compression}"
         if config.pp_size > 1:
             title += f"; pp {config.pp_size} ({config.pp_schedule}, {config.microbatches} micro-batches)"
         print(format_table(predictions, title=title), end="")
