@@ -249,8 +249,11 @@ def run_in_subprocess(argv: list[str], result: Path, timeout: float) -> dict[str
         try:
             output, _ = process.communicate(timeout=max(timeout, 0.1))
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
+            output = None
+        finally:  # also when this process is stopped (SIGTERM, Ctrl-C): nothing of a row may outlive it
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)
+        if output is None:
             output, _ = process.communicate()
             return {"status": "failed", "error": f"timed out after {timeout:.0f} s", "output": output[-2000:]}
     if process.returncode == 0 and result.is_file():
@@ -346,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from multigpu.engine.monitor import peak_tflops
 
+    # A timeout's SIGTERM becomes SystemExit, so the row under way is killed on the way out (run_in_subprocess).
+    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
     if not torch.cuda.is_available() and args.model != "smoke":
         print("gpu_throughput: no CUDA GPU here; run it on one, or --smoke for the CPU check.", file=sys.stderr)
         return 2
