@@ -349,15 +349,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from multigpu.engine.monitor import peak_tflops
 
-    # A timeout's SIGTERM becomes SystemExit, so the row under way is killed on the way out (run_in_subprocess).
-    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
     if not torch.cuda.is_available() and args.model != "smoke":
         print("gpu_throughput: no CUDA GPU here; run it on one, or --smoke for the CPU check.", file=sys.stderr)
         return 2
     forwarded = ["--model", args.model, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
     forwarded += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--precision", args.precision]
     started = time.perf_counter()
-    results = run_rows(args, forwarded)
+    # A timeout's SIGTERM becomes SystemExit, so the row under way is killed on the way out (run_in_subprocess).
+    stopped = signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
+    try:
+        results = run_rows(args, forwarded)
+    finally:
+        signal.signal(signal.SIGTERM, stopped)
     device, peak = device_name(), peak_tflops(device_name(), args.precision)
     flops_per_token = add_mfu(results, peak)
     print("\n" + format_table(results, device, peak))
