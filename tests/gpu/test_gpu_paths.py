@@ -5,6 +5,7 @@ One GPU means NCCL with world size 1; what needs two GPUs is skipped below that.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -20,6 +21,9 @@ from tests.recipes.test_train import write_uci_har
 from tests.reference import TinyNet, dataset
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+# A GPU image without internet may lack these (scripts/gpu_check.sh then says which were there).
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+needs_bitsandbytes = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
 
 
 def test_train_recipe_accumulates_its_loss_on_the_gpu(tmp_path: Path) -> None:
@@ -54,6 +58,7 @@ def test_cpu_offload_and_async_save_use_gloo_beside_nccl(tmp_path: Path) -> None
     assert result["norm"] is not None and (tmp_path / "step-1" / ".metadata").is_file()
 
 
+@needs_deepspeed
 def test_deepspeed_under_srun_finds_its_local_rank() -> None:
     from tests.strategies.test_deepspeed import ONE_STEP
 
@@ -117,6 +122,7 @@ def deepspeed_export_memory() -> dict:
     }
 
 
+@needs_deepspeed
 def test_deepspeed_export_gathers_one_tensor_at_a_time() -> None:
     (result,) = run_in_processes("tests.gpu.test_gpu_paths:deepspeed_export_memory", 1, timeout=300)
     one_weight = 1024 * 1024 * 4
@@ -124,7 +130,7 @@ def test_deepspeed_export_gathers_one_tensor_at_a_time() -> None:
     assert result["growth"] <= 3 * one_weight, result  # the gathered weight and its fp32 copy, not the model (32 MB)
 
 
-@pytest.mark.parametrize("method", ["lora", "qlora"])
+@pytest.mark.parametrize("method", ["lora", pytest.param("qlora", marks=needs_bitsandbytes)])
 def test_finetune_bf16_on_the_gpu(tmp_path: Path, method: str) -> None:
     text = tmp_path / "text.txt"
     text.write_text(" ".join(f"Line {i}: to be, or not to be." for i in range(300)))
