@@ -220,7 +220,7 @@ def begin_save(path: Path, state: dict[str, Any], strategy: Strategy) -> tuple[P
             _save_synced(objects, tmp / OBJECTS)
         _save_synced(rng_state(), tmp / f"rng-rank{_rank()}.pt")
         # State a strategy keeps per rank beside the model and optimizer (ddp's PowerSGD error feedback).
-        communication = getattr(strategy, "communication_state", lambda: None)()
+        communication = strategy.communication_state()
         if communication is not None:
             _save_synced(communication, tmp / COMMUNICATION.format(rank=_rank()))
     except OSError as error:
@@ -553,9 +553,7 @@ def load(path: str | Path, state: dict[str, Any], strategy: Strategy, optional: 
             value.load_state_dict(objects[key])
         else:
             state[key] = objects[key]
-    load_communication = getattr(strategy, "load_communication_state", None)
-    if load_communication is not None:
-        load_communication(functools.partial(_communication_state, path), _rank())
+    strategy.load_communication_state(functools.partial(_communication_state, path), _rank())
     rng = path / f"rng-rank{_rank()}.pt"
     if rng.is_file():  # a rank that did not exist when the checkpoint was written keeps its seeded streams
         with torch.serialization.safe_globals(NUMPY_RNG_GLOBALS):

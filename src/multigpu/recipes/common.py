@@ -64,6 +64,7 @@ EVERY_RECIPE_SHOWS = (
     "activation_checkpointing",
     "compile",
     "float8",
+    "grad_compression",
     "peak_tflops",
     "timeout_s",
     "log_every",

@@ -74,6 +74,13 @@ class Strategy(ABC):
         """Refuses, in one sentence and before any process starts, what this strategy cannot run on `device`."""
         return None  # most run anything their options and precision plan allowed
 
+    def communication_state(self) -> Any:
+        """State this rank keeps for its gradient communication, saved in checkpoints (ddp's PowerSGD); None."""
+        return None
+
+    def load_communication_state(self, read: Callable[[int], Any], rank: int) -> None:
+        """Puts back what communication_state saved; `read(r)` is rank r's (None where none was saved)."""
+
     def precision_plan(self, precision: Precision, device: torch.device) -> PrecisionPlan:
         """What `precision` means under this strategy (or one sentence refusing it): by default the Engine's
         autocast computes in the mixed dtype, parameters are stored in the precision's, and fp16 scales the loss."""
