@@ -6,9 +6,9 @@
 
 One process, the Engine's single strategy, fp32. torch's MemTracker follows every tensor the step creates, on any
 device: the activations' peak is its peak total less the parameters and the gradients, which a first step has
-made (a training loop's steps after the first hold them throughout). On a GPU, offload moves what the blocks save to host
-memory; on a CPU the host is the device, so offload's peak there is none's, and the planner's offload figure (the
-device's memory) is compared on a GPU only.
+made (a training loop's steps after the first hold them throughout). On a GPU, offload moves what the blocks save
+to host memory; on a CPU the host is the device, so offload's peak there is none's, and the planner's offload
+figure (the device's memory) is compared on a GPU only.
 """
 
 from __future__ import annotations

@@ -48,7 +48,9 @@ def run_row(row: str, compile: bool, args: argparse.Namespace) -> dict[str, floa
     with tempfile.TemporaryDirectory(prefix="inductor-") as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
         call = [sys.executable, __file__, "--measure", row, "--steps", str(args.steps)]
-        call += ["--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)] + (["--compile"] if compile else [])
+        call += ["--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)] + (
+            ["--compile"] if compile else []
+        )
         out = subprocess.run(call, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 

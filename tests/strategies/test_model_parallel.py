@@ -29,6 +29,10 @@ pytestmark = pytest.mark.timeout(1300)
 TOLERANCE = {"32": 1e-4, "bf16-mixed": 2e-2}
 
 CHAT = {"data": "chat.jsonl", "seq_len": 64}
+# Compiled cells trace with aot_eager: the same graphs as inductor (FSDP's hooks, pipeline stages and checkpointing
+# included) without its code generation, which costs a minute per process on 2 CPU cores. Inductor itself is tested
+# in one process (tests/engine/test_compiled.py).
+AOT = {"compile": True, "compile_backend": "aot_eager"}
 # name -> (processes, settings); batch_size is per data-parallel rank, so that every global batch is 4.
 CELLS: dict[str, tuple[int, dict]] = {
     "single-32": (1, {"multi_gpu": "single"}),
@@ -73,22 +77,22 @@ CELLS: dict[str, tuple[int, dict]] = {
     # How the step is computed (activation checkpointing, per-block torch.compile) under each strategy: the same
     # numbers as the plain run, so the same reference. Checkpointing recomputes with the same kernels on the same
     # inputs (bit for bit, tests/core/test_recompute.py); inductor fuses and reorders fp32 sums (~1e-7 relative).
-    "single-compile-selective": (1, {"multi_gpu": "single", "compile": True, "activation_checkpointing": "selective"}),
-    "ddp-compile-full": (2, {"multi_gpu": "ddp", "compile": True, "activation_checkpointing": "full"}),
-    "zero1-compile-offload": (2, {"multi_gpu": "zero1", "compile": True, "activation_checkpointing": "offload"}),
-    "zero2-compile-selective": (2, {"multi_gpu": "zero2", "compile": True, "activation_checkpointing": "selective"}),
-    "zero3-compile-full": (2, {"multi_gpu": "zero3", "compile": True, "activation_checkpointing": "full"}),
+    "single-compile-selective": (1, {"multi_gpu": "single", **AOT, "activation_checkpointing": "selective"}),
+    "ddp-compile-full": (2, {"multi_gpu": "ddp", **AOT, "activation_checkpointing": "full"}),
+    "zero1-compile-offload": (2, {"multi_gpu": "zero1", **AOT, "activation_checkpointing": "offload"}),
+    "zero2-compile-selective": (2, {"multi_gpu": "zero2", **AOT, "activation_checkpointing": "selective"}),
+    "zero3-compile-full": (2, {"multi_gpu": "zero3", **AOT, "activation_checkpointing": "full"}),
     "tp-selective": (2, {"multi_gpu": "tp", "activation_checkpointing": "selective"}),
-    "pp-compile-offload": (2, {"multi_gpu": "pp", "compile": True, "activation_checkpointing": "offload"}),
+    "pp-compile-offload": (2, {"multi_gpu": "pp", **AOT, "activation_checkpointing": "offload"}),
     "pp-selective": (2, {"multi_gpu": "pp", "activation_checkpointing": "selective"}),
     "hsdp-2x2-compile-selective": (
         4,
-        {"multi_gpu": "hsdp", "replicate": 2, "batch_size": 1, "compile": True, "activation_checkpointing": "selective"},
+        {"multi_gpu": "hsdp", "replicate": 2, "batch_size": 1, **AOT, "activation_checkpointing": "selective"},
     ),
     "zero3-x-tp-full": (4, {"multi_gpu": "zero3", "tp_size": 2, "batch_size": 2, "activation_checkpointing": "full"}),
     "zero3-x-pp-compile-full": (
         4,
-        {"multi_gpu": "zero3", "pp_size": 2, "batch_size": 2, "compile": True, "activation_checkpointing": "full"},
+        {"multi_gpu": "zero3", "pp_size": 2, "batch_size": 2, **AOT, "activation_checkpointing": "full"},
     ),
 }
 # A run under one layout saves a checkpoint at step 2; another layout resumes it: (processes, settings) of each.
@@ -126,11 +130,8 @@ def run_cells(workdir: str, runs: list[tuple[str, dict]], demos: list[str]) -> d
     from torch.distributed.tensor import DTensor
 
     import multigpu as mg
-    from multigpu.engine import compiled
     from multigpu.recipes import demo
     from multigpu.recipes.finetune import FinetuneConfig, finetune
-
-    compiled.BACKEND = "aot_eager"  # see its comment: inductor is tested in one process
 
     out = {}
     for name in demos:

@@ -176,6 +176,14 @@ class TrainingSettings(Settings):
 class ComputeSettings(Settings):
     """How a step's work is done, leaving what it computes as it is."""
 
+    def check(self) -> None:
+        require(
+            (
+                self.compile or self.compile_backend == "inductor",
+                f"compile_backend {self.compile_backend} is torch.compile's; add compile (--compile) or drop it.",
+            ),
+        )
+
     activation_checkpointing: str = setting(
         "none",
         "what each block (FSDP's units) keeps for backward: none; full, its inputs only, recomputing the rest; "
@@ -184,6 +192,12 @@ class ComputeSettings(Settings):
     )
     compile: bool = setting(
         False, "compile each block (FSDP's units) with torch.compile, after checkpointing and before sharding"
+    )
+    compile_backend: str = setting(
+        "inductor",
+        "torch.compile's backend under compile: inductor generates fused kernels; aot_eager traces the same "
+        "graphs and runs them op by op (to tell a code-generation problem from a tracing one, or to trace quickly)",
+        choices=("inductor", "aot_eager"),
     )
     float8: str = setting(
         "none",

@@ -1,5 +1,6 @@
 """The Engine and what it is made of. Its own observers are attached here, to every Engine built in the process:
-the stuck-rank heartbeat, the metrics monitor, then torch.compile's report (engine.py imports neither; see multigpu.engine.observe).
+the stuck-rank heartbeat, the metrics monitor, then torch.compile's report (engine.py imports none of them; see
+multigpu.engine.observe).
 
 The public names are imported on first use: the launcher reads engine.progress's NCCL helpers, and must not pay for
 the Engine, its strategies and their imports on every `multigpu run`.

@@ -12,13 +12,7 @@ from torch import nn
 from multigpu.engine.observe import StepObserver, StepStats
 
 
-# What compile_blocks compiles with: torch.compile's default, inductor. The multi-process tests trace with aot_eager,
-# the same graphs (FSDP's hooks, tp's DTensors and checkpointing included) without inductor's code generation, which
-# costs a minute per process on 2 CPU cores; inductor itself is tested in one process (tests/engine/test_compiled.py).
-BACKEND = "inductor"
-
-
-def compile_blocks(blocks: Iterable[nn.Module]) -> None:
+def compile_blocks(blocks: Iterable[nn.Module], backend: str) -> None:
     """Compiles each block in place (its parameters keep their names; FSDP's hooks, registered on the block, stay
     out of the graph, as dynamo skips them). A shape that changes compiles once more and is dynamic from then on
     (torch's automatic dynamic shapes), so a shorter last batch or sequences of many lengths compile twice, not
@@ -26,7 +20,7 @@ def compile_blocks(blocks: Iterable[nn.Module]) -> None:
     here it raises instead."""
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     for block in blocks:
-        block.compile(backend=BACKEND)
+        block.compile(backend=backend)
 
 
 def compiled_graphs() -> int:

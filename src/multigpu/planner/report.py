@@ -45,8 +45,7 @@ def print_table(plan: Plan) -> None:
     title = (
         f"{plan.model}: {plan.params / 1e9:.3g}B parameters ({plan.trainable / 1e6:,.1f}M trainable), "
         f"{c.world} GPU(s) of {c.gpu_bytes / 2**30:.0f} GiB, {c.precision}, {c.optimizer}, "
-        f"batch {c.batch_size} x {c.seq_len} tokens{checkpointing}"
-        + layout(plan)
+        f"batch {c.batch_size} x {c.seq_len} tokens{checkpointing}" + layout(plan)
     )
     table = Table(
         title=title,

@@ -63,6 +63,7 @@ EVERY_RECIPE_SHOWS = (
     "seed",
     "activation_checkpointing",
     "compile",
+    "compile_backend",
     "float8",
     "grad_compression",
     "peak_tflops",

@@ -80,6 +80,7 @@ class Strategy(ABC):
 
     def load_communication_state(self, read: Callable[[int], Any], rank: int) -> None:
         """Puts back what communication_state saved; `read(r)` is rank r's (None where none was saved)."""
+        return None
 
     def precision_plan(self, precision: Precision, device: torch.device) -> PrecisionPlan:
         """What `precision` means under this strategy (or one sentence refusing it): by default the Engine's

@@ -44,7 +44,7 @@ class BenchConfig(
     derive(
         "BenchOverrides",
         EngineConfig,
-        only=("precision", "activation_checkpointing", "compile", "float8", "loss"),
+        only=("precision", "activation_checkpointing", "compile", "compile_backend", "float8", "loss"),
         overrides=True,
         note="; bench: every run's (default: the script's own)",
     )

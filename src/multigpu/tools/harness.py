@@ -109,6 +109,7 @@ class Recorder(StepObserver):
         self.meta = {
             "strategy": engine.strategy,
             "precision": engine.precision.name,
+            "grad_compression": engine.config.grad_compression,
             "world_size": engine.world_size,
             "data_parallel_size": engine.data_parallel_size,
             "grad_accum_steps": engine.config.grad_accum_steps,

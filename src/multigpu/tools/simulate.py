@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from multigpu.core.errors import UsageError
-from multigpu.core.recompute import FORWARD_RUN_AGAIN
 from multigpu.core.layout import SHARDS, LayoutSettings, ParallelDims, check_schedule, resolve_layout
+from multigpu.core.recompute import FORWARD_RUN_AGAIN
 from multigpu.planner.layout import bubble_fraction
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from multigpu.core.errors import UsageError
-from multigpu.core.settings import derive, setting
+from multigpu.core.settings import derive, setting, strategy_option_fields
 from multigpu.engine.config import EngineConfig
 from multigpu.tools import harness
 
@@ -34,19 +34,39 @@ from multigpu.tools import harness
 TOLERANCES = {"32": (1e-4, 1e-3), "bf16-mixed": (3e-2, 0.3), "fp16-mixed": (1e-2, 0.15), "bf16-true": (5e-2, 0.5)}
 
 
+# Gradients reduced in 16 bits round them as a 16-bit precision's all-reduce does: that precision's tolerances.
+COMPRESSION_TOLERANCES = {"bf16": TOLERANCES["bf16-mixed"], "fp16": TOLERANCES["fp16-mixed"]}
+
+
+def default_tolerances(dist: dict[str, Any], config: VerifyConfig) -> tuple[float, float]:
+    """(loss, parameter) tolerances of the N-process run's precision, or of its gradient compression where looser;
+    PowerSGD approximates every step's gradient by design, so there is no default to compare it with."""
+    compression = dist.get("grad_compression", "none")
+    if compression.startswith("powersgd") and (config.loss_tolerance is None or config.param_tolerance is None):
+        raise UsageError(
+            "grad_compression powersgd approximates each step's gradient (its error feedback evens that out over "
+            "steps), so 1 process and N differ by design; pass --loss-tolerance and --param-tolerance, or verify "
+            "without it."
+        )
+    found = TOLERANCES[dist["precision"]]
+    looser = COMPRESSION_TOLERANCES.get(compression, found)
+    return max(found[0], looser[0]), max(found[1], looser[1])
+
+
 # The settings given to verify that the 1-process run takes too: what is computed, not how the processes split it.
-BOTH_RUNS_TAKE = ("precision", "activation_checkpointing", "compile", "float8", "loss")
+BOTH_RUNS_TAKE = ("precision", "activation_checkpointing", "compile", "compile_backend", "float8", "loss")
 # The Engine settings verify imposes on the script; unset, the script's own.
 VerifyOverrides = derive(
     "VerifyOverrides",
     EngineConfig,
-    only=("strategy", "tp_size", "pp_size", *BOTH_RUNS_TAKE),
+    only=("strategy", "tp_size", "pp_size", "grad_compression", *BOTH_RUNS_TAKE),
     overrides=True,
     note={
         "strategy": "; verify: the N-process run's (default: the script's own)",
         **{name: "; verify: both runs' (default: the script's own)" for name in BOTH_RUNS_TAKE},
         "tp_size": "; verify: the N-process run's, with --strategy",
         "pp_size": "; verify: the N-process run's, with --strategy",
+        "grad_compression": "; verify: the N-process run's (default: the script's own)",
     },
 )
 
@@ -136,7 +156,9 @@ def verify(config: VerifyConfig, target: list[str], module: bool = False) -> Ver
         # One process stands in for the N-process run's data-parallel ranks (tensor and pipeline ones share a batch).
         factor = dist[0]["data_parallel_size"]
         both = {key: value for key, value in imposed.items() if key in BOTH_RUNS_TAKE}
-        reference = {"strategy": "single", "tp_size": None, "pp_size": None, **both}
+        # The reference runs plain: no strategy's options (the script's own cpu_offload or grad_compression).
+        plain = {option.name: option.default for _, option in strategy_option_fields()}
+        reference = {**plain, "strategy": "single", "tp_size": None, "pp_size": None, **both}
         one = _folder(tmp, "one")
         ref = harness.run(target, module, 1, _reference(one, reference, factor, samples, common))
         ref_samples = harness.step_samples(ref)
@@ -179,7 +201,7 @@ def compare(
     reference_grad_accum: int = 1,
 ) -> Verdict:
     ref, dist = ref_ranks[0], dist_ranks[0]
-    loss_tol, param_tol = TOLERANCES[dist["precision"]]
+    loss_tol, param_tol = default_tolerances(dist, config)
     loss_tol = config.loss_tolerance or loss_tol
     param_tol = config.param_tolerance or param_tol
     steps, first = [], None
