@@ -163,25 +163,25 @@ def refresh_all_gather_scales(model: nn.Module) -> None:
 
 
 def _torchao_float8() -> Any:
-    """torchao.float8, imported on first use (only a run with float8 on needs it). At import torchao tries to load
-    its compiled GPU kernels and logs each one this machine's torch cannot load, and torch logs a deprecation that
-    torchao's own code triggers: float8 training runs torch's float8 matrix product, not those kernels, and neither
-    line is the user's to act on, so both are dropped while it imports."""
-    quiet = _DropLines()
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    for logger in loggers:
-        logger.addFilter(quiet)
+    """torchao.float8, imported on first use (only a run with float8 on needs it)."""
     try:
         import torchao.float8 as float8
     except ImportError as error:
         raise UsageError(f"float8 training needs torchao ({error}); install it (pip install torchao).") from None
-    finally:
-        for logger in loggers:
-            logger.removeFilter(quiet)
     return float8
 
 
-class _DropLines(logging.Filter):
+class _DropImportNoise(logging.Filter):
+    """At import torchao tries to load its compiled kernels (mxfp8, CUTLASS for sm90a) and logs each one this
+    machine's torch cannot load, and torch logs a deprecation that torchao's own code triggers. Float8 training runs
+    torch's float8 matrix product, not those kernels, and neither line is the user's to act on. transformers imports
+    torchao whenever it is installed, float8 or not, so the lines are dropped from here on (multigpu's Engine imports
+    this module before any model is built)."""
+
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         return not (message.startswith("Failed to load") or "is an Enum subclass" in message)
+
+
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).addFilter(_DropImportNoise())
