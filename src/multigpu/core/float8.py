@@ -2,7 +2,7 @@
 matrix product's operands to float8 (e4m3, 3 mantissa bits) with a scale per tensor (tensorwise) or per row
 (rowwise), multiplies them in float8 and keeps the weights, the optimizer and everything else as they were.
 
-The swap comes first, before tensor parallelism, recomputation, compilation and sharding (torchtao's and torchtitan's
+The swap comes first, before tensor parallelism, recomputation, compilation and sharding (torchao's and torchtitan's
 order), so those see Float8Linear layers under the names the plain layers had. It leaves out the layers float8
 cannot take or should not: dimensions that are not multiples of 16 (float8's matrix kernels need them), the
 output head (the logits are the one product whose rounding the loss sees directly, and torchtitan leaves it out
