@@ -22,6 +22,7 @@ from torch.utils.data import Dataset
 from multigpu.core.data import Batch, DistributedLoader, gather_in_order
 from multigpu.core.env import DistEnv, all_reduce_value, collective_device, grouped
 from multigpu.core.errors import UsageError
+from multigpu.core.float8 import refresh_all_gather_scales
 from multigpu.core.modules import on_meta
 from multigpu.core.precision import Precision
 from multigpu.core.pretrained import SafetensorsCheckpoint
@@ -324,6 +325,8 @@ class Engine(Saving, Reporting):
             outcome = self._strategy.optimizer_step(
                 self._model, optimizer, self._scaler, count, self.config.max_grad_norm
             )
+            if outcome.applied and self.config.float8 == "tensorwise":
+                refresh_all_gather_scales(self._model)  # the next all-gathers' float8 scales, from the new weights
         if outcome.grad_norm is not None:
             self.last_grad_norm = outcome.grad_norm
         self.last_step_applied = outcome.applied

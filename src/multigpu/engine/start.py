@@ -19,6 +19,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from multigpu.core.env import DistEnv, check_backend, init_process_group
 from multigpu.core.errors import UsageError
+from multigpu.core.float8 import check_float8, convert_linears
 from multigpu.core.layout import resolve_layout
 from multigpu.core.modules import (
     MetaValues,
@@ -70,6 +71,7 @@ def precision_plan(strategy: Strategy, config: EngineConfig, env: DistEnv) -> Pr
     this device has been refused."""
     plan = strategy.precision_plan(Precision(config.precision), env.device)
     strategy.check_runnable(env.device, plan)
+    check_float8(config.float8, env.device)
     if config.sync_batchnorm and isinstance(strategy, DataParallel):
         raise UsageError(
             "sync_batchnorm needs one process per GPU and strategy dp drives every GPU from one process; "
@@ -203,6 +205,11 @@ def set_up(
     `build` is where the random stream stood when that build began, and the checkpoint load_pretrained gave it."""
     values = meta_values(strategy, model, optimizer, env, *build, say)
     model = batchnorm(model, strategy, env, config.sync_batchnorm)
+    # float8 first, as torchtitan orders it: tp, recomputation, compile and sharding then see its layers; the
+    # sharding strategies all-gather tensorwise weights in float8.
+    said = convert_linears(model, optimizer, config.float8, env.device, all_gather="shard" in strategy.mesh_dims)
+    if said:
+        say(said)
     # The blocks a sharding strategy wraps, before it wraps them (its hooks then run around the recomputation).
     blocks = outermost(getattr(strategy, "units", default_units)(model))
     recompute_blocks(model, blocks, config.activation_checkpointing)
