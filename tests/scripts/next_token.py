@@ -59,13 +59,13 @@ class NextToken(nn.Module):
     # Under pipeline parallelism: the layers in the order each takes the previous one's output.
     pp_layers: ClassVar[list[str]] = ["embed", "hidden", "tanh", "dropout", "out"]
 
-    def __init__(self, dropout: float) -> None:
+    def __init__(self, dropout: float, width: int) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, 24)
-        self.hidden = nn.Linear(24, 24)
+        self.embed = nn.Embedding(VOCAB, width)
+        self.hidden = nn.Linear(width, width)
         self.tanh = nn.Tanh()
         self.dropout = nn.Dropout(dropout)
-        self.out = nn.Linear(24, VOCAB)
+        self.out = nn.Linear(width, VOCAB)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.out(self.dropout(self.tanh(self.hidden(self.embed(tokens)))))
@@ -87,10 +87,11 @@ def main() -> None:
     parser.add_argument("--bug", choices=("none", "dropout", "token-mean", "plain-loader"), default="none")
     parser.add_argument("--epochs", type=int, default=100)
     parser.add_argument("--global-batch", type=int, default=None)
+    parser.add_argument("--width", type=int, default=24, help="a multiple of 16 takes float8")
     args = parser.parse_args()
 
     engine = mg.Engine(strategy="ddp", seed=0)
-    model = NextToken(dropout=0.2 if args.bug == "dropout" else 0.0)
+    model = NextToken(dropout=0.2 if args.bug == "dropout" else 0.0, width=args.width)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = engine.setup(model, optimizer)
     batch_size = 4 if args.global_batch is None else args.global_batch // engine.world_size

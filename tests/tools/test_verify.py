@@ -11,8 +11,8 @@ from tests.dist import multigpu, refusal
 SCRIPT = "tests/scripts/next_token.py"
 
 
-def verify(*flags: str, bug: str = "none") -> tuple[int, dict]:
-    result = multigpu("verify", "--json", "--steps", "4", *flags, SCRIPT, "--bug", bug, timeout=240)
+def verify(*flags: str, bug: str = "none", script_flags: tuple[str, ...] = ()) -> tuple[int, dict]:
+    result = multigpu("verify", "--json", "--steps", "4", *flags, SCRIPT, "--bug", bug, *script_flags, timeout=240)
     assert result.returncode in (0, 1), result.stdout
     report = json.loads(result.stdout[result.stdout.index("{\n") :])
     return result.returncode, report
@@ -28,6 +28,30 @@ def test_passes_a_correct_script(strategy: str) -> None:
     assert report["strategy"] == strategy and [s["step"] for s in report["steps"]] == [1, 2, 3, 4]
     assert report["first_divergence"] is None and report["initial_param_diff"] == 0
     assert max(s["relative_diff"] for s in report["steps"]) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        # Sequences of 2 to 15 tokens: the compiled layers see new lengths, compile once more, then run dynamic.
+        [
+            "--strategy",
+            "zero3",
+            "--activation-checkpointing",
+            "selective",
+            "--compile",
+            "--compile-backend",
+            "aot_eager",
+        ],
+        ["--strategy", "ddp", "--activation-checkpointing", "offload", "--grad-compression", "bf16"],
+        ["--strategy", "zero2", "--float8", "tensorwise", "--activation-checkpointing", "full"],
+    ],
+    ids=["zero3-compile-selective", "ddp-offload-bf16-gradients", "zero2-float8-full"],
+)
+def test_passes_under_the_speed_settings(flags: list[str]) -> None:
+    """Both runs compile, checkpoint and train in float8 alike; gradients reduced in bf16 take bf16's tolerance."""
+    code, report = verify(*flags, script_flags=("--width", "32"))  # float8 takes dimensions of multiples of 16
+    assert code == 0 and report["passed"], report
 
 
 def test_passes_bf16_mixed_with_its_tolerance() -> None:

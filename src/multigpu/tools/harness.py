@@ -110,6 +110,7 @@ class Recorder(StepObserver):
             "strategy": engine.strategy,
             "precision": engine.precision.name,
             "grad_compression": engine.config.grad_compression,
+            "float8": engine.config.float8,
             "world_size": engine.world_size,
             "data_parallel_size": engine.data_parallel_size,
             "grad_accum_steps": engine.config.grad_accum_steps,
