@@ -200,11 +200,11 @@ def test_float8_is_applied_and_trains_close_to_plain(precision: str) -> None:
 
 
 # -- 1 process against 2 and 4 ---------------------------------------------------------------------------------------
-# (name, processes, settings): one launch per process count runs its cells one after another.
+# (name, processes, settings): one launch per process count runs its cells one after another. rowwise scales do not
+# depend on the split, so it is checked where the split differs most (zero3, tp, zero2 x pp); zero1 shards only the
+# optimizer, which float8 leaves alone.
 CELLS = [
     ("ddp", 2, {"strategy": "ddp", "float8": "tensorwise"}),
-    ("ddp-rowwise", 2, {"strategy": "ddp", "float8": "rowwise"}),
-    ("zero1", 2, {"strategy": "zero1", "float8": "tensorwise"}),
     ("zero2", 2, {"strategy": "zero2", "float8": "tensorwise"}),
     ("zero3", 2, {"strategy": "zero3", "float8": "tensorwise"}),
     ("zero3-rowwise", 2, {"strategy": "zero3", "float8": "rowwise"}),
@@ -213,7 +213,6 @@ CELLS = [
     ("tp", 2, {"strategy": "tp", "float8": "tensorwise"}),
     ("tp-rowwise", 2, {"strategy": "tp", "float8": "rowwise"}),
     ("pp", 2, {"strategy": "pp", "float8": "tensorwise"}),
-    ("pp-rowwise", 2, {"strategy": "pp", "float8": "rowwise"}),
     ("hsdp", 4, {"strategy": "hsdp", "float8": "tensorwise", "replicate": 2}),
     ("zero3-x-tp", 4, {"strategy": "zero3", "float8": "tensorwise", "tp_size": 2}),
     ("zero2-x-pp-rowwise", 4, {"strategy": "zero2", "float8": "rowwise", "pp_size": 2}),

@@ -3,10 +3,12 @@ compiling for every length, and says when it compiled."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._dynamo
 
 import multigpu as mg
+from multigpu.engine.compiled import compile_blocks, compiled_graphs
 from tests.core.test_recompute import Tiny
 
 
@@ -31,3 +33,17 @@ def test_a_changing_length_compiles_once_more_and_is_reported(capsys) -> None:
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         # Inductor fuses and reorders fp32 sums: measured within 1e-7 of eager after 6 steps; 1e-5 leaves room.
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_hugging_face_decoder_compiles_its_layers_once_not_once_per_layer() -> None:
+    """Its key/value cache, filled in forward unless turned off, puts each layer's cache entry in the guards."""
+    transformers = pytest.importorskip("transformers")
+    torch._dynamo.reset()
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=12, num_attention_heads=4, vocab_size=64
+    )
+    model = transformers.LlamaForCausalLM(config)
+    compile_blocks(model, model.model.layers, "aot_eager")
+    ids = torch.randint(0, 64, (2, 12))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert compiled_graphs() == 1  # aot_eager counts the forward graph; 12 layers past the limit of 8 would raise

@@ -36,6 +36,15 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     return [child for child in model.children() if any(True for _ in child.parameters())]
 
 
+def stop_caching(model: nn.Module) -> None:
+    """A Hugging Face model stops filling its key/value cache in forward, which training never reads: a recomputed
+    block would add its keys to the cache a second time (and selective checkpointing, meeting other ops than the
+    forward ran, raises), and a compiled block would compile once per layer, its guards holding each layer's cache
+    entry. transformers turns the cache off for its own gradient checkpointing too."""
+    if getattr(getattr(model, "config", None), "use_cache", False):
+        model.config.use_cache = False
+
+
 def outermost(blocks: list[nn.Module]) -> list[nn.Module]:
     """Those of `blocks` that no other of them holds: a transformer's layers rather than the adapters inside them."""
     inner = {id(module) for block in blocks for module in block.modules() if module is not block}

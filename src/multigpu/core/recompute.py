@@ -26,6 +26,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from multigpu.core.modules import stop_caching
+
 MODES = ("none", "full", "selective", "offload")
 # The share of a block's forward that backward runs again: full, all of it; selective, only the element-wise ops
 # between the kept products (well under 1% of a transformer's FLOPs, counted as none); offload, nothing. The
@@ -51,15 +53,12 @@ _KEPT_COLLECTIVES = ("all_reduce", "reduce_scatter_tensor")
 
 def recompute_blocks(model: nn.Module, blocks: Iterable[nn.Module], mode: str) -> None:
     """Makes each of `blocks` of `model` keep for backward what `mode` says (see the module's doc); "none" leaves
-    them. A Hugging Face model stops filling its key/value cache in forward: a recomputed block would add its keys
-    to the cache a second time, and selective checkpointing, meeting other ops than the forward ran, raises
-    (transformers turns the cache off for its own gradient checkpointing too)."""
+    them. A Hugging Face model stops filling its key/value cache (core/modules.py: stop_caching)."""
     if mode not in MODES:
         raise ValueError(f"unknown activation checkpointing mode {mode!r}")
     if mode == "none":
         return
-    if getattr(getattr(model, "config", None), "use_cache", False):
-        model.config.use_cache = False
+    stop_caching(model)
     for block in blocks:
         block._recompute_mode = mode  # read by the forward below; a deep copy of the block keeps it
         block.forward = types.MethodType(_forward, block)

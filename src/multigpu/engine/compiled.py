@@ -9,16 +9,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from multigpu.core.modules import stop_caching
 from multigpu.engine.observe import StepObserver, StepStats
 
 
-def compile_blocks(blocks: Iterable[nn.Module], backend: str) -> None:
-    """Compiles each block in place (its parameters keep their names; FSDP's hooks, registered on the block, stay
-    out of the graph, as dynamo skips them). A shape that changes compiles once more and is dynamic from then on
-    (torch's automatic dynamic shapes), so a shorter last batch or sequences of many lengths compile twice, not
-    once per shape. Past torch's limit of compilations per block, dynamo would quietly run the block uncompiled;
-    here it raises instead."""
+def compile_blocks(model: nn.Module, blocks: Iterable[nn.Module], backend: str) -> None:
+    """Compiles each of `model`'s blocks in place (its parameters keep their names; FSDP's hooks, registered on the
+    block, stay out of the graph, as dynamo skips them). A shape that changes compiles once more and is dynamic from
+    then on (torch's automatic dynamic shapes), so a shorter last batch or sequences of many lengths compile twice,
+    not once per shape. Past torch's limit of compilations per block, dynamo would quietly run the block
+    uncompiled; here it raises instead."""
     torch._dynamo.config.fail_on_recompile_limit_hit = True
+    stop_caching(model)  # a Hugging Face model's cache would compile every layer apart (see stop_caching)
     for block in blocks:
         block.compile(backend=backend)
 

@@ -214,7 +214,7 @@ def set_up(
     blocks = outermost(getattr(strategy, "units", default_units)(model))
     recompute_blocks(model, blocks, config.activation_checkpointing)
     if config.compile:
-        compile_blocks(blocks, config.compile_backend)
+        compile_blocks(model, blocks, config.compile_backend)
     if plan.params != torch.float32:
         model.to(plan.params)  # bf16-true; on the meta device, free: the values are cast as they arrive
     if values is None:
