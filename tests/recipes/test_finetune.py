@@ -287,6 +287,13 @@ def test_chunked_loss_finetunes_as_the_plain_one(tmp_path: Path) -> None:
     ]
     (results,) = run_each_in_processes("tests.recipes.test_finetune:train_and_probe", 1, calls, timeout=240)
     found = {(run["method"], run["loss"]): result for run, result in zip(runs, results, strict=True)}
+    # 2 pipeline stages of 2 processes, the loss on the last one's hidden states with the head it holds (tied to
+    # the first one's embeddings): the one-process bound of tests/strategies/test_model_parallel.py.
+    pipeline = {**calls[1], "save_dir": str(tmp_path / "pp-chunked"), "multi_gpu": "pp"}
+    (two, _) = run_in_processes("tests.recipes.test_finetune:history", 2, timeout=240, **pipeline)
+    assert [h["val_loss"] for h in two] == pytest.approx(
+        [h["val_loss"] for h in found["full", "plain"]["history"]], rel=1e-4
+    )
     for method in ("full", "lora"):
         plain, chunked = found[method, "plain"], found[method, "chunked"]
         assert [h["val_loss"] for h in chunked["history"]] == pytest.approx(
@@ -295,6 +302,14 @@ def test_chunked_loss_finetunes_as_the_plain_one(tmp_path: Path) -> None:
         assert plain["history"][-1]["val_loss"] < plain["history"][0]["val_loss"] - 0.05  # it trained
         # Generation after training sees logits again: the head hands its input through only inside the loss.
         torch.testing.assert_close(chunked["logits"], plain["logits"], rtol=1e-4, atol=1e-4)
+
+
+def history(**options: object) -> list[dict]:
+    """A finetune's validation losses, as train_and_probe trains it (under pp, where the model is not called whole)."""
+    from multigpu.recipes.finetune import FinetuneConfig, finetune
+
+    config = FinetuneConfig(model="tiny", seq_len=32, batch_size=2, lr=1e-2, log_every=0, **options)
+    return finetune(config)["history"]
 
 
 def test_fused_loss_and_liger_are_refused_on_cpu_before_any_worker_starts() -> None:

@@ -34,8 +34,9 @@ MODES = ("plain", "chunked", "fused")
 IGNORE_INDEX = -100
 #: The mesh dimension whose processes split a head by vocabulary (strategies/mesh.py names it).
 TENSOR_DIM = "tp"
-#: What one chunk's fp32 logits may take by default: large enough that a CPU's matrix products stay efficient
-#: (measured in docs/benchmarks.md), small beside the whole logits of a long batch (2048 x 49,152 x 4 B = 384 MiB).
+#: What one chunk's fp32 logits may take by default: small beside the whole logits of a long batch (2048 x 49,152 x
+#: 4 B = 384 MiB) and beside the head's gradient; measured on CPU (docs/benchmarks.md), smaller chunks save little
+#: more and run no faster, larger ones hold more and run slower.
 CHUNK_BYTES = 32 * 2**20
 
 
@@ -231,7 +232,7 @@ class TokenLoss:
         require(
             (mode in MODES, f"Unknown loss {mode!r}; choose one of {', '.join(MODES)}."),
             (
-                isinstance(weight, torch.Tensor) and weight.dim() == 2,
+                mode == "plain" or (isinstance(weight, torch.Tensor) and weight.dim() == 2),
                 f"The output head must be a Linear layer (a [vocabulary, features] weight), not "
                 f"{type(head).__name__}; pass the layer that turns hidden states into logits.",
             ),
