@@ -287,3 +287,16 @@ def test_the_model_files_written_get_the_mode_the_umask_gives(tmp_path: Path) ->
         os.umask(previous)
     modes = {file.name: stat.S_IMODE(file.stat().st_mode) for file in (tmp_path / "model").iterdir()}
     assert modes == {"config.json": 0o640, "generation_config.json": 0o640, "model.safetensors": 0o640}
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [({"final_logit_softcapping": 30.0}, "final_logit_softcapping"), ({"logit_scale": 0.5}, "logit_scale")],
+)
+def test_a_model_that_changes_its_logits_after_the_head_is_refused_for_the_chunked_loss(
+    tmp_path: Path, changes: dict, named: str
+) -> None:
+    directory = model_copy(tmp_path / "model", lambda d: edit_config(d, **changes))
+    with pytest.raises(UsageError, match=rf"\({named}\), which --loss chunked leaves out; use --loss plain\."):
+        lm_models.check_plain_head(str(directory), "chunked")
+    lm_models.check_plain_head(str(model_copy(tmp_path / "plain")), "chunked")

@@ -23,6 +23,7 @@ from multigpu.core.data import Batch, DistributedLoader, gather_in_order
 from multigpu.core.env import DistEnv, all_reduce_value, collective_device, grouped
 from multigpu.core.errors import UsageError
 from multigpu.core.float8 import refresh_all_gather_scales
+from multigpu.core.loss import TokenLoss, apply_liger, check_runnable, outputs_for
 from multigpu.core.modules import on_meta
 from multigpu.core.precision import Precision
 from multigpu.core.pretrained import SafetensorsCheckpoint
@@ -53,6 +54,9 @@ class Engine(Saving, Reporting):
         self.precision = Precision(config.precision)
         self._plan = start.precision_plan(self._strategy, config, self.env)
         self.device = self.env.device
+        find_unused = getattr(self._strategy, "find_unused_parameters", False)
+        split = self._strategy.layout.tp > 1
+        check_runnable(config.loss, config.liger, self.device, self._strategy.name, split, find_unused)
         start.join(self.env, self._strategy, config)
         self._scaler: torch.amp.GradScaler | None = None
         # Which batch this rank reads, among how many: the ranks of one replica's tp and pp groups read the same one.
@@ -134,6 +138,8 @@ class Engine(Saving, Reporting):
             self._plan = start.precision_plan(self._strategy, self.config, self.env)
             self._auto_pending = False
         build = (self._init_rng, self._pretrained.pop(id(model), None))
+        if self.config.liger:  # before anything wraps, compiles or shards the layers it replaces
+            apply_liger(model)
         model, optimizer = start.set_up(
             self._strategy, model, optimizer, self.env, self._plan, self.config, build, self.print
         )
@@ -264,8 +270,9 @@ class Engine(Saving, Reporting):
         Hugging Face model's logits) and the loss comes back on every rank.
         """
         if self._strategy.pipelined:
-            return self._pipeline_micro_step(inputs, targets, loss_fn)
-        with self.accumulate(model):
+            with outputs_for(loss_fn):
+                return self._pipeline_micro_step(inputs, targets, loss_fn)
+        with self.accumulate(model), outputs_for(loss_fn):
             result = loss_fn(_call(model, inputs), targets)
             loss, count = result if isinstance(result, tuple) else (result, None)
             self.backward(loss, count=count)
@@ -293,7 +300,7 @@ class Engine(Saving, Reporting):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`loss_fn(model(inputs), targets)` without gradients, for evaluation, on every rank: under pp the
         schedule runs forward only and the last stage's loss is shared. Returns what loss_fn returns, detached."""
-        with torch.no_grad():
+        with torch.no_grad(), outputs_for(loss_fn):
             if self._strategy.pipelined:
                 with self._plan.autocast_context(self.device):
                     loss, count = self._strategy.pipeline_step(inputs, targets, loss_fn, lambda r, s: r, train=False)
@@ -302,6 +309,16 @@ class Engine(Saving, Reporting):
         if isinstance(result, tuple):
             return tuple(r.detach() if torch.is_tensor(r) else r for r in result)
         return result.detach()
+
+    def lm_loss(self, head: nn.Module, ignore_index: int = -100, chunk_tokens: int | None = None) -> TokenLoss:
+        """A language model's loss_fn for forward_backward and forward_loss in the `loss` setting's mode: (output,
+        targets) -> (cross-entropy summed over the targets that are not `ignore_index`, their number). `head`: the
+        set-up model's output layer (a Hugging Face model's get_output_embeddings()). Under chunked and fused these
+        calls make it hand its input through, so the loss gets the hidden states (multigpu.core.loss)."""
+        if self._model is None:
+            raise UsageError("engine.lm_loss(head) takes the set-up model's head; call it after engine.setup().")
+        holders = [self._model, *getattr(self._strategy, "_forwards", ())]  # a pipeline's stages are FSDP roots
+        return TokenLoss(head, self.config.loss, ignore_index, chunk_tokens, holders)
 
     def step(self, optimizer: torch.optim.Optimizer, scheduler: LRScheduler | None = None) -> bool:
         """Once the accumulation window's backwards are done: unscale, clip, step, zero the gradients, advance

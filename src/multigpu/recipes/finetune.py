@@ -23,7 +23,9 @@ from torch import nn
 
 from multigpu.core.config import Parser, add_config_arguments, config_from_args
 from multigpu.core.config_file import RUN_CONFIG
+from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError, exit_on_usage_error, require
+from multigpu.core.loss import TokenLoss, check_runnable, summed_cross_entropy
 from multigpu.core.pretrained import give_usual_mode
 from multigpu.core.schedule import SampleSchedule
 from multigpu.core.settings import setting
@@ -67,6 +69,8 @@ FinetuneSettings = recipe_settings(
         "pp_schedule",
         "pp_stages_per_rank",
         "pp_microbatches",
+        "loss",
+        "liger",
     ),
     save_dir="checkpoints/finetune",
     log_every=10,
@@ -128,11 +132,13 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def summed_token_loss(output: Any, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed cross-entropy of `output`'s logits over the target tokens, their number); under pp `output` is the
     last stage's, the logits themselves."""
-    logits = getattr(output, "logits", output)
-    loss = nn.functional.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
-    )
-    return loss, (labels != -100).sum()
+    return summed_cross_entropy(getattr(output, "logits", output), labels)
+
+
+def lm_loss(engine: Engine, model: nn.Module) -> TokenLoss:
+    """The loss of the engine's `loss` setting, with the set-up model's output head (under pp, the whole model's:
+    the last stage holds it)."""
+    return engine.lm_loss(unwrap(model).get_output_embeddings())
 
 
 def build(config: FinetuneConfig, engine: Engine) -> tuple[nn.Module, torch.optim.Optimizer, Any, lm_data.LMData]:
@@ -177,7 +183,7 @@ def sample(model: nn.Module, tokenizer: Any, prompt: str, engine: Engine, new_to
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
-def evaluate(engine: Engine, model: nn.Module, loader: Any, batches: int) -> float:
+def evaluate(engine: Engine, model: nn.Module, loader: Any, batches: int, loss_fn: Any = summed_token_loss) -> float:
     """Mean loss per target token over the validation set (its first `batches` per rank), all ranks together."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64)
@@ -186,7 +192,7 @@ def evaluate(engine: Engine, model: nn.Module, loader: Any, batches: int) -> flo
             if batches and number == batches:  # every rank has as many batches, so all stop together
                 break
             real = loader.yielded[-1].real > 0  # a padding-only batch counts nothing
-            loss, count = engine.forward_loss(model, model_inputs(batch), batch["labels"], summed_token_loss)
+            loss, count = engine.forward_loss(model, model_inputs(batch), batch["labels"], loss_fn)
             totals += torch.tensor([loss.item(), count.item()], dtype=torch.float64) * real
     model.train()
     totals = engine.reduce(totals, op="sum")
@@ -221,6 +227,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     engine = recipe_engine(config)
     engine.log_config(asdict(config))
     model, optimizer, tokenizer, data = build(config, engine)
+    loss_fn = lm_loss(engine, model)
     collate = functools.partial(lm_data.collate, pad_id=tokenizer.pad_token_id, multiple=engine.sequence_multiple)
     train_loader = engine.dataloader(data.train, batch_size=config.batch_size, collate_fn=collate)
     val_loader = engine.dataloader(data.validation, batch_size=config.batch_size, shuffle=False, collate_fn=collate)
@@ -256,13 +263,13 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     )
     if config.sample_prompt:
         engine.print(f"before: {config.sample_prompt}{sample(model, tokenizer, config.sample_prompt, engine)}")
-    history = [{"step": state["step"], "val_loss": evaluate(engine, model, val_loader, config.eval_batches)}]
+    history = [{"step": state["step"], "val_loss": evaluate(engine, model, val_loader, config.eval_batches, loss_fn)}]
     engine.print(f"step {state['step']}: validation loss {history[-1]['val_loss']:.4f}")
     progress = ProgressBar(engine, total)
     start, tokens = time.perf_counter(), 0.0
     while not scheduler.done:
         for batch in train_loader:
-            loss = engine.forward_backward(model, model_inputs(batch), batch["labels"], summed_token_loss)
+            loss = engine.forward_backward(model, model_inputs(batch), batch["labels"], loss_fn)
             count = (batch["labels"] != -100).sum()
             tokens += float(count) * engine.data_parallel_size
             if engine.step(optimizer, scheduler):
@@ -276,7 +283,9 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
                     break
     progress.close()
     save_step(engine, config, state)
-    history.append({"step": state["step"], "val_loss": evaluate(engine, model, val_loader, config.eval_batches)})
+    history.append(
+        {"step": state["step"], "val_loss": evaluate(engine, model, val_loader, config.eval_batches, loss_fn)}
+    )
     engine.log(state["step"], {"val_loss": history[-1]["val_loss"], "skipped_steps": engine.skipped_steps})
     engine.print(f"step {state['step']}: validation loss {history[-1]['val_loss']:.4f}" + skipped_note(engine))
     if config.sample_prompt:
@@ -353,6 +362,10 @@ def check(config: FinetuneConfig) -> None:
     --save-dir that cannot work, a resume with other data."""
     lm_models.check(config.model)
     lm_data.check(config.data)
+    split = config.multi_gpu == "tp" or (config.tp_size or 1) > 1
+    check_runnable(config.loss, config.liger, DistEnv().device, config.multi_gpu, split)
+    if config.loss != "plain":
+        lm_models.check_plain_head(config.model, config.loss)
     check_same_data(config, resolve_resume(config), SAME_DATA)
 
 

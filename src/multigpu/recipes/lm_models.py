@@ -121,6 +121,28 @@ def skeleton_of(directory: Path) -> Any:
         ) from None
 
 
+#: Settings of Hugging Face configs that change the logits after the output head (capping or scaling them).
+LOGIT_CHANGES = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def check_plain_head(name: str, loss: str) -> None:
+    """Refuses, before any process starts, a model whose logits are not its output head's product alone (capped,
+    scaled, or with a bias), which the chunked and fused losses compute from the head's weight. The built-in models
+    are Llamas, whose are."""
+    if name in BUILT:
+        return
+    model = skeleton_of(model_dir(name))
+    changed = [key for key in LOGIT_CHANGES if getattr(model.config, key, None) not in (None, 1, 1.0)]
+    head = model.get_output_embeddings()
+    if head is not None and getattr(head, "bias", None) is not None:
+        changed.append("a bias in its output head")
+    if changed:
+        raise UsageError(
+            f"--model {name} changes its logits after the output head's product ({changed[0]}), which --loss {loss} "
+            "leaves out; use --loss plain."
+        )
+
+
 def check_adapter(adapter: str, name: str) -> None:
     """Refuses, in one sentence, an adapter directory peft would fail on or load wrongly: no adapter_config.json,
     no weights, a weights file cut short, or tensors that do not fit `name`'s model (trained on another base).
