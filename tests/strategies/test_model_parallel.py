@@ -85,6 +85,8 @@ CELLS: dict[str, tuple[int, dict]] = {
     "tp-selective": (2, {"multi_gpu": "tp", "activation_checkpointing": "selective"}),
     "pp-compile-offload": (2, {"multi_gpu": "pp", **AOT, "activation_checkpointing": "offload"}),
     "pp-selective": (2, {"multi_gpu": "pp", "activation_checkpointing": "selective"}),
+    # zero3 shards each LoRA adapter as a unit of its own inside its layer: recomputed inside the layer's backward.
+    "zero3-lora-full": (2, {"multi_gpu": "zero3", "method": "lora", "activation_checkpointing": "full"}),
     "hsdp-2x2-compile-selective": (
         4,
         {"multi_gpu": "hsdp", "replicate": 2, "batch_size": 1, **AOT, "activation_checkpointing": "selective"},
@@ -218,6 +220,7 @@ def test_each_layout_reaches_the_one_process_validation_loss(results: dict, name
     split = {"tp-32": 32, "tp-bf16-mixed": 32, "tp-accumulate-2": 32, "replicas-x-tp": 32, "hsdp-2x2": 32}
     split |= {"tp-selective": 32, "hsdp-2x2-compile-selective": 32, "zero2-compile-selective": 32}
     split |= {"zero3-compile-full": 32, "ddp-compile-full": None, "zero1-compile-offload": None}  # DDP's module.
+    split |= {"zero3-lora-full": 32}
     split |= {"tp-lora": 32} | {cell: 32 for cell in CELLS if cell.startswith("tp-sequence")}
     split |= {cell: 64 if "x-tp" not in cell else 32 for cell in CELLS if cell.startswith("pp")}
     split |= {cell: 32 for cell in CELLS if "-x-pp" in cell}

@@ -19,16 +19,17 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset
 
-from multigpu.core.data import Batch, DistributedLoader, gather_in_order
-from multigpu.core.env import DistEnv, all_reduce_value, collective_device, grouped
+from multigpu.core.data import Batch, DistributedLoader
+from multigpu.core.env import DistEnv, collective_device, grouped
 from multigpu.core.errors import UsageError
 from multigpu.core.float8 import refresh_all_gather_scales
-from multigpu.core.loss import TokenLoss, apply_liger, check_runnable, outputs_for
+from multigpu.core.loss import TokenLoss, outputs_for
 from multigpu.core.modules import on_meta
 from multigpu.core.precision import Precision
 from multigpu.core.pretrained import SafetensorsCheckpoint
 from multigpu.core.schedule import SampleSchedule
 from multigpu.engine import start
+from multigpu.engine.across import AcrossRanks
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.observe import Reporting, StepObserver, StepStats, new_observers, watched, watching
 from multigpu.engine.saving import Saving
@@ -36,7 +37,7 @@ from multigpu.engine.window import Window
 from multigpu.strategies import Strategy
 
 
-class Engine(Saving, Reporting):
+class Engine(Saving, Reporting, AcrossRanks):
     def __init__(
         self, strategy: str | Strategy = "auto", *, observers: Sequence[StepObserver] = (), **settings: Any
     ) -> None:
@@ -54,9 +55,6 @@ class Engine(Saving, Reporting):
         self.precision = Precision(config.precision)
         self._plan = start.precision_plan(self._strategy, config, self.env)
         self.device = self.env.device
-        find_unused = getattr(self._strategy, "find_unused_parameters", False)
-        split = self._strategy.layout.tp > 1
-        check_runnable(config.loss, config.liger, self.device, self._strategy.name, split, find_unused)
         start.join(self.env, self._strategy, config)
         self._scaler: torch.amp.GradScaler | None = None
         # Which batch this rank reads, among how many: the ranks of one replica's tp and pp groups read the same one.
@@ -65,6 +63,7 @@ class Engine(Saving, Reporting):
         wants_loss = any(observer.wants_loss for observer in self.observers)
         self._window = Window(config.grad_accum_steps, self._data_world, self.device, wants_loss)
         self._backward_ran = False  # since the last engine.step
+        self._lm_loss_made = False  # engine.lm_loss made the loss function a loss setting other than plain needs
         self._loader: DistributedLoader | None = None
         self._train_loader: DistributedLoader | None = None  # the loader whose batches backward last saw
         self._printed_batch_size = False
@@ -138,8 +137,6 @@ class Engine(Saving, Reporting):
             self._plan = start.precision_plan(self._strategy, self.config, self.env)
             self._auto_pending = False
         build = (self._init_rng, self._pretrained.pop(id(model), None))
-        if self.config.liger:  # before anything wraps, compiles or shards the layers it replaces
-            apply_liger(model)
         model, optimizer = start.set_up(
             self._strategy, model, optimizer, self.env, self._plan, self.config, build, self.print
         )
@@ -318,6 +315,7 @@ class Engine(Saving, Reporting):
         if self._model is None:
             raise UsageError("engine.lm_loss(head) takes the set-up model's head; call it after engine.setup().")
         holders = [self._model, *getattr(self._strategy, "_forwards", ())]  # a pipeline's stages are FSDP roots
+        self._lm_loss_made = True
         return TokenLoss(head, self.config.loss, ignore_index, chunk_tokens, holders)
 
     def step(self, optimizer: torch.optim.Optimizer, scheduler: LRScheduler | None = None) -> bool:
@@ -332,6 +330,11 @@ class Engine(Saving, Reporting):
         if not self._backward_ran:
             raise UsageError(
                 "engine.step() was called before engine.backward(loss) in this step; call engine.backward(loss) first."
+            )
+        if self.config.loss != "plain" and not self._lm_loss_made:  # it would change nothing: say so
+            raise UsageError(
+                f"loss {self.config.loss} is the loss function engine.lm_loss(head) makes, and this script trains "
+                "without one; pass engine.lm_loss(head) to forward_backward, or drop loss (--loss)."
             )
         self._backward_ran = False
         self._window.batch = None
@@ -384,32 +387,6 @@ class Engine(Saving, Reporting):
         """The step under way does other work besides training (evaluation, a checkpoint, a FLOP count): its
         time is left out of the throughput figures."""
         self._window.totals.other_work = True
-
-    def reduce(self, value: float | torch.Tensor, op: str = "mean") -> float | torch.Tensor:
-        """`value` combined over all ranks ("mean", "sum" or "max"), returned on every rank as the same type."""
-        with watching(self.observers, "reduce"):
-            return all_reduce_value(value, op, self.device)
-
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Rows from every rank, padding removed, in dataset order.
-
-        `tensor`'s rows must belong to the last `len(tensor)` samples this rank's engine loader yielded (a batch's
-        outputs, or everything collected over the epoch).
-        """
-        self.mark_untimed()  # evaluation, usually
-        batches = self._loader.yielded if self._loader is not None else []
-        with watching(self.observers, "gather"):
-            return gather_in_order(tensor, batches, self.device)
-
-    def barrier(self) -> None:
-        if grouped():
-            with watching(self.observers, "barrier"):
-                dist.barrier()
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """print() on the main process only."""
-        if self.is_main_process:
-            print(*args, **kwargs, flush=True)
 
 
 def _call(model: nn.Module, inputs: Any) -> Any:

@@ -21,6 +21,8 @@ from multigpu.core.env import DistEnv, check_backend, init_process_group
 from multigpu.core.errors import UsageError
 from multigpu.core.float8 import check_float8, convert_linears
 from multigpu.core.layout import resolve_layout
+from multigpu.core.loss import apply_liger
+from multigpu.core.loss import check_runnable as check_loss
 from multigpu.core.modules import (
     MetaValues,
     default_units,
@@ -88,6 +90,8 @@ def precision_plan(strategy: Strategy, config: EngineConfig, env: DistEnv) -> Pr
             "compile cannot run with tensor parallelism on torch 2.13: a compiled block's backward hands DTensor's "
             "redistribution a plain tensor and fails in the first step; drop --compile, or the tensor parallelism."
         )
+    find_unused = getattr(strategy, "find_unused_parameters", False)
+    check_loss(config.loss, config.liger, env.device, strategy.name, strategy.layout.tp > 1, find_unused)
     if config.sync_batchnorm and strategy.needs_process_group and env.device.type != "cuda":
         raise UsageError(
             "sync_batchnorm synchronises BatchNorm between GPUs, and torch's SyncBatchNorm refuses to run on CPU; "
@@ -203,6 +207,8 @@ def set_up(
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """The model and optimizer set up for `strategy`, from a plain build or one on the meta device (init_module):
     `build` is where the random stream stood when that build began, and the checkpoint load_pretrained gave it."""
+    if config.liger:  # before anything wraps, compiles or shards the layers it replaces
+        apply_liger(model)
     values = meta_values(strategy, model, optimizer, env, *build, say)
     model = batchnorm(model, strategy, env, config.sync_batchnorm)
     # float8 first, as torchtitan orders it: tp, recomputation, compile and sharding then see its layers; the
@@ -211,7 +217,14 @@ def set_up(
     if said:
         say(said)
     # The blocks a sharding strategy wraps, before it wraps them (its hooks then run around the recomputation).
-    blocks = outermost(getattr(strategy, "units", default_units)(model))
+    units = getattr(strategy, "units", default_units)(model)
+    blocks = outermost(units)
+    if config.activation_checkpointing == "selective" and hasattr(strategy, "units") and len(blocks) < len(units):
+        raise UsageError(
+            f"activation_checkpointing selective cannot run where {strategy.name} shards modules inside each block "
+            "(LoRA adapters, 4-bit layers): their FSDP hooks run other ops when a block is recomputed, which torch's "
+            "selective checkpointing refuses; use full or offload."
+        )
     recompute_blocks(model, blocks, config.activation_checkpointing)
     if config.compile:
         compile_blocks(model, blocks, config.compile_backend)

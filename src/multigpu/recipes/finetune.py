@@ -91,7 +91,6 @@ class FinetuneConfig(FinetuneSettings, lm_models.ModelSettings):
     warmup_steps: int = setting(10, "linear warm-up over this many steps' samples, then cosine decay")
     lora_r: int = setting(8, "LoRA rank")
     lora_alpha: int = setting(16, "LoRA scaling numerator (scale = alpha / r)")
-    gradient_checkpointing: bool = setting(False, "recompute activations in backward")
     merge: bool = setting(False, "also write the base model with the adapter merged in")
     sample_prompt: str | None = setting(None, "print this prompt's greedy continuation before and after training")
     eval_batches: int = setting(20, "validation batches per rank per evaluation (0: all)")
@@ -154,7 +153,6 @@ def build(config: FinetuneConfig, engine: Engine) -> tuple[nn.Module, torch.opti
             config.method,
             config.lora_r,
             config.lora_alpha,
-            config.gradient_checkpointing,
             precision=engine.precision.name,  # the engine's: bench and verify may run another than the config's
             skeleton=skeleton,
         )

@@ -294,7 +294,6 @@ def load_model(
     method: str = "full",
     lora_r: int = 8,
     lora_alpha: int = 16,
-    gradient_checkpointing: bool = False,
     adapter: str | None = None,
     precision: str = "32",
     skeleton: bool = False,
@@ -328,10 +327,6 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(model_dir(name), **options)
     if method == "qlora":
         keep_4bit_layout(model)
-    if gradient_checkpointing:
-        # Non-reentrant: the reentrant kind breaks DDP ("mark a variable ready only once") with frozen weights.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
     if adapter is not None:
         from peft import PeftModel
 

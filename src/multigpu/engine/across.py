@@ -1,0 +1,43 @@
+"""What the Engine does across its ranks for a training loop: reduce a value, gather rows in dataset order, wait
+for every rank, print once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from multigpu.core.data import gather_in_order
+from multigpu.core.env import all_reduce_value, grouped
+from multigpu.engine.observe import watching
+
+
+class AcrossRanks:
+    """A mixin of the Engine: reads its observers, device, loader and main-process flag."""
+
+    def reduce(self, value: float | torch.Tensor, op: str = "mean") -> float | torch.Tensor:
+        """`value` combined over all ranks ("mean", "sum" or "max"), returned on every rank as the same type."""
+        with watching(self.observers, "reduce"):
+            return all_reduce_value(value, op, self.device)
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rows from every rank, padding removed, in dataset order.
+
+        `tensor`'s rows must belong to the last `len(tensor)` samples this rank's engine loader yielded (a batch's
+        outputs, or everything collected over the epoch).
+        """
+        self.mark_untimed()  # evaluation, usually
+        batches = self._loader.yielded if self._loader is not None else []
+        with watching(self.observers, "gather"):
+            return gather_in_order(tensor, batches, self.device)
+
+    def barrier(self) -> None:
+        if grouped():
+            with watching(self.observers, "barrier"):
+                dist.barrier()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """print() on the main process only."""
+        if self.is_main_process:
+            print(*args, **kwargs, flush=True)
