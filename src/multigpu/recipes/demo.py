@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from multigpu.core.config import Parser, add_config_arguments, config_from_args, config_to_argv
-from multigpu.core.errors import exit_on_usage_error, require
+from multigpu.core.errors import UsageError, exit_on_usage_error, require
 from multigpu.core.settings import Settings, setting
 from multigpu.engine import start
 from multigpu.engine.config import EngineConfig
@@ -94,6 +94,11 @@ def hits(logits: torch.Tensor, label: torch.Tensor) -> tuple[torch.Tensor, torch
 def run(config: DemoConfig, engine_config: EngineConfig, nproc: int) -> int:
     """What `multigpu demo` does: refuse what the Engine would refuse, then launch `nproc` processes of this."""
     launch_config = LaunchConfig(nproc=nproc)  # refuses a count of processes no launch can start
+    if engine_config.loss != "plain" or engine_config.liger:
+        raise UsageError(
+            "loss and liger change a language model's output head and cross-entropy, and the demo trains a small "
+            "classifier; drop them (multigpu finetune takes them)."
+        )
     start.check(engine_config, nproc)
     argv = config_to_argv(config) + config_to_argv(engine_config)
     return launch(launch_config, ["multigpu.recipes.demo", *argv], module=True)
