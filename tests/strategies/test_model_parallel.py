@@ -78,15 +78,15 @@ CELLS: dict[str, tuple[int, dict]] = {
     # numbers as the plain run, so the same reference. Checkpointing recomputes with the same kernels on the same
     # inputs (bit for bit, tests/core/test_recompute.py); inductor fuses and reorders fp32 sums (~1e-7 relative).
     "single-compile-selective": (1, {"multi_gpu": "single", **AOT, "activation_checkpointing": "selective"}),
-    "ddp-compile-full": (2, {"multi_gpu": "ddp", **AOT, "activation_checkpointing": "full"}),
-    "zero1-compile-offload": (2, {"multi_gpu": "zero1", **AOT, "activation_checkpointing": "offload"}),
-    "zero2-compile-selective": (2, {"multi_gpu": "zero2", **AOT, "activation_checkpointing": "selective"}),
-    "zero3-compile-full": (2, {"multi_gpu": "zero3", **AOT, "activation_checkpointing": "full"}),
+    "ddp-compile-full": (2, {"batch_size": 2, "multi_gpu": "ddp", **AOT, "activation_checkpointing": "full"}),
+    "zero1-compile-offload": (2, {"batch_size": 2, "multi_gpu": "zero1", **AOT, "activation_checkpointing": "offload"}),
+    "zero2-compile-selective": (2, {"batch_size": 2, "multi_gpu": "zero2", **AOT, "activation_checkpointing": "selective"}),
+    "zero3-compile-full": (2, {"batch_size": 2, "multi_gpu": "zero3", **AOT, "activation_checkpointing": "full"}),
     "tp-selective": (2, {"multi_gpu": "tp", "activation_checkpointing": "selective"}),
     "pp-compile-offload": (2, {"multi_gpu": "pp", **AOT, "activation_checkpointing": "offload"}),
     "pp-selective": (2, {"multi_gpu": "pp", "activation_checkpointing": "selective"}),
     # zero3 shards each LoRA adapter as a unit of its own inside its layer: recomputed inside the layer's backward.
-    "zero3-lora-full": (2, {"multi_gpu": "zero3", "method": "lora", "activation_checkpointing": "full"}),
+    "zero3-lora-full": (2, {"batch_size": 2, "multi_gpu": "zero3", "method": "lora", "activation_checkpointing": "full"}),
     "hsdp-2x2-compile-selective": (
         4,
         {"multi_gpu": "hsdp", "replicate": 2, "batch_size": 1, **AOT, "activation_checkpointing": "selective"},
@@ -150,7 +150,7 @@ def run_cells(workdir: str, runs: list[tuple[str, dict]], demos: list[str]) -> d
         inner = "model." if options["method"] == "full" else "base_model.model.model."
         rows, norm_on_tp = None, None  # a later pipeline stage holds no layer 0; rank 0's figures are compared
         with contextlib.suppress(AttributeError):
-            layer = result["model"].get_submodule(f"{inner}layers.0")
+            layer = getattr(result["model"], "module", result["model"]).get_submodule(f"{inner}layers.0")  # DDP's
             rows = (q.to_local() if isinstance(q := layer.self_attn.q_proj.weight, DTensor) else q).shape[0]
             norm = layer.input_layernorm.weight  # sequence parallelism places it on the tp mesh
             norm_on_tp = isinstance(norm, DTensor) and "tp" in (norm.device_mesh.mesh_dim_names or ())
@@ -219,7 +219,7 @@ def test_each_layout_reaches_the_one_process_validation_loss(results: dict, name
     # halved again where zero shards the slice; a pipeline's rank 0 holds layer 0 whole, or what tp or zero leave.
     split = {"tp-32": 32, "tp-bf16-mixed": 32, "tp-accumulate-2": 32, "replicas-x-tp": 32, "hsdp-2x2": 32}
     split |= {"tp-selective": 32, "hsdp-2x2-compile-selective": 32, "zero2-compile-selective": 32}
-    split |= {"zero3-compile-full": 32, "ddp-compile-full": None, "zero1-compile-offload": None}  # DDP's module.
+    split |= {"zero3-compile-full": 32, "ddp-compile-full": 64, "zero1-compile-offload": 64}
     split |= {"zero3-lora-full": 32}
     split |= {"tp-lora": 32} | {cell: 32 for cell in CELLS if cell.startswith("tp-sequence")}
     split |= {cell: 64 if "x-tp" not in cell else 32 for cell in CELLS if cell.startswith("pp")}
