@@ -46,4 +46,5 @@ def test_a_hugging_face_decoder_compiles_its_layers_once_not_once_per_layer() ->
     compile_blocks(model, model.model.layers, "aot_eager")
     ids = torch.randint(0, 64, (2, 12))
     model(input_ids=ids, labels=ids).loss.backward()
-    assert compiled_graphs() - before == 1  # aot_eager counts the forward graph; 12 layers past the limit of 8 would raise
+    # aot_eager counts the forward graph; 12 graphs, past dynamo's limit of 8, would raise.
+    assert compiled_graphs() - before == 1

@@ -80,13 +80,19 @@ CELLS: dict[str, tuple[int, dict]] = {
     "single-compile-selective": (1, {"multi_gpu": "single", **AOT, "activation_checkpointing": "selective"}),
     "ddp-compile-full": (2, {"batch_size": 2, "multi_gpu": "ddp", **AOT, "activation_checkpointing": "full"}),
     "zero1-compile-offload": (2, {"batch_size": 2, "multi_gpu": "zero1", **AOT, "activation_checkpointing": "offload"}),
-    "zero2-compile-selective": (2, {"batch_size": 2, "multi_gpu": "zero2", **AOT, "activation_checkpointing": "selective"}),
+    "zero2-compile-selective": (
+        2,
+        {"batch_size": 2, "multi_gpu": "zero2", **AOT, "activation_checkpointing": "selective"},
+    ),
     "zero3-compile-full": (2, {"batch_size": 2, "multi_gpu": "zero3", **AOT, "activation_checkpointing": "full"}),
     "tp-selective": (2, {"multi_gpu": "tp", "activation_checkpointing": "selective"}),
     "pp-compile-offload": (2, {"multi_gpu": "pp", **AOT, "activation_checkpointing": "offload"}),
     "pp-selective": (2, {"multi_gpu": "pp", "activation_checkpointing": "selective"}),
     # zero3 shards each LoRA adapter as a unit of its own inside its layer: recomputed inside the layer's backward.
-    "zero3-lora-full": (2, {"batch_size": 2, "multi_gpu": "zero3", "method": "lora", "activation_checkpointing": "full"}),
+    "zero3-lora-full": (
+        2,
+        {"batch_size": 2, "multi_gpu": "zero3", "method": "lora", "activation_checkpointing": "full"},
+    ),
     "hsdp-2x2-compile-selective": (
         4,
         {"multi_gpu": "hsdp", "replicate": 2, "batch_size": 1, **AOT, "activation_checkpointing": "selective"},
