@@ -188,3 +188,17 @@ def test_a_script_without_an_engine_is_refused_at_its_first_step(tmp_path: Path)
         "only scripts that train through one; build an Engine in it (docs/guide.md, from one GPU to many), or run "
         "it as it is with multigpu run."
     ]
+
+
+def test_passes_the_finetune_recipe_under_the_chunked_loss(tmp_path: Path) -> None:
+    """The loss setting takes effect through engine.lm_loss, which the finetune recipe uses (a script's own loss
+    would be refused at its first step)."""
+    from tests.recipes.test_finetune import write_text
+
+    recipe = ["-m", "multigpu.recipes.finetune", "--model", "tiny", "--method", "full", "--seq-len", "32"]
+    recipe += ["--data", write_text(tmp_path / "text.txt"), "--batch-size", "2", "--save-dir", str(tmp_path / "run")]
+    result = multigpu(
+        "verify", "--json", "--steps", "2", "--strategy", "zero3", "--loss", "chunked", *recipe, timeout=240
+    )
+    report = json.loads(result.stdout[result.stdout.index("{\n") :])
+    assert result.returncode == 0 and report["passed"], report
