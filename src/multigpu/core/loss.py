@@ -333,7 +333,9 @@ def check_runnable(
         ),
     )
     if (loss == "fused" or liger) and importlib.util.find_spec("liger_kernel") is None:
-        raise UsageError("loss fused and liger need Liger-Kernel; pip install 'multigpu[gpu]' (Liger-Kernel), or use loss chunked.")
+        raise UsageError(
+            "loss fused and liger need Liger-Kernel; pip install 'multigpu[gpu]' (Liger-Kernel), or use loss chunked."
+        )
 
 
 def apply_liger(model: nn.Module) -> None:
