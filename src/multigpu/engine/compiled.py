@@ -7,7 +7,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch._inductor.config
 from torch import nn
 
 from multigpu.core.modules import stop_caching
@@ -24,7 +23,9 @@ def compile_blocks(model: nn.Module, blocks: Iterable[nn.Module], backend: str) 
     if backend == "inductor" and torch._C._get_cpu_capability() == "DEFAULT":
         # aten runs without vector instructions (ATEN_CPU_CAPABILITY=default): inductor then builds its C++ kernels
         # without the vector headers, and torch 2.13 still emits vector code into them, which does not compile.
-        torch._inductor.config.cpp.simdlen = 1
+        from torch._inductor import config as inductor  # imported by compile anyway; not by every Engine
+
+        inductor.cpp.simdlen = 1
     stop_caching(model)  # a Hugging Face model's cache would compile every layer apart (see stop_caching)
     for block in blocks:
         block.compile(backend=backend)
