@@ -314,7 +314,7 @@ class Engine(Saving, Reporting, AcrossRanks):
         calls make it hand its input through, so the loss gets the hidden states (multigpu.core.loss)."""
         if self._model is None:
             raise UsageError("engine.lm_loss(head) takes the set-up model's head; call it after engine.setup().")
-        holders = [self._model, *getattr(self._strategy, "_forwards", ())]  # a pipeline's stages are FSDP roots
+        holders = [self._model, *self._strategy.local_stages()]  # a pipeline's stages are FSDP roots
         self._lm_loss_made = True
         return TokenLoss(head, self.config.loss, ignore_index, chunk_tokens, holders)
 

@@ -82,6 +82,10 @@ class Strategy(ABC):
         """Puts back what communication_state saved; `read(r)` is rank r's (None where none was saved)."""
         return None
 
+    def local_stages(self) -> list[nn.Module]:
+        """The pipeline stages this rank runs once set up (each an FSDP root under zero2/zero3); none but pp's."""
+        return []
+
     def precision_plan(self, precision: Precision, device: torch.device) -> PrecisionPlan:
         """What `precision` means under this strategy (or one sentence refusing it): by default the Engine's
         autocast computes in the mixed dtype, parameters are stored in the precision's, and fp16 scales the loss."""

@@ -112,6 +112,9 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
             self.data.mesh = mesh  # one mesh: zero's "shard" (and "replicate") dimensions are slices of it
         return mesh
 
+    def local_stages(self) -> list[nn.Module]:
+        return list(getattr(self, "_forwards", []))  # made in setup
+
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, plan: PrecisionPlan
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
