@@ -4,6 +4,9 @@ cuts the model along it; sequence parallelism splits the residual stream between
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import nn
 
 from multigpu.core.errors import UsageError
@@ -39,3 +42,21 @@ def find_decoder(model: nn.Module) -> tuple[str, nn.Module, tuple[str, str, str]
         return f"{prefix}model.", decoder, decoder_plan(decoder)
     except UsageError:
         return None
+
+
+def packed_attention_kwargs(config: Any, position_ids: torch.Tensor | None) -> dict[str, Any]:
+    """Under flash-attention, the varlen arguments for rows of packed documents (each run of positions counting up
+    from 0 a sequence of its own): transformers infers them from position_ids only for a batch of one row, and
+    otherwise runs plain causal attention across the documents. {} under any other attention, or without
+    position_ids (the mask built from them separates the documents there)."""
+    if position_ids is None or not str(getattr(config, "_attn_implementation", "")).startswith("flash"):
+        return {}
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    (starts_q, starts_k), (longest_q, longest_k) = prepare_fa_kwargs_from_position_ids(position_ids)
+    return {
+        "cu_seq_lens_q": starts_q,
+        "cu_seq_lens_k": starts_k,
+        "max_length_q": int(longest_q),
+        "max_length_k": int(longest_k),
+    }

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from multigpu.core.errors import UsageError
-from multigpu.strategies.decoder import decoder_plan, language_model
+from multigpu.strategies.decoder import decoder_plan, language_model, packed_attention_kwargs
 from multigpu.strategies.tp import name_pattern
 
 
@@ -32,8 +32,8 @@ class SequentialStage(nn.Module):
 
 class DecoderStage(nn.Module):
     """A run of a Hugging Face decoder's layers; the first stage embeds the tokens, the last applies the final
-    norm and the head. Every stage gets the batch's keywords (the attention mask) from the schedule; the hidden
-    states come from the previous stage."""
+    norm and the head. Every stage gets the batch's keywords (the attention mask, or the position_ids of packed
+    documents) from the schedule, micro-batched along the rows; the hidden states come from the previous stage."""
 
     def __init__(
         self,
@@ -59,17 +59,24 @@ class DecoderStage(nn.Module):
         hidden: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         input_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        use_cache: bool | None = None,  # a stage keeps no cache; taken so that one batch of inputs serves both
     ) -> Any:
         from transformers.masking_utils import create_causal_mask
 
         decoder = self.parts["decoder"]
         hidden = input_ids if hidden is None else hidden  # the first stage: the tokens, as a keyword
         length = hidden.shape[1] * (1 if self.first else self.position_split)  # the whole sequence's
-        if attention_mask is None:
-            attention_mask = torch.ones((hidden.shape[0], length), dtype=torch.long, device=hidden.device)
+        if position_ids is None:
+            positions = torch.arange(length, device=hidden.device).unsqueeze(0)
+            if attention_mask is None:
+                attention_mask = torch.ones((hidden.shape[0], length), dtype=torch.long, device=hidden.device)
+        else:
+            # Packed documents: with no attention_mask, the mask is causal within each run of positions that
+            # counts up from 0, and flash-attention takes those runs as its varlen sequences.
+            positions = position_ids
         if self.first:
             hidden = getattr(decoder, self.embed)(hidden)
-        positions = torch.arange(length, device=hidden.device).unsqueeze(0)
         rotary = decoder.rotary_emb(hidden, positions)
         mask = create_causal_mask(
             config=decoder.config,
@@ -78,8 +85,9 @@ class DecoderStage(nn.Module):
             past_key_values=None,
             position_ids=positions,
         )
+        varlen = packed_attention_kwargs(decoder.config, position_ids if attention_mask is None else None)
         for layer in self.parts["layers"]:
-            hidden = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
+            hidden = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary, **varlen)
         if self.last:
             return self.parts["head"](getattr(decoder, self.norm)(hidden))
         return hidden
