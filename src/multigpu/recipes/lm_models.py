@@ -311,6 +311,9 @@ def load_model(
     if method not in METHODS:
         raise UsageError(f"Unknown --method {method!r}; choose one of {', '.join(METHODS)}.")
     options: dict[str, Any] = {"dtype": torch.float32}
+    flash = uses_flash_attention(precision)
+    if flash:
+        options["attn_implementation"] = "flash_attention_2"
     if method == "qlora":
         options["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
@@ -327,6 +330,8 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(model_dir(name), **options)
     if method == "qlora":
         keep_4bit_layout(model)
+    if flash:
+        model.get_decoder().register_forward_pre_hook(pass_document_bounds, with_kwargs=True)
     if adapter is not None:
         from peft import PeftModel
 
@@ -384,6 +389,25 @@ def keep_4bit_layout(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, Linear4bit):
             module.support_avx512bf16_for_cpu = False
+
+
+def uses_flash_attention(precision: str) -> bool:
+    """Whether flash-attention's kernels run here: on a CUDA GPU, with the flash_attn package installed, in 16-bit
+    (they refuse fp32); its varlen kernels then skip the padding and the other documents of a packed row.
+    Otherwise transformers' default (sdpa where the model has it) masks them, from the attention mask or the
+    packed position_ids. Never on CPU, where flash-attn has no kernels."""
+    sixteen_bit = Precision(precision).matmul_dtype != torch.float32
+    return sixteen_bit and torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+def pass_document_bounds(decoder: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+    """A flash-attention decoder's forward pre-hook: a packed batch (position_ids, no attention_mask, no cache)
+    gets the varlen arguments of its documents, which transformers infers itself for one row only."""
+    from multigpu.strategies.decoder import packed_attention_kwargs
+
+    if kwargs.get("attention_mask") is None and kwargs.get("use_cache") is False:
+        kwargs.update(packed_attention_kwargs(decoder.config, kwargs.get("position_ids")))
+    return args, kwargs
 
 
 def lora_targets(model: torch.nn.Module) -> list[str]:
