@@ -141,6 +141,11 @@ class DistributedLoader:
     def __len__(self) -> int:
         return len(self._plan(0))
 
+    @property
+    def samples_seen(self) -> int:
+        """Real samples handed out so far, over every epoch and every rank."""
+        return self.epoch * len(self.dataset) + self.position
+
     def batch_size_line(self) -> str:
         """The global batch this loader makes, spelled out."""
         batch, accum, world = self.batch_size, self.grad_accum_steps, self.world_size

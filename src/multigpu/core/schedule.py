@@ -3,8 +3,8 @@
 A schedule over optimizer steps breaks when the number of processes changes on resume: a step then covers another
 number of samples, so the same step count lands elsewhere in the data. Resumed at 3 processes, a run planned for 2
 reached its last step a third of the way early and spent the rest at lr 0; resumed at 1 it ended the data with the
-lr still high. Here the lr is a function of the position in the data (the engine loader's epoch and sample
-position, which the checkpoint holds), so every update sees the lr the uninterrupted run sees at that sample.
+lr still high. Here the lr is a function of the position in the data (the engine loader's samples_seen, which
+its checkpointed state gives), so every update sees the lr the uninterrupted run sees at that sample.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from multigpu.core.data import DistributedLoader
+from multigpu.core.stream import StreamLoader
 
 
 def warmup_cosine(position: float, warmup: float, total: float) -> float:
@@ -39,7 +40,11 @@ class SampleSchedule(LRScheduler):
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, loader: DistributedLoader, warmup_samples: int, total_samples: int
+        self,
+        optimizer: torch.optim.Optimizer,
+        loader: DistributedLoader | StreamLoader,
+        warmup_samples: int,
+        total_samples: int,
     ) -> None:
         self.loader, self.warmup_samples, self.total_samples = loader, warmup_samples, total_samples
         self.skipped_samples = 0
@@ -48,7 +53,7 @@ class SampleSchedule(LRScheduler):
     @property
     def seen(self) -> int:
         """Samples the loader has handed out so far, over every epoch and every rank."""
-        return self.loader.epoch * len(self.loader.dataset) + self.loader.position
+        return self.loader.samples_seen
 
     @property
     def samples(self) -> int:

@@ -10,6 +10,8 @@ import torch.distributed as dist
 
 from multigpu.core.data import gather_in_order
 from multigpu.core.env import all_reduce_value, grouped
+from multigpu.core.errors import UsageError
+from multigpu.core.stream import StreamLoader
 from multigpu.engine.observe import watching
 
 
@@ -25,9 +27,14 @@ class AcrossRanks:
         """Rows from every rank, padding removed, in dataset order.
 
         `tensor`'s rows must belong to the last `len(tensor)` samples this rank's engine loader yielded (a batch's
-        outputs, or everything collected over the epoch).
+        outputs, or everything collected over the epoch; a streamed loader's last batch only: it keeps no epoch).
         """
         self.mark_untimed()  # evaluation, usually
+        if isinstance(self._loader, StreamLoader) and len(tensor) > self._loader.batch_size:
+            raise UsageError(
+                f"engine.gather got {len(tensor)} rows, more than a batch of the streamed loader, which keeps only its "
+                "last batch's sample order; gather each batch's outputs as it comes."
+            )
         batches = self._loader.yielded if self._loader is not None else []
         with watching(self.observers, "gather"):
             return gather_in_order(tensor, batches, self.device)
