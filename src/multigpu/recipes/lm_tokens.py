@@ -1,0 +1,213 @@
+"""Examples into token documents: the ids a model reads and which of them it learns to predict.
+
+A text example is its tokens and EOS, cut into documents of at most seq_len + 1 tokens: every token but a
+document's first is a target. A conversation goes through the tokenizer's chat template and is cut into pieces,
+each either learnt (an assistant's answer, through its end-of-turn token) or not (everything else); every
+assistant turn is learnt, or only the last (`learn_turns`). Pieces are tokenised apart, so each answer starts
+exactly where generation from its prompt starts. A conversation longer than seq_len + 1 tokens loses its end
+(`too_long` truncate) or is left out (drop); either way it is counted, as is one with no answer token left.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import pickle
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from multigpu.core.errors import UsageError
+from multigpu.recipes.lm_models import cache_root
+
+FORMAT_VERSION = 2  # bump when the cached layout or the tokenisation changes, so old files are not read
+PARALLEL_FROM = 20_000  # records: below this, starting worker processes costs more than it saves
+
+#: What became of a record, in the order the counts are reported.
+KEPT, TRUNCATED, DROPPED_LONG, DROPPED_NO_ANSWER = range(4)
+
+
+def tokenise_batch(
+    batch: dict[str, list[Any]], tokenizer: Any, seq_len: int, learn_turns: str, too_long: str
+) -> dict[str, list[Any]]:
+    """`datasets.map(batched=True)`'s function: columns where + text (or messages) in; documents out, each with
+    its ids, its target mask (1: learnt), the record's fate and the tokens cut from it."""
+    if "text" in batch:
+        return _text_documents(batch["text"], tokenizer, seq_len)
+    pieces = [chat_pieces(m, tokenizer, learn_turns, w) for m, w in zip(batch["messages"], batch["where"], strict=True)]
+    flat = [text for record in pieces for text, _ in record]
+    ids = iter(tokenizer(flat, add_special_tokens=False, verbose=False)["input_ids"]) if flat else iter(())
+    out: dict[str, list[Any]] = {"ids": [], "mask": [], "fate": [], "cut": []}
+    for record in pieces:
+        tokens, mask = [], []
+        for _, learnt in record:
+            piece = next(ids)
+            tokens += piece
+            mask += [int(learnt)] * len(piece)
+        fate, cut = _fit(tokens, mask, seq_len, too_long)
+        if fate in (KEPT, TRUNCATED):
+            out["ids"].append(tokens[: seq_len + 1])
+            out["mask"].append([0, *mask[1 : seq_len + 1]])  # the first token has nothing before it to predict it
+        else:
+            out["ids"].append([])
+            out["mask"].append([])
+        out["fate"].append(fate)
+        out["cut"].append(cut)
+    return out
+
+
+def _fit(tokens: list[int], mask: list[int], seq_len: int, too_long: str) -> tuple[int, int]:
+    """(fate, tokens cut) of a record of len(tokens) tokens that may hold seq_len + 1."""
+    cut = max(0, len(tokens) - seq_len - 1)
+    if cut and too_long == "drop":
+        return DROPPED_LONG, len(tokens)
+    if not any(mask[1 : seq_len + 1]):
+        return DROPPED_NO_ANSWER, len(tokens)
+    return (TRUNCATED if cut else KEPT), cut
+
+
+def _text_documents(texts: Sequence[str], tokenizer: Any, seq_len: int) -> dict[str, list[Any]]:
+    ids = tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]  # verbose: length warning
+    out: dict[str, list[Any]] = {"ids": [], "mask": [], "fate": [], "cut": []}
+    for doc in ids:
+        doc = [*doc, tokenizer.eos_token_id]
+        for start in range(0, len(doc) - 1, seq_len + 1):  # a last piece of one token would teach nothing
+            piece = doc[start : start + seq_len + 1]
+            out["ids"].append(piece)
+            out["mask"].append([0] + [1] * (len(piece) - 1))
+            out["fate"].append(KEPT)
+            out["cut"].append(0)
+    return out
+
+
+def chat_pieces(messages: list[dict[str, str]], tokenizer: Any, learn_turns: str, where: str) -> list[tuple[str, bool]]:
+    """The rendered conversation as (text, learnt) pieces, end to end."""
+    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not answers or answers[0] == 0:
+        raise UsageError(f"{where}: a conversation needs a prompt before the assistant's first answer; add one.")
+    pieces, done, eos = [], "", tokenizer.eos_token
+    for i in answers if learn_turns == "all" else answers[-1:]:
+        prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not (prompt.startswith(done) and full.startswith(prompt)):
+            raise UsageError(
+                f"The chat template does not render {where} as prompt then answer, turn by turn; use another model "
+                "or --learn-turns last."
+            )
+        answer = full[len(prompt) :]
+        if eos and eos in answer:  # after the end-of-turn token comes a newline, which teaches nothing
+            answer = answer[: answer.rindex(eos) + len(eos)]
+        pieces += [(prompt[len(done) :], False), (answer, True)]
+        done = prompt + answer
+    return [(text, learnt) for text, learnt in pieces if text]
+
+
+def cached_tokens(
+    identity: bytes, tokenizer: Any, settings: Any, read: Callable[[], Any]
+) -> tuple[dict[str, Any], Path, bool]:
+    """(payload, its cache file, whether it was read from the cache): `read()`'s records tokenised, by one process
+    while any others wait, keyed by the data's identity, the tokenizer and the settings the tokens depend on."""
+    path = token_cache_dir() / f"{cache_key(identity, tokenizer, settings)}.pt"
+    payload, from_cache = _cached(path, lambda: tokenise_records(read(), tokenizer, settings))
+    return payload, path, from_cache
+
+
+def tokenise_records(records: Any, tokenizer: Any, settings: Any, parallel: bool = True) -> dict[str, Any]:
+    """The cache payload: every document's ids end to end, where each starts, which tokens are targets, and what
+    became of each record. A parallel `datasets.map` on many records (the chat template is rendered in Python)."""
+    import datasets
+
+    column = "text" if records.kind == "text" else "messages"
+    items = list(records.examples)
+    wheres, values = zip(*items, strict=True) if items else ((), ())
+    if not items:
+        raise UsageError(f"{records.source} has no records; pass data with at least one.")
+    columns = {"where": list(wheres), column: list(values)}
+    cutting = {"tokenizer": tokenizer, "seq_len": settings.seq_len, "learn_turns": settings.learn_turns,
+               "too_long": settings.too_long}  # fmt: skip
+    if not parallel or len(items) < PARALLEL_FROM:
+        return payload_of(datasets.Dataset.from_dict(tokenise_batch(columns, **cutting)), records)
+    table = datasets.Dataset.from_dict(columns)
+    documents = table.map(
+        tokenise_batch,
+        batched=True,
+        num_proc=min(os.cpu_count() or 1, 8),
+        remove_columns=table.column_names,
+        fn_kwargs=cutting,
+        desc=f"tokenising {records.source}",
+        keep_in_memory=True,
+    )
+    return payload_of(documents, records)
+
+
+def payload_of(documents: Any, records: Any) -> dict[str, Any]:
+    ids, mask = (documents.data.column(name).combine_chunks() for name in ("ids", "mask"))
+    lengths = torch.from_numpy(ids.value_lengths().to_numpy(zero_copy_only=False).astype("int64"))
+    lengths = lengths[lengths > 0]  # a record left out holds no tokens, and flatten skips it
+    fates = torch.bincount(torch.tensor(documents["fate"], dtype=torch.long), minlength=4)
+    if len(lengths) == 0:
+        raise UsageError(f"{records.source} has no record with a token to learn within --seq-len; raise --seq-len.")
+    return {
+        "format": FORMAT_VERSION,
+        "kind": records.kind,
+        "source": records.source,
+        "tokens": torch.from_numpy(ids.flatten().to_numpy().astype("int32")),  # half of int64; any vocabulary fits
+        "mask": torch.from_numpy(mask.flatten().to_numpy().astype("bool")),
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+        "fates": fates,
+        "cut": int(sum(documents["cut"])),
+    }
+
+
+def token_cache_dir() -> Path:
+    return Path(os.environ.get("MULTIGPU_TOKEN_CACHE") or cache_root() / "tokens")
+
+
+def cache_key(identity: bytes, tokenizer: Any, settings: Any) -> str:
+    """sha256 of what the tokens depend on: the data's identity, the tokenizer's contents (not its path), the
+    settings that cut and mask the tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else tokenizer.name_or_path
+    vocab = vocab[max(vocab.find('"added_tokens"'), 0) :]  # skips padding/truncation state, which calls change
+    cut = f"{settings.seq_len} {settings.learn_turns} {settings.too_long}"
+    digest = hashlib.sha256()
+    for part in (f"lm_tokens {FORMAT_VERSION} {cut} {tokenizer.eos_token}", tokenizer.chat_template, vocab):
+        digest.update(hashlib.sha256(str(part).encode()).digest())
+    digest.update(hashlib.sha256(identity).digest())
+    return digest.hexdigest()
+def _cached(path: Path, build: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], bool]:
+    """Reads the cache, or builds it under an exclusive flock so that concurrent processes tokenise only once.
+
+    Waiting on a file lock, unlike on a collective, has no timeout, and any processes share it whatever their
+    world size. The kernel drops the lock when its holder dies, so a crash leaves no stale lock.
+    """
+    payload = _read(path)
+    if payload is not None:
+        return payload, True
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        payload = _read(path)  # built by another process while this one waited
+        if payload is not None:
+            return payload, True
+        payload = build()
+        partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
+        try:
+            torch.save(payload, partial)
+            os.replace(partial, path)  # so readers that skip the lock see the whole file or none
+        finally:
+            partial.unlink(missing_ok=True)
+    return payload, False
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        payload = torch.load(path, weights_only=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):  # absent or unreadable: (re)build it
+        return None
+    return payload if payload.get("format") == FORMAT_VERSION else None
+
+
