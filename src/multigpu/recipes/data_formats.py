@@ -121,7 +121,8 @@ def converter(data_format: str, column: str | None) -> Convert:
     if data_format == "text":
         return lambda record, where: _text(record, column or "text", where)
     if data_format == "chat":
-        return lambda record, where: conversation(record.get(column or "messages"), where, f'"{column}"')
+        name = column or "messages"
+        return lambda record, where: conversation(record.get(name), where, f'"{name}"')
     if data_format == "sharegpt":
         return lambda record, where: _sharegpt(record, column or "conversations", where)
     if data_format == "alpaca":
@@ -148,13 +149,16 @@ def conversation(value: Any, where: str, what: str = '"messages"') -> Messages:
         )
     messages = []
     for number, message in enumerate(value, 1):
-        role = message.get("role") if isinstance(message, Mapping) else None
-        content = message.get("content") if isinstance(message, Mapping) else None
-        if not (isinstance(role, str) and isinstance(content, str)):
+        if not isinstance(message, Mapping):
             raise UsageError(
-                f'{where} message {number} is {_found(message)}, where an object with "role" and "content" strings is '
-                "expected; fix it."
+                f'{where} message {number} is {_found(message)}, where a {{"role", "content"}} object belongs; fix it.'
             )
+        role, content = message.get("role"), message.get("content")
+        for key, found in (("role", role), ("content", content)):
+            if not isinstance(found, str):
+                raise UsageError(
+                    f'{where} message {number} has {_found(found)} as "{key}", where a string belongs; fix it.'
+                )
         if role not in ROLES:
             raise UsageError(f"{where} message {number} has the role {role!r}; use one of {', '.join(ROLES)}.")
         if role == "system" and number > 1:
