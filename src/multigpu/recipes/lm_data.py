@@ -13,14 +13,11 @@ worker starts, so bad data is refused up front.
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import importlib.metadata
 import importlib.util
 import json
-import os
-import pickle
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,11 +31,9 @@ from multigpu.core.config import check_path
 from multigpu.core.errors import UsageError, require
 from multigpu.core.settings import Settings, setting
 from multigpu.recipes import data_files, lm_tokens, packing
-from multigpu.recipes.lm_models import cache_root
 
 IGNORE = -100  # cross_entropy's default ignore_index
 Messages = list[dict[str, str]]
-NAMED = ("shakespeare", "chitchat")
 
 
 @dataclass
@@ -78,7 +73,7 @@ class DataSettings(Settings):
                 "--data-streaming holds nothing out of a stream; validate on --eval-data instead of --val-fraction.",
             ),
             (
-                not self.data_streaming or self.data not in (*NAMED, *[""]) and not self.data.endswith(".txt"),
+                not self.data_streaming or (self.data != "shakespeare" and not self.data.endswith(".txt")),
                 f"--data-streaming reads files of records; {self.data} is read whole, so drop --data-streaming.",
             ),
         )
@@ -169,12 +164,12 @@ def split_off(documents: Samples, fraction: float, payload: dict[str, Any]) -> t
 
 def fate_report(payload: dict[str, Any], settings: DataSettings) -> str:
     """One line on the records not trained on whole, or "" when every one is."""
-    fates, cut = payload["fates"], int(payload["cut"])
+    fates = payload["fates"]
     truncated, long, empty = (int(fates[f]) for f in (lm_tokens.TRUNCATED, lm_tokens.DROPPED_LONG,
                                                        lm_tokens.DROPPED_NO_ANSWER))  # fmt: skip
     parts = []
     if truncated:
-        parts.append(f"{truncated:,} truncated to --seq-len {settings.seq_len} ({cut:,} tokens cut)")
+        parts.append(f"{truncated:,} cut to --seq-len {settings.seq_len} + 1 tokens (--too-long truncate)")
     if long:
         parts.append(f"{long:,} longer than --seq-len {settings.seq_len} left out (--too-long drop)")
     if empty:
@@ -335,7 +330,7 @@ class TokenStream:
     def _sequences(self, records: data_files.Records, chunk: list[tuple[str, Any]]) -> list[dict[str, torch.Tensor]]:
         window = data_files.Records(records.kind, records.data_format, records.source, chunk)
         payload = lm_tokens.tokenise_records(window, self.tokenizer, self.settings, parallel=False)
-        self.payloads.append({"fates": payload["fates"], "cut": payload["cut"], "source": payload["source"]})
+        self.payloads.append({"fates": payload["fates"], "source": payload["source"]})
         documents = Samples(payload["tokens"], payload["offsets"], payload["mask"])
         return list(pack(documents, self.settings))
 
@@ -343,5 +338,4 @@ class TokenStream:
         if not self.payloads:
             return ""
         fates = sum(p["fates"] for p in self.payloads)
-        cut = sum(p["cut"] for p in self.payloads)
-        return fate_report({"fates": fates, "cut": cut, "source": self.payloads[0]["source"]}, self.settings)
+        return fate_report({"fates": fates, "source": self.payloads[0]["source"]}, self.settings)

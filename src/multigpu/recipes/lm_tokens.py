@@ -5,7 +5,8 @@ document's first is a target. A conversation goes through the tokenizer's chat t
 each either learnt (an assistant's answer, through its end-of-turn token) or not (everything else); every
 assistant turn is learnt, or only the last (`learn_turns`). Pieces are tokenised apart, so each answer starts
 exactly where generation from its prompt starts. A conversation longer than seq_len + 1 tokens loses its end
-(`too_long` truncate) or is left out (drop); either way it is counted, as is one with no answer token left.
+(`too_long` truncate; what lies beyond is never rendered) or is left out (drop); either way it is counted, as is
+one with no answer token left.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import fcntl
 import hashlib
 import os
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from multigpu.core.errors import UsageError
 from multigpu.recipes.lm_models import cache_root
 
 FORMAT_VERSION = 2  # bump when the cached layout or the tokenisation changes, so old files are not read
-PARALLEL_FROM = 20_000  # records: below this, starting worker processes costs more than it saves
+PARALLEL_FROM = 2_000  # records: below this, starting worker processes costs more than it saves
 
 #: What became of a record, in the order the counts are reported.
 KEPT, TRUNCATED, DROPPED_LONG, DROPPED_NO_ANSWER = range(4)
@@ -34,44 +35,38 @@ def tokenise_batch(
     batch: dict[str, list[Any]], tokenizer: Any, seq_len: int, learn_turns: str, too_long: str
 ) -> dict[str, list[Any]]:
     """`datasets.map(batched=True)`'s function: columns where + text (or messages) in; documents out, each with
-    its ids, its target mask (1: learnt), the record's fate and the tokens cut from it."""
+    its ids, its target mask (1: learnt) and the record's fate."""
     if "text" in batch:
         return _text_documents(batch["text"], tokenizer, seq_len)
-    pieces = [chat_pieces(m, tokenizer, learn_turns, w) for m, w in zip(batch["messages"], batch["where"], strict=True)]
-    flat = [text for record in pieces for text, _ in record]
-    ids = iter(tokenizer(flat, add_special_tokens=False, verbose=False)["input_ids"]) if flat else iter(())
-    out: dict[str, list[Any]] = {"ids": [], "mask": [], "fate": [], "cut": []}
-    for record in pieces:
+    out: dict[str, list[Any]] = {"ids": [], "mask": [], "fate": []}
+    for messages, where in zip(batch["messages"], batch["where"], strict=True):
         tokens, mask = [], []
-        for _, learnt in record:
-            piece = next(ids)
+        for text, learnt in chat_pieces(messages, tokenizer, learn_turns, where):
+            piece = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
             tokens += piece
             mask += [int(learnt)] * len(piece)
-        fate, cut = _fit(tokens, mask, seq_len, too_long)
-        if fate in (KEPT, TRUNCATED):
-            out["ids"].append(tokens[: seq_len + 1])
-            out["mask"].append([0, *mask[1 : seq_len + 1]])  # the first token has nothing before it to predict it
-        else:
-            out["ids"].append([])
-            out["mask"].append([])
+            if len(tokens) > seq_len + 1:  # the rest would be cut: not rendered (long chats render slowly)
+                break
+        fate = _fate(tokens, mask, seq_len, too_long)
+        kept = fate in (KEPT, TRUNCATED)
+        out["ids"].append(tokens[: seq_len + 1] if kept else [])
+        out["mask"].append([0, *mask[1 : seq_len + 1]] if kept else [])  # a first token has nothing to predict it
         out["fate"].append(fate)
-        out["cut"].append(cut)
     return out
 
 
-def _fit(tokens: list[int], mask: list[int], seq_len: int, too_long: str) -> tuple[int, int]:
-    """(fate, tokens cut) of a record of len(tokens) tokens that may hold seq_len + 1."""
-    cut = max(0, len(tokens) - seq_len - 1)
-    if cut and too_long == "drop":
-        return DROPPED_LONG, len(tokens)
+def _fate(tokens: list[int], mask: list[int], seq_len: int, too_long: str) -> int:
+    """What becomes of a record of len(tokens) tokens when seq_len + 1 fit."""
+    if len(tokens) > seq_len + 1 and too_long == "drop":
+        return DROPPED_LONG
     if not any(mask[1 : seq_len + 1]):
-        return DROPPED_NO_ANSWER, len(tokens)
-    return (TRUNCATED if cut else KEPT), cut
+        return DROPPED_NO_ANSWER
+    return TRUNCATED if len(tokens) > seq_len + 1 else KEPT
 
 
 def _text_documents(texts: Sequence[str], tokenizer: Any, seq_len: int) -> dict[str, list[Any]]:
     ids = tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]  # verbose: length warning
-    out: dict[str, list[Any]] = {"ids": [], "mask": [], "fate": [], "cut": []}
+    out: dict[str, list[Any]] = {"ids": [], "mask": [], "fate": []}
     for doc in ids:
         doc = [*doc, tokenizer.eos_token_id]
         for start in range(0, len(doc) - 1, seq_len + 1):  # a last piece of one token would teach nothing
@@ -79,16 +74,17 @@ def _text_documents(texts: Sequence[str], tokenizer: Any, seq_len: int) -> dict[
             out["ids"].append(piece)
             out["mask"].append([0] + [1] * (len(piece) - 1))
             out["fate"].append(KEPT)
-            out["cut"].append(0)
     return out
 
 
-def chat_pieces(messages: list[dict[str, str]], tokenizer: Any, learn_turns: str, where: str) -> list[tuple[str, bool]]:
-    """The rendered conversation as (text, learnt) pieces, end to end."""
+def chat_pieces(
+    messages: list[dict[str, str]], tokenizer: Any, learn_turns: str, where: str
+) -> Iterator[tuple[str, bool]]:
+    """The rendered conversation as (text, learnt) pieces, end to end, rendered as they are asked for."""
     answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not answers or answers[0] == 0:
         raise UsageError(f"{where}: a conversation needs a prompt before the assistant's first answer; add one.")
-    pieces, done, eos = [], "", tokenizer.eos_token
+    done, eos = "", tokenizer.eos_token
     for i in answers if learn_turns == "all" else answers[-1:]:
         prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
         full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
@@ -100,9 +96,11 @@ def chat_pieces(messages: list[dict[str, str]], tokenizer: Any, learn_turns: str
         answer = full[len(prompt) :]
         if eos and eos in answer:  # after the end-of-turn token comes a newline, which teaches nothing
             answer = answer[: answer.rindex(eos) + len(eos)]
-        pieces += [(prompt[len(done) :], False), (answer, True)]
+        if len(prompt) > len(done):
+            yield prompt[len(done) :], False
+        if answer:
+            yield answer, True
         done = prompt + answer
-    return [(text, learnt) for text, learnt in pieces if text]
 
 
 def cached_tokens(
@@ -158,7 +156,6 @@ def payload_of(documents: Any, records: Any) -> dict[str, Any]:
         "mask": torch.from_numpy(mask.flatten().to_numpy().astype("bool")),
         "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
         "fates": fates,
-        "cut": int(sum(documents["cut"])),
     }
 
 
@@ -178,6 +175,8 @@ def cache_key(identity: bytes, tokenizer: Any, settings: Any) -> str:
         digest.update(hashlib.sha256(str(part).encode()).digest())
     digest.update(hashlib.sha256(identity).digest())
     return digest.hexdigest()
+
+
 def _cached(path: Path, build: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], bool]:
     """Reads the cache, or builds it under an exclusive flock so that concurrent processes tokenise only once.
 
@@ -209,5 +208,3 @@ def _read(path: Path) -> dict[str, Any] | None:
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):  # absent or unreadable: (re)build it
         return None
     return payload if payload.get("format") == FORMAT_VERSION else None
-
-
