@@ -78,7 +78,7 @@ FinetuneSettings = recipe_settings(
 
 
 @dataclass
-class FinetuneConfig(FinetuneSettings, lm_models.ModelSettings, lm_data.DataSettings):
+class FinetuneConfig(lm_data.DataSettings, FinetuneSettings, lm_models.ModelSettings):
     method: str = setting("lora", "what trains", choices=lm_models.METHODS)
     batch_size: int = setting(4, "sequences per device per micro-batch")
     lr: float = setting(2e-4, "peak learning rate (AdamW)")
