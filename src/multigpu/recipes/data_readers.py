@@ -149,15 +149,35 @@ def _json_at_fault(path: Path) -> str | None:
                 return f"line {number} is not valid JSON ({error.msg}); fix that line."
             if not isinstance(record, dict):
                 return f"line {number} is not a JSON object; write one record, an object, a line."
+            if half := _lone_surrogate(record):
+                return f"line {number} {half}"
         return None
     except RecursionError:
         return "nests lists or objects deeper than Python's JSON reader can follow; flatten the records."
+    records = document if isinstance(document, list) else [document]
+    for number, record in enumerate(records, 1):  # pyarrow refuses a lone surrogate, which Python's json reads
+        if half := _lone_surrogate(record):
+            return f"record {number} {half}"
     if isinstance(document, list):
         for number, record in enumerate(document, 1):
             if not isinstance(record, dict):
                 return f"record {number} is not a JSON object; write the records as a list of objects."
         return None
     return "holds one JSON object, where a list of records or one record a line is expected; write the records so."
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """What to say of the first half of a UTF-16 surrogate pair without its other half in `value` (JSON writes one
+    as \\ud800), or None: it is no character, and no UTF-8 text (the tokenizer's input) can hold it."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as error:
+        code = ord(error.object[error.start])
+        return (
+            f"holds \\u{code:04x}, half of a UTF-16 surrogate pair without its other half, which is no character; "
+            "write the character itself instead."
+        )
+    return None
 
 
 def _is_object(line: str) -> bool:

@@ -308,34 +308,37 @@ def check_messages(value: Any, where: str) -> Messages:
 class TokenStream:
     """--data-streaming's training sequences: the records read WINDOW at a time, each window tokenised and packed
     as it comes, the same on every rank (the stream loader hands each rank its share). Counts what became of the
-    records read so far, for the report at the end."""
+    records of each window read, once however often it is read (an epoch after another), for the report at the end."""
 
     WINDOW = 4096  # records: packing finds partners within a window; memory holds about one
 
     def __init__(self, settings: DataSettings, tokenizer: Any) -> None:
         self.settings, self.tokenizer = settings, tokenizer
-        self.payloads: list[dict[str, Any]] = []  # the fates of each window read, for fate_report
+        self.fates: dict[int, torch.Tensor] = {}  # window index -> what became of its records, for fate_report
+        self.source = ""
 
     def windows(self, epoch: int, first: int) -> Iterator[list[dict[str, torch.Tensor]]]:
         records = examples(self.settings.data, self.settings, streaming=True, skip=first * self.WINDOW)
         chunk: list[tuple[str, Any]] = []
+        index = first
         for item in records.examples:
             chunk.append(item)
             if len(chunk) == self.WINDOW:
-                yield self._sequences(records, chunk)
-                chunk = []
+                yield self._sequences(records, chunk, index)
+                chunk, index = [], index + 1
         if chunk:
-            yield self._sequences(records, chunk)
+            yield self._sequences(records, chunk, index)
 
-    def _sequences(self, records: data_files.Records, chunk: list[tuple[str, Any]]) -> list[dict[str, torch.Tensor]]:
+    def _sequences(
+        self, records: data_files.Records, chunk: list[tuple[str, Any]], index: int
+    ) -> list[dict[str, torch.Tensor]]:
         window = data_files.Records(records.kind, records.data_format, records.source, chunk)
         payload = lm_tokens.tokenise_records(window, self.tokenizer, self.settings, parallel=False)
-        self.payloads.append({"fates": payload["fates"], "source": payload["source"]})
+        self.fates[index], self.source = payload["fates"], payload["source"]
         documents = Samples(payload["tokens"], payload["offsets"], payload["mask"])
         return list(pack(documents, self.settings))
 
     def report(self) -> str:
-        if not self.payloads:
+        if not self.fates:
             return ""
-        fates = sum(p["fates"] for p in self.payloads)
-        return fate_report({"fates": fates, "source": self.payloads[0]["source"]}, self.settings)
+        return fate_report({"fates": sum(self.fates.values()), "source": self.source}, self.settings)

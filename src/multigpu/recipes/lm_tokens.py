@@ -109,8 +109,16 @@ def cached_tokens(
     """(payload, its cache file, whether it was read from the cache): `read()`'s records tokenised, by one process
     while any others wait, keyed by the data's identity, the tokenizer and the settings the tokens depend on."""
     path = token_cache_dir() / f"{cache_key(identity, tokenizer, settings)}.pt"
-    payload, from_cache = _cached(path, lambda: tokenise_records(read(), tokenizer, settings))
+    payload, from_cache = _cached(path, lambda: _learnable(tokenise_records(read(), tokenizer, settings)))
     return payload, path, from_cache
+
+
+def _learnable(payload: dict[str, Any]) -> dict[str, Any]:
+    """The payload, unless no record has a token to learn: such data is refused before it is cached. (A streamed
+    window may hold none, where its few records were left out: the stream goes on with the next.)"""
+    if len(payload["offsets"]) == 1:
+        raise UsageError(f"{payload['source']} has no record with a token to learn within --seq-len; raise --seq-len.")
+    return payload
 
 
 def tokenise_records(records: Any, tokenizer: Any, settings: Any, parallel: bool = True) -> dict[str, Any]:
@@ -146,14 +154,14 @@ def payload_of(documents: Any, records: Any) -> dict[str, Any]:
     lengths = torch.from_numpy(ids.value_lengths().to_numpy(zero_copy_only=False).astype("int64"))
     lengths = lengths[lengths > 0]  # a record left out holds no tokens, and flatten skips it
     fates = torch.bincount(torch.tensor(documents["fate"], dtype=torch.long), minlength=4)
-    if len(lengths) == 0:
-        raise UsageError(f"{records.source} has no record with a token to learn within --seq-len; raise --seq-len.")
+    # Records all left out (a streamed window may be so) make lists of no type, whose values numpy must copy.
+    tokens, targets = (column.flatten().to_numpy(zero_copy_only=False) for column in (ids, mask))
     return {
         "format": FORMAT_VERSION,
         "kind": records.kind,
         "source": records.source,
-        "tokens": torch.from_numpy(ids.flatten().to_numpy().astype("int32")),  # half of int64; any vocabulary fits
-        "mask": torch.from_numpy(mask.flatten().to_numpy().astype("bool")),
+        "tokens": torch.from_numpy(tokens.astype("int32")),  # half of int64; any vocabulary fits
+        "mask": torch.from_numpy(targets.astype("bool")),
         "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
         "fates": fates,
     }
