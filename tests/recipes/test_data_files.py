@@ -262,8 +262,10 @@ def test_unreadable_files_name_the_line(tmp_path: Path) -> None:
         "latin1.csv": b"text\nfine\ncaf\xe9\n",
         "array.json": b'[{"text": "fine"},\n {"text": "fine"},\n {"text": }]\n',
         "scalar.jsonl": b'{"text": "fine"}\n"just a string"\n',
+        # pyarrow's reader would die of a stack overflow here (exit 139), with no error to turn into a sentence.
+        "deep.jsonl": b'{"text": "fine"}\n{"a": ' + b'{"b": [' * 20_000 + b"]}" * 20_000 + b"}\n",
     }
-    lines = {"broken.jsonl": 3, "latin1.jsonl": 2, "latin1.csv": 3, "array.json": 3, "scalar.jsonl": 2}
+    lines = {"broken.jsonl": 3, "latin1.jsonl": 2, "latin1.csv": 3, "array.json": 3, "scalar.jsonl": 2, "deep.jsonl": 2}
     for name, content in cases.items():
         (tmp_path / name).write_bytes(content)
         with pytest.raises(UsageError) as error:

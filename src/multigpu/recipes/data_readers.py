@@ -4,6 +4,8 @@ the file and, for JSON and CSV, the line at fault (found by reading the file aga
 from __future__ import annotations
 
 import json
+import mmap
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,10 +30,17 @@ def offline_datasets() -> Any:
     return datasets
 
 
+#: Lists or objects opened one inside the next (object keys between them allowed), more than pyarrow's JSON reader
+#: follows: at about 20,000 levels it overflows its stack and kills the process, with no error to turn into a sentence.
+TOO_DEEP = re.compile(rb'(?:[\[{]\s*(?:"[^"\\]{0,64}"\s*:\s*)?){5000}')
+
+
 def file_rows(reader: str, path: Path) -> Iterator[Record]:
     """The rows of one file, as `datasets` reads it a batch at a time; CSV cells all as strings, as written
     (pandas would make "42" a number and "NA" or an empty cell a missing value)."""
     datasets = offline_datasets()
+    if reader == "json":
+        check_depth(path)
     try:
         options = _csv_options(path) if reader == "csv" else {}
         dataset = datasets.load_dataset(reader, data_files=[str(path)], split="train", streaming=True, **options)
@@ -46,6 +55,20 @@ def file_rows(reader: str, path: Path) -> Iterator[Record]:
         except Exception as error:
             raise unreadable(reader, path, error) from None
         yield from rows_of(batch)
+
+
+def check_depth(path: Path) -> None:
+    """Refuses JSON nested deeper than pyarrow can read, naming the line (one pass over the file, in C)."""
+    if path.stat().st_size == 0:  # nothing to map; the reader says the file is empty
+        return
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        found = TOO_DEEP.search(data)
+        if found is not None:
+            line = data[: found.start()].count(b"\n") + 1
+            raise UsageError(
+                f"--data {path} line {line} nests lists or objects more than 5,000 deep, deeper than the JSON reader "
+                "can follow; fix that line."
+            )
 
 
 def rows_of(batch: dict[str, list[Any]]) -> Iterator[Record]:

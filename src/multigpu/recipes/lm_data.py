@@ -73,10 +73,18 @@ class DataSettings(Settings):
                 "--data-streaming holds nothing out of a stream; validate on --eval-data instead of --val-fraction.",
             ),
             (
-                not self.data_streaming or (self.data != "shakespeare" and not self.data.endswith(".txt")),
+                not self.read_whole() or (self.data_split, self.data_format, self.data_column) == (None, "auto", None),
+                f"{self.data} is one text read whole; drop --data-split, --data-format and --data-column.",
+            ),
+            (
+                not self.data_streaming or not self.read_whole(),
                 f"--data-streaming reads files of records; {self.data} is read whole, so drop --data-streaming.",
             ),
         )
+
+    def read_whole(self) -> bool:
+        """Whether --data is Shakespeare or a .txt file, text that finetune reads itself, whole."""
+        return self.data == "shakespeare" or self.data.endswith(".txt")
 
 
 class Samples(Dataset):
