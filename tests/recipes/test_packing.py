@@ -301,3 +301,16 @@ def test_packed_training_gives_the_loss_and_gradients_of_unpacked(two_processes:
             torch.testing.assert_close(
                 got["grads"][key], grad, rtol=TOLERANCE, atol=TOLERANCE * scale, msg=f"{name} packed={packed} {key}"
             )
+
+
+def test_one_process_packed_and_unpacked_give_the_reference() -> None:
+    """The single strategy (one process, this one): packed and unpacked against each document run alone."""
+    want = reference()
+    for packed in (True, False):
+        got = one_step({"strategy": "single"}, packed)
+        assert got["loss"] == pytest.approx(want["loss"], rel=TOLERANCE), f"packed={packed}"
+        for key, grad in want["grads"].items():
+            scale = grad.abs().max().item()
+            torch.testing.assert_close(
+                got["grads"][key], grad, rtol=TOLERANCE, atol=TOLERANCE * scale, msg=f"single packed={packed} {key}"
+            )
