@@ -6,7 +6,8 @@ conversations under ddp on 2 processes, side by side in one run.
 Each mode is one launch of `--nproc` processes of the finetune recipe's own parts (its build, its loader, its loss);
 after `--warmup` optimizer steps, `--steps` steps are timed. Real tokens are the sequences' tokens before any
 padding (a packed sequence's documents, or a record's own tokens), summed over the ranks; target tokens are those
-the loss learns (the assistant turns). Padded: each conversation alone in a row, padded to the longest of its batch.
+the loss learns (the assistant turns); filled is real tokens over the batches' slots (rows x width). Padded: each
+conversation alone in a row, padded to the longest of its batch.
 """
 
 from __future__ import annotations
@@ -45,11 +46,12 @@ def worker(packing: bool, seq_len: int, batch_size: int, warmup: int, steps: int
     model, optimizer, _, data = build(config, engine)
     loss_fn = lm_loss(engine, model)
     loader = engine.dataloader(data.train, batch_size=batch_size, collate_fn=counting(data.collate_fn()))
-    totals, done, start = torch.zeros(2, dtype=torch.float64), 0, time.perf_counter()
+    totals, done, start = torch.zeros(3, dtype=torch.float64), 0, time.perf_counter()
     for batch in loader:
         engine.forward_backward(model, model_inputs(batch), batch["labels"], loss_fn)
         if done >= warmup:
-            totals += torch.tensor([float(batch["real_tokens"]), float((batch["labels"] != -100).sum())])
+            counts = (batch["real_tokens"], (batch["labels"] != -100).sum(), batch["input_ids"].numel())
+            totals += torch.tensor([float(count) for count in counts], dtype=torch.float64)
         if engine.step(optimizer):
             done += 1
             if done == warmup:
@@ -60,7 +62,8 @@ def worker(packing: bool, seq_len: int, batch_size: int, warmup: int, steps: int
     totals = engine.reduce(totals, op="sum")
     if engine.is_main_process:
         rows = len(data.train)
-        result = {"sequences": rows, "real": float(totals[0]), "targets": float(totals[1]), "seconds": seconds}
+        real, targets, slots = totals.tolist()
+        result = {"sequences": rows, "real": real, "targets": targets, "slots": slots, "seconds": seconds}
         Path(out, "result.json").write_text(json.dumps(result))
 
 
@@ -79,7 +82,8 @@ def main() -> None:
         return
     print(f"SmolLM2-135M LoRA, chitchat, --seq-len {args.seq_len}, {args.batch_size} sequences per process, ddp on "
           f"{args.nproc} processes; {args.steps} steps timed after {args.warmup}")  # fmt: skip
-    print(f"{'mode':<7} {'sequences':>9} {'real tok/step':>13} {'s/step':>7} {'real tok/s':>10} {'target tok/s':>12}")
+    print(f"{'mode':<7} {'sequences':>9} {'real tok/step':>13} {'filled':>6} {'s/step':>7} {'real tok/s':>10} "
+          f"{'target tok/s':>12}")  # fmt: skip
     with tempfile.TemporaryDirectory() as folder:
         for mode in ("padded", "packed"):
             out = Path(folder, mode)
@@ -89,7 +93,8 @@ def main() -> None:
                 sys.exit(code)
             r = json.loads((out / "result.json").read_text())
             step = r["seconds"] / args.steps
-            print(f"{mode:<7} {r['sequences']:>9,} {r['real'] / args.steps:>13,.0f} {step:>7.2f} "
+            filled = r["real"] / r["slots"]
+            print(f"{mode:<7} {r['sequences']:>9,} {r['real'] / args.steps:>13,.0f} {filled:>6.0%} {step:>7.2f} "
                   f"{r['real'] / r['seconds']:>10,.0f} {r['targets'] / r['seconds']:>12,.0f}", flush=True)  # fmt: skip
 
 

@@ -105,6 +105,10 @@ class FinetuneConfig(lm_data.DataSettings, FinetuneSettings, lm_models.ModelSett
                 not self.data_streaming or self.max_steps is not None,
                 "--data-streaming reads a stream whose length is unknown until its end; pass --max-steps.",
             ),
+            (
+                not self.data_streaming or self.epochs == 1,
+                "--data-streaming trains --max-steps steps, the stream going round its epochs; drop --epochs.",
+            ),
             (self.lora_r >= 1 and self.lora_alpha >= 1, "--lora-r and --lora-alpha must be 1 or more."),
             (not self.merge or self.method != "full", "--merge merges an adapter; drop it for --method full."),
             (
