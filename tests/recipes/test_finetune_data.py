@@ -169,13 +169,16 @@ def stream_part(path: str, steps: int, state: dict | None) -> dict[str, Any]:
 
 def test_a_streamed_run_resumed_at_another_world_size_trains_each_record_once(tmp_path: Path) -> None:
     """3 steps at 2 processes then 3 at 3 (and 3 then 2) hand out more sequences than an epoch holds: the first
-    QUESTIONS records, in stream order, are each record once (epoch 0), and the rest start epoch 1 without repeats."""
+    QUESTIONS records, in stream order, are each record once (epoch 0), and the rest start epoch 1 without repeats.
+    Three launches: 2 processes from the start; 3 resuming the 2's and from the start; 2 resuming the 3's."""
     path = str(write_jsonl(tmp_path / "chat.jsonl", [{"messages": chat(i)} for i in range(QUESTIONS)]))
     target = "tests.recipes.test_finetune_data:stream_part"
-    first = {world: run_in_processes(target, world, timeout=120, path=path, steps=3, state=None)[0] for world in (2, 3)}
-    for before, after in ((2, 3), (3, 2)):
-        second = run_in_processes(target, after, timeout=120, path=path, steps=3, state=first[before]["state"])[0]
-        order = first[before]["records"] + second["records"]
-        assert len(order) > QUESTIONS, (before, after, order)
-        assert sorted(order[:QUESTIONS]) == list(range(QUESTIONS)), (before, after, order)
-        assert len(set(order[QUESTIONS:])) == len(order[QUESTIONS:]), (before, after, order)
+    two = run_in_processes(target, 2, timeout=120, path=path, steps=3, state=None)[0]
+    calls = [{"path": path, "steps": 3, "state": two["state"]}, {"path": path, "steps": 3, "state": None}]
+    two_then_three, three = run_each_in_processes(target, 3, calls, timeout=120)[0]
+    three_then_two = run_in_processes(target, 2, timeout=120, path=path, steps=3, state=three["state"])[0]
+    for first, second in ((two, two_then_three), (three, three_then_two)):
+        order = first["records"] + second["records"]
+        assert len(order) > QUESTIONS, order
+        assert sorted(order[:QUESTIONS]) == list(range(QUESTIONS)), order
+        assert len(set(order[QUESTIONS:])) == len(order[QUESTIONS:]), order
