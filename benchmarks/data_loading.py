@@ -15,7 +15,6 @@ reads the token cache: the time every later run pays.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import subprocess
@@ -24,18 +23,16 @@ import tempfile
 import time
 from pathlib import Path
 
+HERE = str(Path(__file__).resolve().parent)
+sys.path.insert(0, HERE)  # data_packing's exchanges
+
 
 def exchanges(count: int) -> list[dict]:
-    from multigpu.recipes import data_files
+    """`count` exchanges of chitchat's conversations (data_packing's), repeated in order until there are enough."""
+    from data_packing import exchanges as first_exchanges
 
-    conversations = [messages for _, messages in data_files.read("chitchat").examples]
-    records: list[dict] = []
-    while len(records) < count:
-        for messages in conversations:
-            for first, second in itertools.pairwise(messages):
-                if first["role"] == "user" and second["role"] == "assistant":
-                    records.append({"messages": [first, second]})
-    return records[:count]
+    records = first_exchanges(10**9)
+    return [records[i % len(records)] for i in range(count)]
 
 
 def peak_mb() -> float:
@@ -66,7 +63,7 @@ def measure(path: str, mode: str, seq_len: int, batches: int) -> dict:
 
 
 def run(path: str, mode: str, seq_len: int, batches: int, cache: str) -> dict:
-    code = f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import data_loading as d; "
+    code = f"import json, sys; sys.path.insert(0, {HERE!r}); import data_loading as d; "
     code += f"print(json.dumps(d.measure({path!r}, {mode!r}, {seq_len}, {batches})))"
     env = {**os.environ, "MULTIGPU_TOKEN_CACHE": cache, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True).stdout
