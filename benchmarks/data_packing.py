@@ -47,7 +47,8 @@ def exchanges(count: int) -> list[dict]:
     records = []
     for _, messages in data_files.read("chitchat").examples:
         for first, second in itertools.pairwise(messages):
-            if first["role"] == "user" and second["role"] == "assistant":
+            answered = second["content"].strip() and first["content"].strip()
+            if first["role"] == "user" and second["role"] == "assistant" and answered:
                 records.append({"messages": [first, second]})
     return records[:count]
 

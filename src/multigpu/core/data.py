@@ -76,6 +76,14 @@ def plan_epoch(
     return plan
 
 
+def batch_size_line(batch: int, accum: int, world: int) -> str:
+    """The global batch a loader makes, spelled out."""
+    return (
+        f"effective batch size {batch * accum * world} = {batch} per device x "
+        f"{accum} accumulation step{'s' if accum > 1 else ''} x {world} process{'es' if world > 1 else ''}"
+    )
+
+
 def gather_in_order(tensor: torch.Tensor, batches: list[Batch], device: torch.device) -> torch.Tensor:
     """Every rank's rows of `tensor`, padding removed, in dataset order: `tensor`'s rows belong to the last
     `len(tensor)` samples in `batches`, what this rank's loader yielded this epoch."""
@@ -147,12 +155,7 @@ class DistributedLoader:
         return self.epoch * len(self.dataset) + self.position
 
     def batch_size_line(self) -> str:
-        """The global batch this loader makes, spelled out."""
-        batch, accum, world = self.batch_size, self.grad_accum_steps, self.world_size
-        return (
-            f"effective batch size {batch * accum * world} = {batch} per device x "
-            f"{accum} accumulation step{'s' if accum > 1 else ''} x {world} process{'es' if world > 1 else ''}"
-        )
+        return batch_size_line(self.batch_size, self.grad_accum_steps, self.world_size)
 
     def next_step_samples(self) -> int:
         """The real samples (all ranks) of the optimizer step that starts at the current position: a whole window of

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from multigpu.core.data import Batch, move_to
+from multigpu.core.data import Batch, batch_size_line, move_to
 from multigpu.core.errors import UsageError
 
 
@@ -115,13 +115,7 @@ class StreamLoader:
         )
 
     def batch_size_line(self) -> str:
-        """The global batch this loader makes, spelled out."""
-        batch, accum, world = self.batch_size, self.grad_accum_steps, self.world_size
-        return (
-            f"effective batch size {batch * accum * world} = {batch} per device x "
-            f"{accum} accumulation step{'s' if accum > 1 else ''} x {world} process{'es' if world > 1 else ''} "
-            "(streamed)"
-        )
+        return batch_size_line(self.batch_size, self.grad_accum_steps, self.world_size) + " (streamed)"
 
     def next_step_samples(self) -> int:
         """The samples (all ranks) of every optimizer step: a stream's global batches are always full."""
