@@ -3,6 +3,7 @@ the file and, for JSON and CSV, the line at fault (found by reading the file aga
 
 from __future__ import annotations
 
+import functools
 import json
 import mmap
 import re
@@ -57,18 +58,27 @@ def file_rows(reader: str, path: Path) -> Iterator[Record]:
         yield from rows_of(batch)
 
 
-def check_depth(path: Path) -> None:
-    """Refuses JSON nested deeper than pyarrow can read, naming the line (one pass over the file, in C)."""
-    if path.stat().st_size == 0:  # nothing to map; the reader says the file is empty
-        return
+@functools.cache
+def _checked_depth(path: Path, size: int, modified: int) -> None:
+    """Refuses JSON nested deeper than pyarrow can read, naming the line: only a line of 10,000 bytes or more can
+    nest 5,000 deep, and only such lines are searched (once per file and version in a process)."""
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        found = TOO_DEEP.search(data)
-        if found is not None:
-            line = data[: found.start()].count(b"\n") + 1
-            raise UsageError(
-                f"--data {path} line {line} nests lists or objects more than 5,000 deep, deeper than the JSON reader "
-                "can follow; fix that line."
-            )
+        start, line = 0, 1
+        while start < size:
+            end = data.find(b"\n", start)
+            end = size if end < 0 else end
+            if end - start >= 10_000 and TOO_DEEP.search(data, start, end) is not None:
+                raise UsageError(
+                    f"--data {path} line {line} nests lists or objects more than 5,000 deep, deeper than the JSON "
+                    "reader can follow; fix that line."
+                )
+            start, line = end + 1, line + 1
+
+
+def check_depth(path: Path) -> None:
+    stat = path.stat()
+    if stat.st_size:  # an empty file has nothing to map; the reader says it is empty
+        _checked_depth(path, stat.st_size, stat.st_mtime_ns)
 
 
 def rows_of(batch: dict[str, list[Any]]) -> Iterator[Record]:
