@@ -120,7 +120,7 @@ def test_json_value_returns_what_it_checked() -> None:
             "finetune",
             "--data",
             "directory",
-            " is a directory that datasets cannot read",
+            " holds text files; pass a directory of .json, .jsonl, .parquet, .csv or .arrow files",
         ),
         ("finetune", "--model", "file", " is a file, but smollm2, tiny or a Hugging Face model directory is expected"),
         ("plan", "--model", "directory", "/config.json does not exist; pass a built-in"),
