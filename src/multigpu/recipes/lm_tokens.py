@@ -128,10 +128,9 @@ def tokenise_records(records: Any, tokenizer: Any, settings: Any, parallel: bool
 
     column = "text" if records.kind == "text" else "messages"
     items = list(records.examples)
-    wheres, values = zip(*items, strict=True) if items else ((), ())
     if not items:
         raise UsageError(f"{records.source} has no records; pass data with at least one.")
-    columns = {"where": list(wheres), column: list(values)}
+    columns = {"where": [where for where, _ in items], column: [example for _, example in items]}
     cutting = {"tokenizer": tokenizer, "seq_len": settings.seq_len, "learn_turns": settings.learn_turns,
                "too_long": settings.too_long}  # fmt: skip
     if not parallel or len(items) < PARALLEL_FROM:
