@@ -96,11 +96,17 @@ def examples(spec: str | Path, **options: Any) -> list[tuple[str, Any]]:
     return list(data_files.read(str(spec), **options).examples)
 
 
-@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet", ".csv", ".arrow"])
-@pytest.mark.parametrize("data_format", list(RECORDS))
+# Every kind of file in every format, but chat and sharegpt in CSV: a CSV cell holds text, not a list of messages.
+FILES_AND_FORMATS = [
+    (suffix, data_format)
+    for suffix in (".jsonl", ".json", ".parquet", ".csv", ".arrow")
+    for data_format in RECORDS
+    if suffix != ".csv" or data_format not in ("chat", "sharegpt")
+]
+
+
+@pytest.mark.parametrize(("suffix", "data_format"), FILES_AND_FORMATS)
 def test_each_kind_of_file_in_each_format_reads_to_its_examples(tmp_path: Path, suffix: str, data_format: str) -> None:
-    if suffix == ".csv" and data_format in ("chat", "sharegpt"):
-        pytest.skip("a CSV cell holds text, not a list of messages")
     path = write(tmp_path / f"data{suffix}", RECORDS[data_format])
     records = data_files.read(str(path))  # the format detected from the columns
     assert records.data_format == data_format
