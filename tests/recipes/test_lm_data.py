@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from multigpu.core.errors import UsageError
 from multigpu.recipes import data_files, lm_data, lm_tokens
 from multigpu.recipes.lm_models import load_tokenizer
 from tests.dist import run_in_processes
+from tests.recipes.test_data_files import one_sentence
 
 SEQ_LEN = 256
 SYSTEM = {"role": "system", "content": "You answer in one word."}
@@ -107,14 +107,6 @@ def learnt_runs(labels: torch.Tensor) -> list[list[int]]:
                 runs.append([])
             runs[-1].append(label)
     return runs
-
-
-def one_sentence(error: pytest.ExceptionInfo[UsageError], *parts: str) -> str:
-    message = str(error.value)
-    assert "\n" not in message and message.endswith(".") and not re.search(r"\.\s+[A-Z]", message), message
-    for part in parts:
-        assert part in message, (part, message)
-    return message
 
 
 def test_shakespeare_text_has_no_markup() -> None:
