@@ -85,9 +85,20 @@ def wandb_records(path: Path) -> list[Any]:
     return records
 
 
-def wandb_run(directory: Path) -> dict[str, Any]:
-    """The one run W&B wrote under `directory`: its name, config, history rows by step, and whether it finished."""
+def wandb_run(directory: Path, wait_s: float = 30) -> dict[str, Any]:
+    """The one run W&B wrote under `directory`: its name, config, history rows by step, and whether it finished.
+    W&B's service process writes the file behind the script (under load, seconds after `finish` returned, the file
+    was still its preallocated zeros): read again until its exit record is there, or `wait_s` is spent."""
     [path] = directory.glob("wandb/offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + wait_s
+    run = read_wandb_run(path)
+    while not run["exited"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+        run = read_wandb_run(path)
+    return run
+
+
+def read_wandb_run(path: Path) -> dict[str, Any]:
     run: dict[str, Any] = {"name": None, "config": {}, "history": defaultdict(dict), "exited": False}
     for record in wandb_records(path):
         kind = record.WhichOneof("record_type")
