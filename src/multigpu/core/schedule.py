@@ -15,8 +15,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from multigpu.core.data import DistributedLoader
-from multigpu.core.stream import StreamLoader
+from multigpu.core.stream import Loader
 
 
 def warmup_cosine(position: float, warmup: float, total: float) -> float:
@@ -42,7 +41,7 @@ class SampleSchedule(LRScheduler):
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        loader: DistributedLoader | StreamLoader,
+        loader: Loader,
         warmup_samples: int,
         total_samples: int,
     ) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from multigpu.core.data import Batch, batch_size_line, move_to
+from multigpu.core.data import Batch, DistributedLoader, batch_size_line, move_to
 from multigpu.core.errors import UsageError
 
 
@@ -228,3 +228,7 @@ class StreamLoader:
         self._cursor = Cursor(*(int(state[name]) for name in names))
         self._micro_batches = 0
         self.yielded = []
+
+
+#: Either loader the Engine makes: the same interface (SampleSchedule, checkpoints and the Engine read it).
+Loader = DistributedLoader | StreamLoader

@@ -28,7 +28,7 @@ from multigpu.core.modules import on_meta
 from multigpu.core.precision import Precision
 from multigpu.core.pretrained import SafetensorsCheckpoint
 from multigpu.core.schedule import SampleSchedule
-from multigpu.core.stream import StreamLoader, WindowedStream
+from multigpu.core.stream import Loader, StreamLoader, WindowedStream
 from multigpu.engine import start
 from multigpu.engine.across import AcrossRanks
 from multigpu.engine.config import EngineConfig
@@ -65,8 +65,8 @@ class Engine(Saving, Reporting, AcrossRanks):
         self._window = Window(config.grad_accum_steps, self._data_world, self.device, wants_loss)
         self._backward_ran = False  # since the last engine.step
         self._lm_loss_made = False  # engine.lm_loss made the loss function a loss setting other than plain needs
-        self._loader: DistributedLoader | StreamLoader | None = None
-        self._train_loader: DistributedLoader | StreamLoader | None = None  # the loader backward last saw
+        self._loader: Loader | None = None
+        self._train_loader: Loader | None = None  # the loader backward last saw
         self._printed_batch_size = False
         self.last_grad_norm: float | None = None
         self.last_step_applied = True  # False after a step that fp16 loss scaling skipped
@@ -179,10 +179,9 @@ class Engine(Saving, Reporting, AcrossRanks):
         drop_last: bool = False,
         num_workers: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
-    ) -> DistributedLoader | StreamLoader:
-        """This rank's shard of `dataset`, `batch_size` samples per device, moved to `engine.device`. A
-        WindowedStream (data read a window at a time, multigpu.core.stream) gets a StreamLoader: endless over
-        epochs, every global batch full, so the loop stops on a step budget."""
+    ) -> Loader:
+        """This rank's shard of `dataset`, `batch_size` samples per device, moved to `engine.device`; a
+        WindowedStream's (multigpu.core.stream) is endless over epochs: the loop stops on a step budget."""
         kind = StreamLoader if isinstance(dataset, WindowedStream) else DistributedLoader
         loader = kind(
             dataset,
@@ -206,7 +205,7 @@ class Engine(Saving, Reporting, AcrossRanks):
             self.print(loader.batch_size_line() + together)
         return loader
 
-    def _on_batch(self, loader: DistributedLoader | StreamLoader, batch: Batch) -> None:
+    def _on_batch(self, loader: Loader, batch: Batch) -> None:
         self._loader, self._window.batch = loader, batch
         if self._train_loader is not None and loader is not self._train_loader:
             self.mark_untimed()  # an evaluation pass between two training steps

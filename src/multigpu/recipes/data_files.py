@@ -34,6 +34,7 @@ from multigpu.recipes.data_formats import (
     converter,
     resolve,
 )
+from multigpu.recipes.data_readers import Source
 
 __all__ = ["FORMATS", "Example", "Messages", "Records", "Source", "check", "fingerprint", "locate", "read"]
 
@@ -50,21 +51,6 @@ class Records:
     data_format: str  # the resolved format, never "auto"
     source: str  # what to print: the path, glob or directory, and the split
     examples: Iterable[tuple[str, Example]]  # (where: "FILE record N", example); a list, or a one-pass iterator
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where the records of one --data and --data-split are."""
-
-    spec: str
-    split: str
-    reader: str  # datasets' builder (json, parquet, csv, arrow); "saved" for save_to_disk; "chitchat"
-    files: tuple[Path, ...]  # every file read, in reading order (for `saved`, the directory's files)
-    directory: Path | None = None  # the save_to_disk directory of the split
-
-    def __str__(self) -> str:
-        count = f"{len(self.files)} files, " if glob.has_magic(self.spec) else ""
-        return f"{self.spec} ({count}split {self.split})"
 
 
 def check(spec: str, split: str | None, data_format: str, column: str | None) -> None:

@@ -4,21 +4,35 @@ the file and, for JSON and CSV, the line at fault (found by reading the file aga
 from __future__ import annotations
 
 import functools
+import glob
 import json
 import mmap
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from multigpu.core.errors import UsageError
 from multigpu.recipes.data_formats import Convert, Record
 
-if TYPE_CHECKING:
-    from multigpu.recipes.data_files import Source
-
 BATCH = 1000  # rows read at a time: enough to amortise datasets' per-batch cost, little memory
 READS_AS = {"json": "JSON", "parquet": "Parquet", "csv": "CSV", "arrow": "Arrow"}
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the records of one --data and --data-split are."""
+
+    spec: str
+    split: str
+    reader: str  # datasets' builder (json, parquet, csv, arrow); "saved" for save_to_disk; "chitchat"
+    files: tuple[Path, ...]  # every file read, in reading order (for `saved`, the directory's files)
+    directory: Path | None = None  # the save_to_disk directory of the split
+
+    def __str__(self) -> str:
+        count = f"{len(self.files)} files, " if glob.has_magic(self.spec) else ""
+        return f"{self.spec} ({count}split {self.split})"
 
 
 def offline_datasets() -> Any:

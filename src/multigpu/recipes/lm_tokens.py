@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from multigpu.core.errors import UsageError
+from multigpu.recipes import data_readers
 from multigpu.recipes.lm_models import cache_root
 
 FORMAT_VERSION = 2  # bump when the cached layout or the tokenisation changes, so old files are not read
@@ -124,7 +125,7 @@ def _learnable(payload: dict[str, Any]) -> dict[str, Any]:
 def tokenise_records(records: Any, tokenizer: Any, settings: Any, parallel: bool = True) -> dict[str, Any]:
     """The cache payload: every document's ids end to end, where each starts, which tokens are targets, and what
     became of each record. A parallel `datasets.map` on many records (the chat template is rendered in Python)."""
-    import datasets
+    datasets = data_readers.offline_datasets()
 
     column = "text" if records.kind == "text" else "messages"
     items = list(records.examples)
