@@ -22,6 +22,10 @@ from multigpu.core.settings import Settings, StrategyOptions, setting
 #: ranks, so the same node), which is where tp's per-layer collectives must run; pp talks least, so it spans nodes.
 MESH_ORDER = ("pp", "replicate", "shard", "cp", "tp")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+#: How attention sees a whole sequence split over the cp ranks: ulysses (all-to-all from position slices to head
+#: slices around attention and back; any device) or ring (torch's context_parallel passes keys and values round the
+#: ranks; CUDA only).
+CP_METHODS = ("ulysses", "ring")
 
 
 @dataclass
@@ -41,6 +45,17 @@ class LayoutSettings(Settings):
         "pipeline stages' processes: strategy pp over the rest as whole replicas, or zero2, zero3 or hsdp inside "
         "each stage (default for pp: every process outside tp)",
     )
+    cp_size: int | None = setting(
+        None,
+        "context parallel degree: each sequence split by position over this many processes, which read the same "
+        "batch (beside ddp, zero2, zero3, hsdp and pp; the sequence length a multiple of 2 x cp_size)",
+    )
+    cp_method: str = setting(
+        "ulysses",
+        "with cp_size: ulysses (all-to-all to whole sequences of a slice of the heads around attention; any device) "
+        "or ring (torch's ring attention; CUDA only)",
+        choices=CP_METHODS,
+    )
 
     def check(self) -> None:
         require(
@@ -55,6 +70,10 @@ class LayoutSettings(Settings):
             (
                 self.pp_size is None or self.pp_size >= 1,
                 f"pp_size must be 1 or more (got {self.pp_size}); leave it unset for none.",
+            ),
+            (
+                self.cp_size is None or self.cp_size >= 1,
+                f"cp_size must be 1 or more (got {self.cp_size}); leave it unset for none.",
             ),
         )
 
@@ -197,11 +216,12 @@ class Spread:
 
 
 ALONE = Spread()  # one process: single, dp
-REPLICAS = Spread(("replicate",))  # ddp, zero1
-SHARDS = Spread(("shard",), frozenset({"tp", "pp"}))  # zero2, zero3
-HYBRID = Spread(("shard",), frozenset({"replicate", "tp", "pp"}))  # hsdp: replicas (one per node), shards inside
+REPLICAS = Spread(("replicate",), frozenset({"cp"}))  # ddp, zero1
+SHARDS = Spread(("shard",), frozenset({"tp", "pp", "cp"}))  # zero2, zero3
+HYBRID = Spread(("shard",), frozenset({"replicate", "tp", "pp", "cp"}))  # hsdp: replicas (one per node), shards inside
 TENSOR = Spread(("tp",), frozenset({"tp"}))  # tp: every process splits every planned layer
-PIPELINE = Spread(("pp", "replicate"), frozenset({"pp", "tp"}))  # pp: stages over the rest, or pp_size and replicas
+#: pp: stages over the rest, or pp_size and replicas
+PIPELINE = Spread(("pp", "replicate"), frozenset({"pp", "tp", "cp"}))
 OWN_GROUPS = Spread(("shard",))  # deepspeed: every process a ZeRO partition, in groups DeepSpeed makes itself
 
 
@@ -209,7 +229,7 @@ def resolve_layout(request: LayoutSettings, spread: Spread, world: int, nodes: i
     """The degrees of `world` processes on `nodes` machines under a strategy `name` that spreads them so: those asked
     for, a replicate beside the shards defaulting to one per node (per pipeline), and the rest on the strategy's
     dimension. Refuses, with the numbers, degrees that do not divide the processes."""
-    pp, tp = request.pp_size or 1, request.tp_size or 1
+    pp, tp, cp = request.pp_size or 1, request.tp_size or 1, request.cp_size or 1
     if world % pp:
         raise UsageError(
             f"pp_size {pp} does not divide the {world} processes launched; choose a pp_size that divides {world}, or "
@@ -221,13 +241,21 @@ def resolve_layout(request: LayoutSettings, spread: Spread, world: int, nodes: i
             f"{what} needs a multiple of {pp * tp} processes, but {world} were launched; launch a multiple of "
             f"{pp * tp} or choose a tp_size that divides {world // pp}."
         )
-    degrees = {dim: size for dim, size in (("pp", request.pp_size), ("tp", request.tp_size)) if size is not None}
-    groups = world // (pp * tp)
+    if (world // (pp * tp)) % cp:
+        beside = "".join(f" x {dim} {size}" for dim, size in (("pp", pp), ("tp", tp)) if size > 1)
+        raise UsageError(
+            f"cp_size {cp}{beside} needs a multiple of {pp * tp * cp} processes, but {world} were launched; launch a "
+            f"multiple of {pp * tp * cp} or choose a cp_size that divides {world // (pp * tp)}."
+        )
+    sizes = (("pp", request.pp_size), ("tp", request.tp_size), ("cp", request.cp_size))
+    degrees = {dim: size for dim, size in sizes if size is not None}
+    groups = world // (pp * tp * cp)
     if "replicate" in spread.takes:
         replicate = request.replicate or max(1, nodes // pp)
         if groups % replicate:
             divisors = ", ".join(str(d) for d in range(1, groups + 1) if groups % d == 0)
-            of = f"groups of tp {tp}" if tp > 1 else "processes"
+            split = " x ".join(f"{dim} {size}" for dim, size in (("cp", cp), ("tp", tp)) if size > 1)
+            of = f"groups of {split}" if split else "processes"
             raise UsageError(
                 f"{name} cannot split {groups} {of} into {replicate} equal replicas; choose a replicate degree that "
                 f"divides {groups} ({divisors})."

@@ -41,6 +41,8 @@ NOT_BESIDE = {
     "pp": "pp_size runs pipeline stages with {takers} inside them (or whole replicas with strategy pp), not {name}; "
     "choose one of those or drop pp_size.",
     "replicate": "replicate is {takers}'s number of replicas; drop it or use strategy {takers}, not {name}.",
+    "cp": "cp_size splits each sequence beside the processes of {takers}, not {name}; choose one of those or drop "
+    "cp_size.",
 }
 
 __all__ = ["STRATEGIES", "STRATEGY_CLASSES", "Strategy", "build_strategy", "strategy_class"]
@@ -68,7 +70,7 @@ def build_strategy(
     if name not in STRATEGY_CLASSES:
         raise UsageError(f"Unknown strategy {name!r}; choose one of {', '.join(STRATEGY_CLASSES)}.")
     cls = strategy_class(name)
-    asked = {"tp": settings.tp_size, "pp": settings.pp_size, "replicate": settings.replicate}
+    asked = {"tp": settings.tp_size, "pp": settings.pp_size, "replicate": settings.replicate, "cp": settings.cp_size}
     for dim, degree in asked.items():  # composition is a rule over the layout: which degrees a strategy takes
         if degree not in (None, 1) and dim not in cls.spread.takes:
             takers = _either(n for n, c in _unaliased() if dim in c.spread.takes and dim not in c.spread.fills)

@@ -20,6 +20,7 @@ from multigpu.core.precision import PrecisionPlan
 from multigpu.core.settings import Settings, setting
 from multigpu.strategies.base import Strategy, move_to_device
 from multigpu.strategies.compression import CompressionOptions
+from multigpu.strategies.mesh import with_cp
 
 # DDP's reducer notices a bucket left waiting only when the next forward starts, and says so in these words.
 UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
@@ -57,8 +58,8 @@ class DDP(CompressionOptions, DDPOptions, Strategy):
         wrapped = DistributedDataParallel(
             model,
             device_ids=device_ids,
-            # DDP takes a 1-D mesh only: the replicate dimension of the strategy's mesh.
-            device_mesh=mesh["replicate"],
+            # DDP takes a 1-D mesh only: the replicate dimension of the strategy's mesh (with cp's ranks).
+            device_mesh=with_cp(mesh, ("replicate",)),
             bucket_cap_mb=self.bucket_cap_mb,
             find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph,
@@ -68,7 +69,7 @@ class DDP(CompressionOptions, DDPOptions, Strategy):
         if self.compression.kind != "none":
             from multigpu.strategies.powersgd import register  # torch's hooks, imported only by runs that use them
 
-            self.powersgd = register(wrapped, self.compression, mesh["replicate"].get_group())
+            self.powersgd = register(wrapped, self.compression, with_cp(mesh, ("replicate",)).get_group())
         return wrapped, optimizer
 
     def communication_state(self) -> dict[str, Any] | None:

@@ -27,8 +27,9 @@ class Route:
 
     @classmethod
     def of(cls, mesh: DeviceMesh, device: torch.device) -> Route:
-        replicas = mesh.get_group("replicate") if "replicate" in (mesh.mesh_dim_names or ()) else None
-        return cls(mesh.get_group("shard"), replicas, device)
+        names = mesh.mesh_dim_names or ()
+        replicas = mesh.get_group("replicate") if "replicate" in names else None
+        return cls(mesh.get_group(names[-1]), replicas, device)  # "shard", or "shard_cp" with cp folded in
 
     @property
     def in_first_replica(self) -> bool:

@@ -20,6 +20,7 @@ from multigpu.core.precision import Precision, PrecisionPlan
 from multigpu.strategies.base import Strategy, is_quantized
 from multigpu.strategies.compression import CompressionOptions, refuse_powersgd
 from multigpu.strategies.fill import fill_shards
+from multigpu.strategies.mesh import with_cp
 from multigpu.strategies.tp import check_sequence_parallel, start_alike, tensor_parallelize
 
 UnitSelector = Callable[[nn.Module], list[nn.Module]]
@@ -174,7 +175,7 @@ class FSDP(CompressionOptions, ShardingOptions, TensorParallelOptions, Strategy)
     def sharding_mesh(self) -> DeviceMesh:
         """The mesh fully_shard lays parameters out on. It reads a 2-D ("replicate", "shard") mesh as HSDP (shards
         within each replica group, gradients averaged across groups): an hsdp strategy returns that here."""
-        return self.mesh["shard"]
+        return with_cp(self.mesh, ("shard",))
 
     @property
     def accumulates_unsynced(self) -> bool:  # type: ignore[override]

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from multigpu.core.layout import HYBRID
 from multigpu.strategies.fsdp import FSDP
+from multigpu.strategies.mesh import with_cp
 
 
 @dataclass
@@ -26,4 +27,4 @@ class HSDP(FSDP):
         return "hsdp"
 
     def sharding_mesh(self) -> DeviceMesh:
-        return self.mesh["replicate", "shard"]  # fully_shard reads a 2-D (replicate, shard) mesh as HSDP
+        return with_cp(self.mesh, ("replicate", "shard"))  # fully_shard reads a 2-D mesh as HSDP

@@ -34,3 +34,23 @@ def build_mesh(dims: ParallelDims, device_type: str, keep: Sequence[str] = ()) -
         )
     shape, names = tuple(degree for _, degree in named), tuple(name for name, _ in named)
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def with_cp(mesh: DeviceMesh, dims: Sequence[str]) -> DeviceMesh:
+    """`mesh` over `dims` (those it has), with its cp dimension folded into the last of them. The cp ranks of a
+    replica hold the same parameters and each computes the gradient of its own slice of the sequences, so their
+    gradients are reduced, and their parameters sharded, together with those of `dims` (torchtitan folds cp into
+    its data-parallel shards the same way)."""
+    names = mesh.mesh_dim_names or ()
+    dims = tuple(dim for dim in dims if dim in names)
+    if "cp" in names:
+        if not dims:
+            return mesh["cp"]
+        *outer, last = dims
+        folded = f"{last}_cp"
+        try:
+            mesh[folded]
+        except (KeyError, RuntimeError, ValueError):
+            mesh[last, "cp"]._flatten(folded)
+        dims = (*outer, folded)
+    return mesh[dims] if len(dims) > 1 else mesh[dims[0]]

@@ -34,6 +34,7 @@ from multigpu.core.modules import repoint
 from multigpu.core.precision import Precision, PrecisionPlan
 from multigpu.strategies.base import StepOutcome, Strategy, frozen_names
 from multigpu.strategies.fsdp import FSDP
+from multigpu.strategies.mesh import with_cp
 from multigpu.strategies.pp_stages import DecoderStage, stage_parts
 from multigpu.strategies.tp import check_sequence_parallel, start_alike, tensor_parallelize, tied_places
 
@@ -125,8 +126,8 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
         pp, rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
         self._grid = mesh.mesh.reshape(pp, -1)  # a column: the ranks of one pipeline, stage by stage
         self._column = int((self._grid == dist.get_rank()).nonzero()[0, 1])
-        replicated = self.data is None and "replicate" in mesh.mesh_dim_names
-        self._replicas = mesh["replicate"].get_group() if replicated else None
+        replicated = self.data is None and {"replicate", "cp"} & set(mesh.mesh_dim_names)
+        self._replicas = with_cp(mesh, ("replicate",)).get_group() if replicated else None
         self._stages = pp * self.pp_stages_per_rank
         self._mine = list(range(rank, self._stages, pp))  # interleaved: stages r, r + pp, ...
         start_alike(model, env.device)

@@ -14,6 +14,7 @@ from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
 from multigpu.core.precision import PrecisionPlan
 from multigpu.strategies.ddp import DDP
+from multigpu.strategies.mesh import with_cp
 
 
 @dataclass
@@ -35,7 +36,7 @@ class Zero1(DDP):
         defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
         # A new optimizer object: schedulers must be built on the one engine.setup returns.
         # States are sharded across the replicas that average gradients: the mesh DDP.setup built.
-        group = self.mesh["replicate"].get_group()
+        group = with_cp(self.mesh, ("replicate",)).get_group()
         sharded = ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=group, **defaults)
         return model, sharded
 
