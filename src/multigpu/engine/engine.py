@@ -7,6 +7,7 @@ heartbeat, the metrics monitor, bench and verify's recorder) attaches through mu
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
@@ -61,8 +62,10 @@ class Engine(Saving, Reporting, AcrossRanks):
         # Which batch this rank reads, among how many: the ranks of one replica's tp and pp groups read the same one.
         layout = self._strategy.layout
         self._data_rank, self._data_world = layout.data_parallel_rank(self.env.rank), layout.data_parallel_size
+        self._cp = start.context_parallel(self._strategy, config)
         wants_loss = any(observer.wants_loss for observer in self.observers)
-        self._window = Window(config.grad_accum_steps, self._data_world, self.device, wants_loss)
+        # The ranks whose gradients are averaged: the data-parallel ones and, each with its own tokens, the cp ones.
+        self._window = Window(config.grad_accum_steps, self._data_world * layout.cp, self.device, wants_loss)
         self._backward_ran = False  # since the last engine.step
         self._lm_loss_made = False  # engine.lm_loss made the loss function a loss setting other than plain needs
         self._loader: Loader | None = None
@@ -113,9 +116,11 @@ class Engine(Saving, Reporting, AcrossRanks):
     @property
     def sequence_multiple(self) -> int:
         """What each batch's sequence length must be a multiple of: the tensor-parallel degree under
-        sequence_parallel (every tp process takes an equal slice of the positions), else 1. Pad each batch to it,
-        with the padding masked out of attention and the loss, as `multigpu finetune` does."""
-        return self._strategy.layout.tp if self.config.sequence_parallel else 1
+        sequence_parallel (every tp process takes an equal slice of the positions) and 2 x cp_size under context
+        parallelism (each cp rank a head and a tail chunk). Pad each batch to it, on the right, with the padding
+        masked out of the loss, as `multigpu finetune` does."""
+        layout = self._strategy.layout
+        return math.lcm(layout.tp if self.config.sequence_parallel else 1, 2 * layout.cp if layout.cp > 1 else 1)
 
     @property
     def is_main_process(self) -> bool:
@@ -139,7 +144,7 @@ class Engine(Saving, Reporting, AcrossRanks):
             self._auto_pending = False
         build = (self._init_rng, self._pretrained.pop(id(model), None))
         model, optimizer = start.set_up(
-            self._strategy, model, optimizer, self.env, self._plan, self.config, build, self.print
+            self._strategy, model, optimizer, self.env, self._plan, self.config, build, self.print, self._cp
         )
         model.forward = watched(self.observers, "forward", self._plan.wrap_forward(model.forward, self.device))
         self._scaler = self._plan.scaler() if self._plan.scaler is not None else None
@@ -248,6 +253,11 @@ class Engine(Saving, Reporting, AcrossRanks):
     def _account(self, loss: torch.Tensor, count: int | torch.Tensor | None) -> float:
         if self._window.batch is not None:
             self._train_loader = self._loader
+        if count is None and self._cp is not None:
+            raise UsageError(
+                "Context parallelism gives each cp rank its own slice of every sequence's tokens, so the loss must be "
+                "their sum: return (sum, count) from loss_fn (engine.lm_loss does), or pass count= to engine.backward."
+            )
         return self._window.account(loss, count)
 
     def _end_micro_step(self, ended_window: bool) -> None:
@@ -269,10 +279,12 @@ class Engine(Saving, Reporting, AcrossRanks):
         it is one step of the pipeline schedule over the batch's micro-batches, `output` is the last stage's (a
         Hugging Face model's logits) and the loss comes back on every rank.
         """
+        if self._cp is not None:
+            inputs, targets = self._cp.split(inputs, targets, positions=True)
         if self._strategy.pipelined:
-            with outputs_for(loss_fn):
+            with outputs_for(loss_fn), self._cp_context(inputs, targets):
                 return self._pipeline_micro_step(inputs, targets, loss_fn)
-        with self.accumulate(model), outputs_for(loss_fn):
+        with self.accumulate(model), outputs_for(loss_fn), self._cp_context(inputs, targets):
             result = loss_fn(_call(model, inputs), targets)
             loss, count = result if isinstance(result, tuple) else (result, None)
             self.backward(loss, count=count)
@@ -300,7 +312,9 @@ class Engine(Saving, Reporting, AcrossRanks):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`loss_fn(model(inputs), targets)` without gradients, for evaluation, on every rank: under pp the
         schedule runs forward only and the last stage's loss is shared. Returns what loss_fn returns, detached."""
-        with torch.no_grad(), outputs_for(loss_fn):
+        if self._cp is not None:
+            inputs, targets = self._cp.split(inputs, targets, positions=True)
+        with torch.no_grad(), outputs_for(loss_fn), self._cp_context(inputs, targets):
             if self._strategy.pipelined:
                 with self._plan.autocast_context(self.device):
                     loss, count = self._strategy.pipeline_step(inputs, targets, loss_fn, lambda r, s: r, train=False)
@@ -309,6 +323,10 @@ class Engine(Saving, Reporting, AcrossRanks):
         if isinstance(result, tuple):
             return tuple(r.detach() if torch.is_tensor(r) else r for r in result)
         return result.detach()
+
+    def _cp_context(self, inputs: Any, targets: Any) -> contextlib.AbstractContextManager[None]:
+        """Where torch's ring attention runs (cp_method ring); nothing otherwise."""
+        return self._cp.ring_context(inputs, targets) if self._cp is not None else contextlib.nullcontext()
 
     def lm_loss(self, head: nn.Module, ignore_index: int = -100, chunk_tokens: int | None = None) -> TokenLoss:
         """A language model's loss_fn for forward_backward and forward_loss in the `loss` setting's mode: (output,
@@ -369,7 +387,7 @@ class Engine(Saving, Reporting, AcrossRanks):
         totals = totals.to(collective_device(self.device))
         with watching(self.observers, "step totals"):
             dist.all_reduce(totals)
-        return totals / (self.world_size // self._data_world)
+        return totals / (self.world_size // (self._data_world * self._strategy.layout.cp))
 
     def _end_window(self, count: float | None, loss: float | None, applied: bool) -> None:
         """Times the step just ended and tells the observers; the next step's time starts now."""

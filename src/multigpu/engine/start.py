@@ -41,6 +41,7 @@ from multigpu.engine.config import EngineConfig
 from multigpu.engine.trackers import check_servers, parse_log_to
 from multigpu.planner import choose_strategy
 from multigpu.strategies import Strategy, build_strategy
+from multigpu.strategies.context import ContextParallel, use_context_attention
 from multigpu.strategies.dp import DataParallel
 
 
@@ -90,6 +91,11 @@ def precision_plan(strategy: Strategy, config: EngineConfig, env: DistEnv) -> Pr
             "compile cannot run with tensor parallelism on torch 2.13: a compiled block's backward hands DTensor's "
             "redistribution a plain tensor and fails in the first step; drop --compile, or the tensor parallelism."
         )
+    if strategy.layout.cp > 1 and config.cp_method == "ring" and env.device.type != "cuda":
+        raise UsageError(
+            "cp_method ring runs torch's ring attention, which needs CUDA GPUs; use cp_method ulysses (the default) "
+            "on this machine."
+        )
     find_unused = getattr(strategy, "find_unused_parameters", False)
     check_loss(config.loss, config.liger, env.device, strategy.name, strategy.layout.tp > 1, find_unused)
     if config.sync_batchnorm and strategy.needs_process_group and env.device.type != "cuda":
@@ -98,6 +104,13 @@ def precision_plan(strategy: Strategy, config: EngineConfig, env: DistEnv) -> Pr
             "drop sync_batchnorm (--sync-batchnorm) or run on GPUs."
         )
     return plan
+
+
+def context_parallel(strategy: Strategy, config: EngineConfig) -> ContextParallel | None:
+    """The run's context parallelism (its group joined at setup), or None without cp_size."""
+    if strategy.layout.cp == 1:
+        return None
+    return ContextParallel(None, strategy.layout.cp, 0, config.cp_method)
 
 
 def check(config: EngineConfig, nproc: int) -> None:
@@ -204,11 +217,15 @@ def set_up(
     config: EngineConfig,
     build: tuple[torch.Tensor | None, SafetensorsCheckpoint | None],
     say: Callable[[str], None],
+    cp: ContextParallel | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """The model and optimizer set up for `strategy`, from a plain build or one on the meta device (init_module):
-    `build` is where the random stream stood when that build began, and the checkpoint load_pretrained gave it."""
+    `build` is where the random stream stood when that build began, and the checkpoint load_pretrained gave it;
+    `cp`, the context parallelism whose attention the model's takes."""
     if config.liger:  # before anything wraps, compiles or shards the layers it replaces
         apply_liger(model)
+    if cp is not None:  # the attention compile and recomputation will see
+        use_context_attention(model, cp)
     values = meta_values(strategy, model, optimizer, env, *build, say)
     model = batchnorm(model, strategy, env, config.sync_batchnorm)
     # float8 first, as torchtitan orders it: tp, recomputation, compile and sharding then see its layers; the
@@ -231,8 +248,13 @@ def set_up(
     if plan.params != torch.float32:
         model.to(plan.params)  # bf16-true; on the meta device, free: the values are cast as they arrive
     if values is None:
-        return strategy.setup(model, optimizer, env, plan)
-    model, optimizer = strategy.setup_from_meta(model, optimizer, env, plan, values)
+        model, optimizer = strategy.setup(model, optimizer, env, plan)
+    else:
+        model, optimizer = strategy.setup_from_meta(model, optimizer, env, plan, values)
+    if cp is not None:
+        cp.join(strategy.mesh)
+    if values is None:
+        return model, optimizer
     if values.read is not None:
         say(values.read.summary(values.initialised))
     return model, optimizer

@@ -69,6 +69,8 @@ FinetuneSettings = recipe_settings(
         "pp_schedule",
         "pp_stages_per_rank",
         "pp_microbatches",
+        "cp_size",
+        "cp_method",
         "loss",
         "liger",
     ),
@@ -110,6 +112,12 @@ class FinetuneConfig(lm_data.DataSettings, FinetuneSettings, lm_models.ModelSett
                 "--data-streaming trains --max-steps steps, the stream going round its epochs; drop --epochs.",
             ),
             (self.lora_r >= 1 and self.lora_alpha >= 1, "--lora-r and --lora-alpha must be 1 or more."),
+            (
+                self.seq_len % (2 * (self.cp_size or 1)) == 0 or (self.cp_size or 1) == 1,
+                f"--cp-size {self.cp_size} cuts each sequence into 2 x {self.cp_size} = {2 * (self.cp_size or 1)} "
+                f"equal chunks, and --seq-len {self.seq_len} is not a multiple of {2 * (self.cp_size or 1)}; choose a "
+                "--seq-len that is.",
+            ),
             (not self.merge or self.method != "full", "--merge merges an adapter; drop it for --method full."),
             (
                 self.method != "qlora" or (self.multi_gpu != "tp" and (self.tp_size or 1) == 1),
