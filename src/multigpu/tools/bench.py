@@ -44,9 +44,15 @@ class BenchConfig(
     derive(
         "BenchOverrides",
         EngineConfig,
-        only=("precision", "activation_checkpointing", "compile", "compile_backend", "float8", "loss"),
+        only=("precision", "activation_checkpointing", "compile", "compile_backend", "float8", "loss", "cp_size"),
         overrides=True,
-        note="; bench: every run's (default: the script's own)",
+        note={
+            **dict.fromkeys(
+                ("precision", "activation_checkpointing", "compile", "compile_backend", "float8", "loss"),
+                "; bench: every run's (default: the script's own)",
+            ),
+            "cp_size": "; bench: every multi-process run's (each process count a multiple of it)",
+        },
     )
 ):
     nproc: str = setting("1,2", "comma-separated process counts, e.g. 1,2,4")
@@ -83,6 +89,12 @@ class BenchConfig(
             CompressionOptions(grad_compression=compression)
             for strategy in set(self.strategy_names) - {"ddp", "zero1", "tp"}:
                 refuse_powersgd(strategy, compression)
+        uneven = [n for n in self.counts if n > 1 and self.cp_size and n % self.cp_size]
+        if uneven:
+            raise UsageError(
+                f"--cp-size {self.cp_size} splits each sequence over that many processes, and --nproc has "
+                f"{', '.join(map(str, uneven))}; list process counts that are multiples of {self.cp_size}."
+            )
         for name in ("steps", "repeats"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name} must be 1 or more (got {getattr(self, name)}).")
@@ -97,6 +109,8 @@ def run_cell(
     with tempfile.TemporaryDirectory(prefix="multigpu-bench-") as tmp:
         # The cell's strategy replaces the script's, with no tensor or pipeline parallelism of the script's own.
         imposed = {"strategy": strategy, "tp_size": None, "pp_size": None, **config.values_for(EngineConfig)}
+        if n == 1:  # the one-process baseline splits nothing
+            imposed["cp_size"] = None
         if strategy in REDUCING:  # the one-process baseline (single) and tp take no grad_compression
             imposed["grad_compression"] = compression
         spec = harness.Harness(tmp, imposed, warmup=config.warmup, steps=config.steps, grad_sync=sync)
