@@ -27,6 +27,7 @@ pytestmark = pytest.mark.timeout(1300)
 # by 1e-2 or more. bf16-mixed rounds each product to 8 bits where the split groups them differently: the bound the
 # recipe matrix uses (tests/recipes/test_matrix.py).
 TOLERANCE = {"32": 1e-4, "bf16-mixed": 2e-2}
+CP_TOLERANCE = 2e-5
 
 CHAT = {"data": "chat.jsonl", "seq_len": 64}
 # Compiled cells trace with aot_eager: the same graphs as inductor (FSDP's hooks, pipeline stages and checkpointing
@@ -102,6 +103,20 @@ CELLS: dict[str, tuple[int, dict]] = {
         4,
         {"multi_gpu": "zero3", "pp_size": 2, "batch_size": 2, **AOT, "activation_checkpointing": "full"},
     ),
+    # Context parallelism: each sequence split head-and-tail over 2 ranks (Ulysses all-to-alls around attention),
+    # beside each strategy that takes it, packed chat documents kept apart across the split, with LoRA, and with
+    # compile and recomputation.
+    "cp-2": (2, {"multi_gpu": "ddp", "cp_size": 2}),
+    "cp-packed-chat": (2, {"multi_gpu": "zero2", "cp_size": 2, **CHAT}),
+    "cp-lora-selective": (
+        2,
+        {"multi_gpu": "ddp", "cp_size": 2, "method": "lora", "activation_checkpointing": "selective"},
+    ),
+    "cp-compile-full": (2, {"multi_gpu": "zero3", "cp_size": 2, **AOT, "activation_checkpointing": "full"}),
+    "zero3-x-cp": (4, {"multi_gpu": "zero3", "cp_size": 2, "batch_size": 2}),
+    "zero3-x-tp-x-cp": (4, {"multi_gpu": "zero3", "tp_size": 2, "cp_size": 2}),
+    "hsdp-x-cp": (4, {"multi_gpu": "hsdp", "replicate": 2, "cp_size": 2, "batch_size": 2}),
+    "pp-x-cp": (4, {"multi_gpu": "pp", "pp_size": 2, "cp_size": 2}),
 }
 # A run under one layout saves a checkpoint at step 2; another layout resumes it: (processes, settings) of each.
 MOVES: dict[str, list[tuple[int, dict]]] = {
@@ -110,6 +125,7 @@ MOVES: dict[str, list[tuple[int, dict]]] = {
     "zero3-x-tp-then-pp": [(4, CELLS["zero3-x-tp"][1]), (2, {"multi_gpu": "pp"})],
     "pp-then-single": [(2, {"multi_gpu": "pp"}), (1, CELLS["single-32"][1])],
     "zero3-x-pp-then-single": [(4, CELLS["zero3-x-pp"][1]), (1, CELLS["single-32"][1])],
+    "zero3-x-cp-then-single": [(4, CELLS["zero3-x-cp"][1]), (1, CELLS["single-32"][1])],
 }
 
 
@@ -218,8 +234,11 @@ def test_each_layout_reaches_the_one_process_validation_loss(results: dict, name
     chat = CELLS[name][1].get("data") == CHAT["data"]
     reference = results["single-chat" if chat else "single-lora" if lora else f"single-{precision}"]
     found = results[name]
-    assert found["val_loss"][0] == pytest.approx(reference["val_loss"][0], rel=TOLERANCE[precision])
-    assert found["val_loss"][1] == pytest.approx(reference["val_loss"][1], rel=TOLERANCE[precision])
+    # Context parallelism computes each head's attention over the same keys, and the loss's sums over the same
+    # tokens in another grouping: ~1e-7 relative after the steps; the issue's bound is 2e-5.
+    bound = CP_TOLERANCE if "cp_size" in CELLS[name][1] else TOLERANCE[precision]
+    assert found["val_loss"][0] == pytest.approx(reference["val_loss"][0], rel=bound)
+    assert found["val_loss"][1] == pytest.approx(reference["val_loss"][1], rel=bound)
     assert reference["val_loss"][1] < reference["val_loss"][0] - 0.05  # the steps changed the model
     # Llama's plan splits q_proj by output rows over tp (64 rows, 4 heads of 16): each rank holds half of them,
     # halved again where zero shards the slice; a pipeline's rank 0 holds layer 0 whole, or what tp or zero leave.
@@ -227,6 +246,8 @@ def test_each_layout_reaches_the_one_process_validation_loss(results: dict, name
     split |= {"tp-selective": 32, "hsdp-2x2-compile-selective": 32, "zero2-compile-selective": 32}
     split |= {"zero3-compile-full": 32, "ddp-compile-full": 64, "zero1-compile-offload": 64}
     split |= {"zero3-lora-full": 32}
+    # cp ranks hold what their data-parallel rank holds: zero shards over shard x cp.
+    split |= {"cp-2": 64, "cp-lora-selective": 64, "cp-packed-chat": 32, "cp-compile-full": 32, "hsdp-x-cp": 32}
     split |= {"tp-lora": 32} | {cell: 32 for cell in CELLS if cell.startswith("tp-sequence")}
     split |= {cell: 64 if "x-tp" not in cell else 32 for cell in CELLS if cell.startswith("pp")}
     split |= {cell: 32 for cell in CELLS if "-x-pp" in cell}
@@ -264,10 +285,29 @@ def test_a_checkpoint_moves_between_layouts_and_lands_where_one_process_does(res
         (["--nproc", "2", "--strategy", "pp", "--pp-schedule", "interleaved"], "pp_stages_per_rank 1 does not fit"),
         (["--nproc", "2", "--strategy", "tp", "--compile"], "compile cannot run with tensor parallelism on torch "),
         (["--nproc", "4", "--strategy", "zero3", "--tp-size", "2", "--compile"], "compile cannot run with tensor "),
+        (["--nproc", "3", "--strategy", "zero3", "--cp-size", "2"], "cp_size 2 needs a multiple of 2 processes, but 3"),
+        (["--nproc", "6", "--strategy", "zero3", "--cp-size", "2", "--tp-size", "2"], "cp_size 2 x tp 2 needs a "),
+        (["--nproc", "2", "--strategy", "tp", "--cp-size", "2"], "cp_size splits each sequence beside the processes "),
+        (["--nproc", "2", "--strategy", "ddp", "--cp-size", "2", "--cp-method", "ring"], "cp_method ring runs torch"),
     ],
 )
 def test_a_layout_that_does_not_fit_is_refused_before_anything_starts(args: list[str], sentence: str) -> None:
     printed = refusal("demo", *args)
+    assert printed.count(sentence) == 1 and printed.count("\n") == 1, printed
+
+
+@pytest.mark.parametrize(
+    ("args", "sentence"),
+    [
+        (["--seq-len", "30"], "--cp-size 8 cuts each sequence into 2 x 8 = 16 equal chunks, and --seq-len 30 is not "),
+        (["--seq-len", "32"], "cp_method ulysses gives each of the cp_size 8 ranks whole attention heads, and this "),
+    ],
+)
+def test_a_sequence_or_heads_that_cp_cannot_split_are_refused_before_anything_starts(
+    args: list[str], sentence: str
+) -> None:
+    """The tiny Llama has 4 attention heads: Ulysses cannot give each of 8 ranks one."""
+    printed = refusal("finetune", "--model", "tiny", "--nproc", "8", "--multi-gpu", "zero3", "--cp-size", "8", *args)
     assert printed.count(sentence) == 1 and printed.count("\n") == 1, printed
 
 

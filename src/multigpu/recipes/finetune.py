@@ -409,6 +409,8 @@ def check(config: FinetuneConfig) -> None:
     check_runnable(config.loss, config.liger, DistEnv().device, config.multi_gpu, split)
     if config.loss != "plain":
         lm_models.check_plain_head(config.model, config.loss)
+    if (config.cp_size or 1) > 1 and config.cp_method == "ulysses":
+        lm_models.check_context_heads(config.model, config.cp_size)
     check_same_data(config, resolve_resume(config), SAME_DATA)
     if not config.data_streaming:  # tokenised here, once, so that bad data is refused before any process starts
         lm_data.load(config, lm_models.load_tokenizer(config.model))
