@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from multigpu.core.errors import UsageError
-from multigpu.strategies.context import ContextParallel, head_split
+from multigpu.strategies.context import ContextParallel, head_split, use_context_attention
 from tests.dist import run_in_processes
 
 CP = 3
@@ -37,6 +38,64 @@ def whole_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None]).transpose(1, 2)
 
 
+class OwnAttention(nn.Module):
+    """Attention as a model of one's own writes it: F.scaled_dot_product_attention, causal."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, width = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, width))
+
+
+class OwnModel(nn.Module):
+    """Learnt positions looked up by position_ids, two attention blocks that cp_attention names, a head."""
+
+    cp_attention = ("blocks.*",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.place = nn.Embedding(32, 16), nn.Embedding(LENGTH, 16)
+        self.blocks = nn.ModuleList(OwnAttention(16, 4) for _ in range(2))
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids) + self.place(position_ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def compare_own_model(cp: ContextParallel) -> dict:
+    """A model of one's own under cp against itself whole: logits of this rank's slice, and the gradients summed
+    over the cp ranks."""
+    import copy
+
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    whole, ids = OwnModel(), torch.randint(0, 32, (2, LENGTH))
+    logits = whole(ids, torch.arange(LENGTH).expand(2, -1))
+    logits.square().sum().backward()
+    split = copy.deepcopy(whole)
+    split.zero_grad()
+    use_context_attention(split, cp)
+    inputs, _ = cp.split({"input_ids": ids}, None, positions=True)
+    mine = split(**inputs)
+    mine.square().sum().backward()
+    for p in split.parameters():
+        dist.all_reduce(p.grad)
+    pairs = list(zip(whole.parameters(), split.parameters(), strict=True))
+    # Relative to the largest gradient (the squared logits' sum makes them of order 100).
+    grads = max((a.grad - b.grad).abs().max().item() for a, b in pairs) / max(
+        a.grad.abs().max().item() for a, _ in pairs
+    )
+    return {"output": (mine - cp.local(logits)).abs().max().item(), "grads": grads, "scale": 1.0}
+
+
 def compare_attention() -> list[dict]:
     """Each case on this rank: the largest differences of the output slice and of q, k, v's gradient slices from
     one process's whole computation (every rank computes that too, from the same seed)."""
@@ -59,11 +118,13 @@ def compare_attention() -> list[dict]:
         found.append(
             {
                 "output": (out - cp.local(whole)).abs().max().item(),
-                "grads": max((m.grad - cp.local(t.grad, 2)).abs().max().item() for m, t in zip(mine, (q, k, v))),
+                "grads": max(
+                    (m.grad - cp.local(t.grad, 2)).abs().max().item() for m, t in zip(mine, (q, k, v), strict=True)
+                ),
                 "scale": whole.abs().max().item(),
             }
         )
-    return found
+    return [*found, compare_own_model(cp)]
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +132,9 @@ def attention_ranks() -> list[list[dict]]:
     return run_in_processes("tests.strategies.test_context:compare_attention", CP, timeout=120)
 
 
-@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("case", range(len(CASES) + 1))
 def test_ulysses_attention_is_one_process_attention(attention_ranks: list[list[dict]], case: int) -> None:
+    """The cases, and last a model of one's own whose attention modules cp_attention names."""
     # fp32: each head's attention is the same sums over the same keys, only in sdpa's own blocking (a mask or
     # is_causal): ~1e-7 of values of order 1; a key from another document or a misplaced chunk differs by 1e-1.
     for rank in attention_ranks:

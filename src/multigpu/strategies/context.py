@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from multigpu.core.errors import UsageError
+from multigpu.strategies.tp import name_pattern
 
+#: torch's own attention, which a module that cp_attention names sees replaced by Ulysses' while it runs.
+_TORCH_SDPA = F.scaled_dot_product_attention
 #: The name the Ulysses attention is registered under in transformers' attention functions.
 ULYSSES, RING = "multigpu_ulysses", "multigpu_ring"
 
@@ -72,6 +76,7 @@ class ContextParallel:
     rank: int
     method: str = "ulysses"
     mesh: Any = None
+    positions: torch.Tensor | None = None  # this rank's position_ids of the batch under way (split sets them)
     _positions: tuple[Any, Any] = field(default=(None, None), repr=False)
 
     def join(self, mesh: Any) -> None:
@@ -100,12 +105,18 @@ class ContextParallel:
             mask = inputs.pop("attention_mask", None)
             if mask is not None:
                 _check_right_padding(mask)
-            if positions and "position_ids" not in inputs and "input_ids" in inputs:
-                ids = inputs["input_ids"]
-                inputs["position_ids"] = torch.arange(length, device=ids.device).expand(ids.shape[0], -1)
+            if positions and "position_ids" not in inputs:
+                first = next(iter(inputs.values()))
+                inputs["position_ids"] = torch.arange(length, device=first.device).expand(first.shape[0], -1)
+        elif positions:
+            raise UsageError(
+                "Context parallelism hands the model each slice's position_ids as a keyword; pass the batch's inputs "
+                "as a dict (e.g. {'input_ids': ids}) to forward_backward and forward_loss."
+            )
         if self.method == "ring":  # torch's context_parallel slices the tensors itself (ring_context)
             return inputs, targets
         cut = functools.partial(_cut, self, length)
+        self.positions = cut(inputs.get("position_ids")) if isinstance(inputs, dict) else None
         if isinstance(inputs, dict):
             inputs = {key: cut(value) for key, value in inputs.items()}
         elif isinstance(inputs, tuple):
@@ -173,12 +184,18 @@ class ContextParallel:
         split, kv_split = head_split(heads, self.size), head_split(kv_heads, self.size)
         q, k, v = self.to_heads(query, split), self.to_heads(key, kv_split), self.to_heads(value, kv_split)
         documents = self.documents(position_ids)
+        if documents is not None and documents.shape[0] != q.shape[0]:
+            raise UsageError(
+                "Packed documents under context parallelism reach a model of one's own through the batch's "
+                "position_ids, which a pipeline's micro-batches do not carry; drop pp_size, or pack one document "
+                "per row."
+            )
         mask = None
         if documents is not None:
             length = q.shape[2]
             causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
             mask = ((documents[:, :, None] == documents[:, None, :]) & causal)[:, None]
-        out = F.scaled_dot_product_attention(
+        out = _TORCH_SDPA(
             q,
             k,
             v,
@@ -295,20 +312,79 @@ def ring_attention(
 
 
 def use_context_attention(model: nn.Module, cp: ContextParallel) -> None:
-    """Makes every Hugging Face decoder inside `model` attend through `cp`'s method."""
-    from transformers import AttentionInterface  # imported by runs with cp only
-
-    AttentionInterface.register(ULYSSES, ulysses_attention(cp))
-    AttentionInterface.register(RING, ring_attention)
+    """Makes every Hugging Face decoder inside `model` attend through `cp`'s method, or, in a model of one's own,
+    the modules its `cp_attention` names (module-name patterns, `*` for one name)."""
     configs = {
         id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")
     }
     if not configs:
-        raise UsageError(
-            f"Context parallelism replaces the attention of a Hugging Face model, and {type(model).__name__} is not "
-            "one; use a transformers model, or drop cp_size."
-        )
+        attend_in_named_modules(model, cp)
+        return
+    from transformers import AttentionInterface  # imported by runs with cp only
+
+    AttentionInterface.register(ULYSSES, ulysses_attention(cp))
+    AttentionInterface.register(RING, ring_attention)
     for config in configs.values():
         if cp.method == "ulysses":
             check_heads(config.num_attention_heads, cp.size)
         config._attn_implementation = ULYSSES if cp.method == "ulysses" else RING
+
+
+def attend_in_named_modules(model: nn.Module, cp: ContextParallel) -> None:
+    """Inside each module that `model`'s `cp_attention` names, torch's scaled_dot_product_attention (called as
+    F.scaled_dot_product_attention) becomes Ulysses' (under ring, torch's context_parallel replaces it everywhere
+    itself). The model's forward must take position_ids, the place of each token of its slice."""
+    owner = next((m for m in model.modules() if getattr(m, "cp_attention", None)), None)
+    if owner is None:
+        raise UsageError(
+            f"Context parallelism must know where {type(model).__name__} computes attention; give the model a "
+            "cp_attention attribute listing its attention modules' name patterns (e.g. ['blocks.*.attn']), or "
+            "drop cp_size."
+        )
+    if "position_ids" not in inspect.signature(owner.forward).parameters:
+        raise UsageError(
+            f"Context parallelism gives each rank a slice of every sequence, so {type(owner).__name__}.forward must "
+            "take position_ids (each token's place in its sequence) and place its tokens by them; add that argument."
+        )
+    modules = dict(owner.named_modules())
+    for pattern in owner.cp_attention if cp.method == "ulysses" else ():
+        matched = [modules[n] for n in modules if name_pattern(pattern).fullmatch(n)]
+        if not matched:
+            raise UsageError(
+                f"cp_attention's pattern {pattern!r} matches no module of {type(owner).__name__}; correct it (names "
+                "as named_modules() gives them) or remove it."
+            )
+        for module in matched:
+            module.forward = _with_attention(module.forward, cp)
+
+
+def _with_attention(forward: Callable[..., Any], cp: ContextParallel) -> Callable[..., Any]:
+    """`forward` with torch's scaled_dot_product_attention replaced by `cp`'s while it runs."""
+
+    def sdpa(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        if attn_mask is not None or not is_causal:
+            raise UsageError(
+                "Context parallelism computes causal attention over each whole sequence (packed documents apart, by "
+                "position_ids); call scaled_dot_product_attention with is_causal=True and no attn_mask in the "
+                "modules cp_attention names."
+            )
+        return cp.attention(query, key, value, cp.positions, scale, dropout_p).transpose(1, 2)
+
+    @functools.wraps(forward)
+    def attending(*args: Any, **kwargs: Any) -> Any:
+        F.scaled_dot_product_attention = sdpa
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            F.scaled_dot_product_attention = _TORCH_SDPA
+
+    return attending

@@ -1,0 +1,102 @@
+"""Per-rank memory of a long sequence under context parallelism against one process: SmolLM2-135M fine-tuned with
+`multigpu finetune`'s own parts on Shakespeare at --seq-len 8192, --cp-size 1 (one process) and --cp-size 2 (two).
+
+    python benchmarks/context_parallel.py [--seq-len 8192] [--method lora] [--sizes 1,2] [--steps 2]
+
+Each size is one launch of cp processes (ddp with one replica: every rank reads the same batch and keeps its own
+half of each sequence). Per rank it reports:
+- activations: the bytes autograd saves for backward in the first step's forward (each storage once, parameters
+  left out): the memory a sequence costs, which context parallelism divides, and what the planner counts;
+- peak RSS: the process's whole peak resident memory (weights, optimizer, the allocator's slack, torch itself);
+- s/step: the last step's time (on one CPU the cp ranks share its cores, so this is no speed figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from multigpu.launch.launcher import LaunchConfig, launch
+
+
+class SavedBytes:
+    """Bytes of the distinct storages autograd saves, parameters left out."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.seen: dict[int, int] = {}
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self.skip and storage.device.type != "meta":
+            self.seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    @property
+    def total(self) -> int:
+        return sum(self.seen.values())
+
+
+def worker(cp: int, seq_len: int, method: str, steps: int, out: str) -> None:
+    from multigpu.engine.monitor import peak_memory_bytes
+    from multigpu.recipes.common import per_rank, recipe_engine
+    from multigpu.recipes.finetune import FinetuneConfig, build, lm_loss, model_inputs
+
+    config = FinetuneConfig(model="smollm2", method=method, seq_len=seq_len, cp_size=cp, batch_size=1,
+                            multi_gpu="ddp" if cp > 1 else "single", log_every=0, save_dir=out)  # fmt: skip
+    engine = recipe_engine(config)
+    model, optimizer, _, data = build(config, engine)
+    loss_fn = lm_loss(engine, model)
+    loader = engine.dataloader(data.train, batch_size=1, collate_fn=data.collate_fn(engine.sequence_multiple))
+    saved, seconds = SavedBytes(model), []
+    for step, batch in enumerate(loader):
+        start = time.perf_counter()
+        hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t) if step == 0 else None
+        with hooks or torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            engine.forward_backward(model, model_inputs(batch), batch["labels"], loss_fn)
+        engine.step(optimizer)
+        seconds.append(time.perf_counter() - start)
+        if step + 1 == steps:
+            break
+    activations, peaks = per_rank(engine, saved.total), per_rank(engine, peak_memory_bytes(engine.device))
+    if engine.is_main_process:
+        result = {"activations": activations, "peak_rss": peaks, "seconds": seconds[-1]}
+        Path(out, "result.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--method", default="lora", choices=("lora", "full"))
+    parser.add_argument("--sizes", default="1,2", help="cp sizes, one launch of that many processes each")
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per launch")
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(int(args.worker[0]), args.seq_len, args.method, args.steps, args.worker[1])
+        return
+    print(f"SmolLM2-135M {args.method}, one sequence of {args.seq_len} tokens per step, fp32, on CPU")
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for cp in map(int, args.sizes.split(",")):
+            out = Path(folder, f"cp{cp}")
+            argv = [__file__, "--seq-len", str(args.seq_len), "--method", args.method, "--steps", str(args.steps)]
+            if launch(LaunchConfig(nproc=cp), [*argv, "--worker", str(cp), str(out)]):
+                sys.exit(1)
+            rows.append((cp, json.loads((out / "result.json").read_text())))
+    base = max(rows[0][1]["activations"])
+    print(f"{'cp':>3} {'activations/rank (MiB)':>24} {'of cp 1':>8} {'peak RSS/rank (MiB)':>20} {'s/step':>7}")
+    for cp, r in rows:
+        mib = max(r["activations"]) / 2**20
+        print(f"{cp:>3} {mib:>24,.0f} {max(r['activations']) / base:>8.2f} "
+              f"{max(r['peak_rss']) / 2**20:>20,.0f} {r['seconds']:>7.1f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
