@@ -469,7 +469,7 @@ def test_throughput_counts_replicas_not_gpus() -> None:
     ("changes", "message"),
     [
         ({"gpus": (4, 8), "tp_size": 8}, "--gpus 4 cannot be split into tp 8 x pp 1 groups; list multiples of 8."),
-        ({"gpus": (8,), "tp_size": 8, "hidden": 0}, "tp and pp move activations, so they need the model's width"),
+        ({"gpus": (8,), "tp_size": 8, "hidden": 0}, "tp, pp and cp move activations, so they need the model's width"),
         ({"gpus": (8,), "pp_size": 2, "pp_stages_per_rank": 2}, "pp_stages_per_rank 2 does not fit pp_schedule"),
     ],
 )

@@ -26,7 +26,8 @@ def plan(model: Any, sample_input: Any = None, **options: Any) -> Plan:
     `sample_input`, one sample, its activations are measured by a traced forward and scaled by the batch size).
 
     `options` are PlanConfig's fields (gpus, nodes, gpu_memory such as "80GB", precision, optimizer, batch_size,
-    seq_len, grad_accum_steps, unsharded_grad_accum, activation_checkpointing, lora_r, qlora, cpu_offload).
+    seq_len, grad_accum_steps, unsharded_grad_accum, activation_checkpointing, lora_r, qlora, cpu_offload, tp_size,
+    pp_size, cp_size, cp_method, ...).
     """
     return plan_shape(_shape(model, sample_input), PlanConfig(**options))
 

@@ -18,6 +18,17 @@ Under activation checkpointing (core/recompute.py's modes) a layer keeps
 and backward brings the rest of one layer's activations back at a time (recomputed, or copied back), on top at
 the peak.
 Tensor and pipeline parallelism divide these per rank: see transformer_parts and layout.py.
+Context parallelism (cp ranks, each holding seq / cp positions of every sequence) divides every T above by cp.
+Attention differs by method (attention_saved):
+  ulysses             all-to-alls turn q, k and v from (B, heads, S/cp, D) into (B, heads/cp, S, D), whole
+                      sequences of a slice of the heads, which sdpa saves; its output and logsumexp are alike, and
+                      the output goes back to (B, S/cp, heads, D) for o_proj. Per rank that is the same bytes divided
+                      by cp, unless the heads do not divide: the binding rank takes ceil(heads/cp), and key/value
+                      heads that cp does not divide are repeated to the query heads first (GQA's saving lost).
+                      In backward one layer at a time adds sdpa's gradients of q, k, v over whole sequences and
+                      their all-to-all'd copies (attention_buffers).
+  ring                q, k, v, the output and logsumexp stay at the rank's positions; backward adds the key/value
+                      blocks and their gradients in flight from the neighbouring rank.
 """
 
 from __future__ import annotations
@@ -42,32 +53,83 @@ class ActivationParts:
     layer_products: int  # the outputs of its matrix products and attention, which selective keeps besides
     layer_gradients: int  # the gradients of the MLP's gate and up outputs, alive together in its backward
     outside: int  # token ids, labels, the final norm, the head's input and the log-softmax
+    cp_buffers: int = 0  # what cp's attention holds besides, one layer at a time in backward
 
 
 def transformer_parts(
-    t: Transformer, batch: int, seq: int, precision: str, tp: int = 1, sequence_parallel: bool = False
+    t: Transformer,
+    batch: int,
+    seq: int,
+    precision: str,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    cp: int = 1,
+    cp_method: str = "ulysses",
 ) -> ActivationParts:
     """`tp` divides what Megatron-style tensor parallelism splits: attention by heads and the MLP by its width.
     Without sequence parallelism the norms, the residual stream and each split linear's input stay whole on every
     rank, and the head's logits are gathered whole, so the log-softmax is whole too. Sequence parallelism divides
     the norms (the final one too) and a layer's input by tp; the split linears still keep the gathered input, and
-    the head its gathered input and whole logits."""
-    tokens = batch * seq
+    the head its gathered input and whole logits.
+
+    `cp` divides every position: a rank holds seq / cp tokens of each sequence through the norms, the MLP, the
+    residual stream, the head and the log-softmax; attention is counted by `attention_saved`."""
+    tokens = batch * seq // cp
     compute = 4 if precision == "32" else 2
     residual = 2 if precision == "bf16-true" else 4
     mixed = precision in ("bf16-mixed", "fp16-mixed")
-    h, kv, i = t.hidden, t.kv_hidden, t.intermediate
+    h, i = t.hidden, t.intermediate
     positions = tp if sequence_parallel else 1  # what splits by position
     norms = 2 * tokens * h * (4 + residual) + 8 * tokens
     inputs = (5 if mixed else 2) * tokens * h * compute
-    split = tokens * compute * (3 * h + 2 * kv) + 4 * batch * t.heads * seq + 4 * tokens * i * compute
+    attention = attention_saved(t, batch, seq, compute, tp, cp, cp_method)
+    split = -(-4 * tokens * i * compute // tp) + attention
     final_norm = tokens * h * (4 + residual) + 4 * tokens
     outside = 16 * tokens + -(-final_norm // positions) + tokens * h * compute + 4 * tokens * t.vocab
-    layer = -(-norms // positions) + inputs + -(-split // tp)
-    products = tokens * compute * (4 * h + 2 * kv + 2 * i) + 4 * batch * t.heads * seq
+    layer = -(-norms // positions) + inputs + split
+    # selective keeps what attention saves and the outputs of o_proj, gate, up and down_proj.
+    products = attention + -(-tokens * compute * (h + 2 * i) // tp)
     layer_input = -(-tokens * h * residual // positions)
     gradients = -(-2 * tokens * i * compute // tp)
-    return ActivationParts(layer, layer_input, -(-products // tp), gradients, outside)
+    buffers = attention_buffers(t, batch, seq, compute, tp, cp, cp_method)
+    return ActivationParts(layer, layer_input, products, gradients, outside, buffers)
+
+
+def attention_heads(t: Transformer, tp: int, cp: int) -> tuple[int, int]:
+    """(query heads, key/value heads) one rank's attention runs under Ulysses: tp's share of each, spread over
+    cp (uneven heads: the binding rank takes the larger share); key/value heads that cp does not divide are
+    repeated to the query heads first, so each rank holds as many of them as of the queries."""
+    heads, kv_heads = t.heads // tp, t.kv_heads // tp
+    local = -(-heads // cp)
+    return local, kv_heads // cp if kv_heads % cp == 0 else local
+
+
+def attention_saved(t: Transformer, batch: int, seq: int, compute: int, tp: int, cp: int, method: str) -> int:
+    """What one layer's attention keeps for backward on one rank: q (after rotary), k and v as sdpa reads them,
+    sdpa's output and fp32 logsumexp, and o_proj's input (sdpa's output brought back to the rank's positions).
+    Ring attention holds its own positions of all of them; Ulysses holds whole sequences of its heads."""
+    d, tokens = t.head_dim, batch * seq // cp
+    heads, kv_heads = t.heads // tp, t.kv_heads // tp
+    o_proj_input = tokens * heads * d * compute
+    if method == "ring" or cp == 1:
+        return tokens * d * compute * (2 * heads + 2 * kv_heads) + o_proj_input + 4 * tokens * heads
+    q, kv = attention_heads(t, tp, cp)
+    return batch * seq * d * compute * (2 * q + 2 * kv) + o_proj_input + 4 * batch * q * seq
+
+
+def attention_buffers(t: Transformer, batch: int, seq: int, compute: int, tp: int, cp: int, method: str) -> int:
+    """What a layer's attention holds besides under cp, one layer at a time in backward. Ulysses: sdpa's
+    gradients of q, k and v over whole sequences of the rank's heads and their all-to-all'd copies at the rank's
+    positions. Ring: the key/value blocks (and their gradients) arriving from the next rank while the current
+    ones are used."""
+    if cp == 1:
+        return 0
+    d, tokens = t.head_dim, batch * seq // cp
+    heads, kv_heads = t.heads // tp, t.kv_heads // tp
+    if method == "ring":
+        return 4 * tokens * kv_heads * d * compute
+    q, kv = attention_heads(t, tp, cp)
+    return batch * seq * d * compute * (q + 2 * kv) + tokens * d * compute * (heads + 2 * kv_heads)
 
 
 def kept_per_layer(parts: ActivationParts, checkpointing: str) -> int:
@@ -81,17 +143,21 @@ def kept_per_layer(parts: ActivationParts, checkpointing: str) -> int:
     return kept[checkpointing]
 
 
-def transformer_activations(t: Transformer, batch: int, seq: int, precision: str, checkpointing: str) -> Activations:
-    parts = transformer_parts(t, batch, seq, precision)
+def transformer_activations(
+    t: Transformer, batch: int, seq: int, precision: str, checkpointing: str, cp: int = 1, cp_method: str = "ulysses"
+) -> Activations:
+    parts = transformer_parts(t, batch, seq, precision, cp=cp, cp_method=cp_method)
     kept = kept_per_layer(parts, checkpointing)
     saved = t.layers * kept + parts.outside
     # Backward starts with the loss's: the gradients of the fp32 log-softmax and of the logits, each tokens x vocab.
     # It frees what lies outside the layers before it reaches the last layer, whose activations then come back.
-    loss_backward = 2 * 4 * batch * seq * t.vocab
+    loss_backward = 2 * 4 * batch * seq // cp * t.vocab
     return Activations(saved, max(saved + loss_backward, t.layers * kept + recomputed(parts, checkpointing)))
 
 
 def recomputed(parts: ActivationParts, checkpointing: str) -> int:
-    """Bytes a checkpointed layer's backward adds to what the layers keep: the rest of its activations, recomputed
-    or copied back, and the gradients of its widest tensors."""
-    return 0 if checkpointing == "none" else parts.layer - kept_per_layer(parts, checkpointing) + parts.layer_gradients
+    """Bytes a layer's backward adds to what the layers keep: under checkpointing the rest of its activations,
+    recomputed or copied back, and the gradients of its widest tensors; under cp, its attention's buffers."""
+    if checkpointing == "none":
+        return parts.cp_buffers
+    return parts.layer - kept_per_layer(parts, checkpointing) + parts.layer_gradients + parts.cp_buffers

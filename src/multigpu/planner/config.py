@@ -68,6 +68,12 @@ SPREADS = {
     "tp+pp": PIPELINE,
 }
 
+
+def takes_cp(row: str) -> bool:
+    """Whether a row's strategy splits sequences over cp ranks (single, dp, tp and DeepSpeed's do not)."""
+    return "cp" in SPREADS[row].takes
+
+
 # The training set-up and layout are the Engine's settings, planned for a GPU cluster: bf16-mixed and no model
 # parallelism unless asked.
 _ENGINE_SETTINGS = derive(
@@ -86,17 +92,20 @@ _ENGINE_SETTINGS = derive(
         "cpu_offload",
         "tp_size",
         "pp_size",
+        "cp_size",
+        "cp_method",
         "sequence_parallel",
         "pp_schedule",
         "pp_stages_per_rank",
         "pp_microbatches",
     ),
     rename={"pp_microbatches": "microbatches"},
-    defaults={"precision": "bf16-mixed", "tp_size": 1, "pp_size": 1},
+    defaults={"precision": "bf16-mixed", "tp_size": 1, "pp_size": 1, "cp_size": 1},
     note={
         "grad_accum_steps": " (plan: changes memory only with --unsharded-grad-accum)",
         "cpu_offload": " (plan: allows the zero3+offload row to be recommended)",
         "activation_checkpointing": " (plan: offload counts what stays on the GPU)",
+        "cp_size": "; plan: also shows the longest sequence each row fits at batch size 1",
     },
 )
 
@@ -116,15 +125,22 @@ class PlanConfig(_ENGINE_SETTINGS):
         for name in ("gpus", "nodes", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be 1 or more (got {getattr(self, name)}).")
-        self.tp_size, self.pp_size = self.tp_size or 1, self.pp_size or 1
+        self.tp_size, self.pp_size, self.cp_size = self.tp_size or 1, self.pp_size or 1, self.cp_size or 1
         if self.microbatches is None:
             self.microbatches = self.pp_size  # torchtitan's default: one micro-batch per stage
         if self.sequence_parallel and self.tp_size == 1:
             raise UsageError("--sequence-parallel splits the sequence over the tp GPUs; add --tp-size or drop it.")
-        if self.world % (self.tp_size * self.pp_size):
+        if self.world % (self.tp_size * self.pp_size * self.cp_size):
+            cp = f" x --cp-size {self.cp_size}" if self.cp_size > 1 else ""
             raise UsageError(
-                f"--tp-size {self.tp_size} x --pp-size {self.pp_size} does not divide the {self.world} GPUs "
+                f"--tp-size {self.tp_size} x --pp-size {self.pp_size}{cp} does not divide the {self.world} GPUs "
                 f"(--gpus x --nodes); choose degrees whose product divides {self.world}."
+            )
+        if self.seq_len % (2 * self.cp_size) and self.cp_size > 1:
+            raise UsageError(
+                f"--seq-len {self.seq_len} is not a multiple of 2 x --cp-size {self.cp_size} = {2 * self.cp_size} "
+                f"(each cp rank holds a head and a tail chunk of every sequence); choose a multiple of "
+                f"{2 * self.cp_size}."
             )
         parse_bytes(self.gpu_memory)  # refuses what cannot be a GPU's memory, before anything is planned
         if self.lora_r is not None and self.lora_r < 1:
@@ -146,7 +162,8 @@ class PlanConfig(_ENGINE_SETTINGS):
 
     def layout(self, row: str) -> ParallelDims:
         """The degrees of a row's strategy on this cluster, as that strategy would resolve them."""
-        request = LayoutSettings(tp_size=self.tp_size, pp_size=self.pp_size)
+        cp = self.cp_size if takes_cp(row) else None
+        request = LayoutSettings(tp_size=self.tp_size, pp_size=self.pp_size, cp_size=cp)
         return resolve_layout(request, SPREADS[row], self.world, self.nodes, row)
 
     @property

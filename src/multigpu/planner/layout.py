@@ -130,12 +130,16 @@ def stage_activations(
     precision: str,
     checkpointing: str,
     sequence_parallel: bool = False,
+    cp: int = 1,
+    cp_method: str = "ulysses",
 ) -> float:
-    """Bytes of activations on one rank at its peak: its in-flight micro-batches, each `batch` sequences."""
+    """Bytes of activations on one rank at its peak: its in-flight micro-batches, each `batch` sequences (seq / cp
+    positions of each under context parallelism)."""
     t = shape.transformer
     if t is None:
-        return shape.activation_bytes_per_sample * batch * stage.in_flight  # per-rank bytes from held_shape
-    parts = transformer_parts(t, batch, seq, precision, tp, sequence_parallel)
+        # per-rank bytes from held_shape; a measured sample's positions are taken to split evenly over cp
+        return shape.activation_bytes_per_sample * batch * stage.in_flight / cp
+    parts = transformer_parts(t, batch, seq, precision, tp, sequence_parallel, cp, cp_method)
     per_micro_batch = stage.layers * kept_per_layer(parts, checkpointing) + (parts.outside if stage.last else 0)
     # Checkpointing brings the rest of one layer's activations back at a time in backward: on top, once.
     recompute = recomputed(parts, checkpointing) if stage.layers else 0

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from multigpu.core.errors import UsageError
 from multigpu.planner.activations import transformer_activations
-from multigpu.planner.config import OPTIMIZERS, PlanConfig, parse_bytes  # noqa: F401  (importers of this module)
+from multigpu.planner.config import OPTIMIZERS, PlanConfig, parse_bytes, takes_cp  # noqa: F401  (importers)
 from multigpu.planner.layout import Stage, held_shape, pipeline_stages, stage_activations
 from multigpu.planner.setup_memory import BUILD_BYTES, setup_bytes, setup_fits, setup_warning
 from multigpu.planner.shapes import ModelShape
@@ -35,6 +35,7 @@ class StrategyMemory:
     total: float = 0.0
     fits: bool = False  # training's peak fits the GPU (setup aside)
     max_batch_size: int = 0
+    max_seq_len: int = 0  # the longest sequence that fits at batch size 1, a multiple of 2 x cp (0: none, or unknown)
     setup: float = 0.0  # a rank's peak while the model is built whole (see setup_memory.py)
     setup_init_module: float = 0.0  # the same when built under engine.init_module()
     setup_fits: str = ""  # "yes" (plain build), "with init_module" or "no"
@@ -51,6 +52,8 @@ class Plan:
     recommendation: str | None = None
     reason: str = ""
     setup_warning: str = ""  # the recommended strategy fits in training but not with a plain build
+    cp_size: int = 1  # the cp degree the recommendation needs: the one asked for, or more where that does not fit
+    left_out: str = ""  # the strategies not shown, and why
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,11 +95,18 @@ def built_model(shape: ModelShape, config: PlanConfig) -> tuple[float, int]:
     return built, shape.params + trainable
 
 
-def activations_per_gpu(shape: ModelShape, config: PlanConfig, batch: int) -> float:
+def activations_per_gpu(shape: ModelShape, config: PlanConfig, batch: int, cp: int = 1) -> float:
+    """`cp`: the ranks each sequence is split over (a measured module's positions are taken to split evenly)."""
     if shape.transformer is None:
-        return shape.activation_bytes_per_sample * batch
+        return shape.activation_bytes_per_sample * batch / cp
     found = transformer_activations(
-        shape.transformer, batch, config.seq_len, config.precision, config.activation_checkpointing
+        shape.transformer,
+        batch,
+        config.seq_len,
+        config.precision,
+        config.activation_checkpointing,
+        cp,
+        config.cp_method,
     )
     return float(found.peak)
 
@@ -139,6 +149,7 @@ def _stage_memory(name: str, whole: ModelShape, config: PlanConfig, batch: int, 
     n = _data_parallel(name, config)
     compute = 4 if config.precision == "32" else 2
     unit = (shape.largest_unit or shape.params // 10) * compute
+    cp = config.cp_size if takes_cp(name) else 1
     if config.model_parallel:
         activations = stage_activations(
             shape,
@@ -149,9 +160,11 @@ def _stage_memory(name: str, whole: ModelShape, config: PlanConfig, batch: int, 
             config.precision,
             config.activation_checkpointing,
             config.sequence_parallel,
+            cp,
+            config.cp_method,
         )
     else:
-        activations = activations_per_gpu(shape, config, batch)
+        activations = activations_per_gpu(shape, config, batch, cp)
     memory = StrategyMemory(name, params, grads, optim, activations, 0.0, FRAMEWORK_OVERHEAD, pp_rank=stage.rank)
     if name in ("single", "dp") or (config.model_parallel and name == model_parallel_name(config)):
         memory.temporary = autocast_weights_bytes(shape, config)
@@ -197,31 +210,38 @@ def plan_shape(shape: ModelShape, config: PlanConfig, per: str = "GPU") -> Plan:
     for name in _rows(config):
         memory = strategy_memory(name, shape, config, config.batch_size)
         memory.max_batch_size = _max_batch(name, shape, config)
+        memory.max_seq_len = longest_sequence(name, shape, config)
         memory.setup, memory.setup_init_module = _setup(name, shape, config, memory.pp_rank)
         memory.setup_fits = setup_fits(memory, config.gpu_bytes, FRAMEWORK_OVERHEAD)
         plan.strategies.append(memory)
-    # One GPU: single unless only offload fits; several: the guides' order, fastest first.
-    candidates = ("single", "zero3+offload") if config.world == 1 else _rows(config) if config.model_parallel else ORDER
+    if config.cp_size > 1 and not config.model_parallel:
+        plan.left_out = f"{', '.join(DEEPSPEED)}: DeepSpeed lays out its own process groups, without --cp-size"
+    candidates = _candidates(config)
     fitting = [m for m in plan.strategies if m.strategy in candidates and m.fits]
     allowed = [m for m in fitting if m.strategy != "zero3+offload" or config.cpu_offload]
     memory = f"{config.gpu_bytes / 2**30:.2f} GiB per {per}"
-    if allowed:
-        best = allowed[0]
-        plan.recommendation = best.strategy
+    # Where nothing fits, not even with offload, a sequence split over more GPUs may.
+    split = _more_cp(shape, config) if not fitting else None
+    if allowed or split:
+        best, cp = (allowed[0], config.cp_size) if allowed else split
+        plan.recommendation, plan.cp_size = best.strategy, cp
         faster = ", ".join(
             m.strategy for m in plan.strategies if m.strategy in candidates[: candidates.index(best.strategy)]
         )
-        plan.reason = f"{best.strategy} needs {best.total / 2**30:.2f} GiB of {memory}" + (
+        split_further = f" with --cp-size {cp}" if cp != config.cp_size else ""
+        plan.reason = f"{best.strategy} needs {best.total / 2**30:.2f} GiB of {memory}{split_further}" + (
             f"; {faster} would not fit" if faster else " and is the fastest choice"
         )
+        if split_further:  # the sequence fits only split further over the GPUs
+            plan.reason += f"; at --cp-size {config.cp_size} nothing fits {config.batch_size} x {config.seq_len} tokens"
         # The choice stays on training memory: whether the model is built whole is the user's choice, not the
         # config's, and the warning says how to build it when it matters.
         plan.setup_warning = setup_warning(best, config.gpu_bytes, config.precision, per)
         return plan
     more = "GPUs" if per == "GPU" else "machines"
     instead = (
-        f"lower --batch-size or --seq-len, add --activation-checkpointing full, more {more} or --tp-size/--pp-size, "
-        "LoRA/QLoRA"
+        f"lower --batch-size or --seq-len, add --activation-checkpointing full, more {more} or "
+        "--tp-size/--pp-size/--cp-size, LoRA/QLoRA"
     )
     if fitting:  # zero3+offload alone, which the config does not allow: the table says it fits, and so must this
         plan.reason = (
@@ -234,10 +254,37 @@ def plan_shape(shape: ModelShape, config: PlanConfig, per: str = "GPU") -> Plan:
     return plan
 
 
+def _candidates(config: PlanConfig) -> tuple[str, ...]:
+    """The rows a recommendation is drawn from. One GPU: single unless only offload fits; several: the guides'
+    order, fastest first."""
+    return ("single", "zero3+offload") if config.world == 1 else _rows(config) if config.model_parallel else ORDER
+
+
+def _more_cp(shape: ModelShape, config: PlanConfig) -> tuple[StrategyMemory, int] | None:
+    """Where nothing fits a transformer's sequence: the fastest row under the smallest larger cp degree (twice,
+    four times, ... the one asked) that fits without offload, with that degree; None where none does."""
+    if shape.transformer is None or config.world == 1:
+        return None
+    cp = 2 * config.cp_size
+    while config.world % (config.tp_size * config.pp_size * cp) == 0 and config.seq_len % (2 * cp) == 0:
+        split = replace(config, cp_size=cp)
+        rows = [strategy_memory(name, shape, split, split.batch_size) for name in _rows(split)]
+        allowed = [m for m in rows if m.strategy in _candidates(split) and m.fits and m.strategy != "zero3+offload"]
+        if allowed:
+            best = allowed[0]
+            best.setup, best.setup_init_module = _setup(best.strategy, shape, split, best.pp_rank)
+            best.setup_fits = setup_fits(best, split.gpu_bytes, FRAMEWORK_OVERHEAD)
+            return best, cp
+        cp *= 2
+    return None
+
+
 def _rows(config: PlanConfig) -> tuple[str, ...]:
     if not config.model_parallel:
+        if config.cp_size > 1:
+            return ORDER  # DeepSpeed's rows take no cp (Plan.left_out)
         return REPORTED if config.world == 1 else (*ORDER, *DEEPSPEED)
-    if config.data_parallel == 1:
+    if config.data_parallel == 1 and config.cp_size == 1:
         return (model_parallel_name(config),)
     # hsdp is a row of its own only where it replicates; with one node's worth of shards it is zero3.
     return tuple(name for name in COMPOSED if name != "hsdp" or config.layout("hsdp").replicate > 1)
@@ -245,9 +292,10 @@ def _rows(config: PlanConfig) -> tuple[str, ...]:
 
 def _data_parallel(name: str, config: PlanConfig) -> int:
     """The ranks a row's strategy divides model states over: hsdp's shards (its replicas each hold them whole),
-    every data-parallel rank for the others."""
+    every data-parallel rank for the others, each times cp."""
     dims = config.layout(name)
-    return dims.shard if name == "hsdp" else dims.data_parallel_size
+    # The cp ranks of a replica reduce gradients, and shard parameters, together with its data-parallel ranks.
+    return (dims.shard if name == "hsdp" else dims.data_parallel_size) * dims.cp
 
 
 def _check_tp_divides_heads(shape: ModelShape, tp: int) -> None:
@@ -286,3 +334,24 @@ def _max_batch(name: str, shape: ModelShape, config: PlanConfig) -> int:
         middle = (low + high) // 2
         low, high = (middle, high) if strategy_memory(name, shape, config, middle).fits else (low, middle)
     return low
+
+
+def longest_sequence(name: str, shape: ModelShape, config: PlanConfig) -> int:
+    """The longest sequence a row fits at batch size 1: a multiple of 2 x cp (each cp rank holds a head and a tail
+    chunk), found by bisection on the memory model. 0: not even 2 x cp tokens fit, or activations are unknown."""
+    if shape.transformer is None:
+        return 0
+    step = 2 * (config.cp_size if takes_cp(name) else 1)
+
+    def fits(chunks: int) -> bool:
+        return strategy_memory(name, shape, replace(config, seq_len=chunks * step), 1).fits
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while fits(high) and high < 1 << 32:
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low * step

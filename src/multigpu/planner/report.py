@@ -27,13 +27,14 @@ def to_json(plan: Plan) -> str:
 def layout(plan: Plan) -> str:
     """The model-parallel layout for the title; empty without one."""
     c = plan.config
+    cp = f"; cp {c.cp_size} ({c.cp_method})" if c.cp_size > 1 else ""
     if not c.model_parallel:
-        return ""
+        return cp
     parts = [f"tp {c.tp_size}{' (sequence parallel)' if c.sequence_parallel else ''}"] if c.tp_size > 1 else []
     if c.pp_size > 1:
         chunks = f", {c.pp_stages_per_rank} stages per rank" if c.pp_stages_per_rank > 1 else ""
         parts.append(f"pp {c.pp_size} ({c.pp_schedule}, {c.microbatches} micro-batches{chunks})")
-    return f"; {' x '.join(parts)}, data parallel {c.data_parallel}"
+    return f"; {' x '.join(parts)}, data parallel {c.data_parallel}{cp}"
 
 
 def print_table(plan: Plan) -> None:
@@ -50,7 +51,8 @@ def print_table(plan: Plan) -> None:
     table = Table(
         title=title,
         caption="GiB per GPU (cpu: host memory per process). setup: a rank's tensors while the model is built whole, "
-        "init_module: under engine.init_module() (blank: the same); zero3+offload sets up in host memory",
+        "init_module: under engine.init_module() (blank: the same); zero3+offload sets up in host memory. "
+        "max seq: the longest sequence that fits at batch size 1",
     )
     for column in (
         "strategy",
@@ -65,6 +67,7 @@ def print_table(plan: Plan) -> None:
         "init_module",
         "fits",
         "max batch",
+        "max seq",
         "cpu",
     ):
         table.add_column(column, justify="right")
@@ -82,9 +85,10 @@ def print_table(plan: Plan) -> None:
             gib(m.setup_init_module) if m.setup_init_module != m.setup else "",
             fits(m),
             str(m.max_batch_size),
+            f"{m.max_seq_len:,}" if m.max_seq_len else "",
             gib(m.cpu) if m.cpu else "",
         )
-    console = Console(width=None if sys.stdout.isatty() else 150)  # a log or a pipe gets the whole table
+    console = Console(width=None if sys.stdout.isatty() else 160)  # a log or a pipe gets the whole table
     console.print(table)
     if plan.config.pp_size > 1:
         ranks = ", ".join(f"{m.strategy} {m.pp_rank}" for m in plan.strategies)
@@ -94,6 +98,9 @@ def print_table(plan: Plan) -> None:
             "activations not estimated: give --model (or --layers --hidden --heads --vocab with --params), "
             "or call multigpu.plan(module, sample_input=...) to measure them"
         )
-    console.print(f"recommendation: {plan.recommendation or 'none'} ({plan.reason})")
+    if plan.left_out:
+        console.print(f"left out: {plan.left_out}")
+    cp = f" with --cp-size {plan.cp_size}" if plan.recommendation and plan.cp_size != c.cp_size else ""
+    console.print(f"recommendation: {plan.recommendation or 'none'}{cp} ({plan.reason})")
     if plan.setup_warning:
         console.print(f"warning: {plan.setup_warning}")

@@ -20,100 +20,33 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from multigpu.core.errors import UsageError
-from multigpu.core.layout import SHARDS, LayoutSettings, ParallelDims, check_schedule, resolve_layout
+from multigpu.core.layout import CP_METHODS, SHARDS, LayoutSettings, ParallelDims, check_schedule, resolve_layout
 from multigpu.core.recompute import FORWARD_RUN_AGAIN
 from multigpu.planner.layout import bubble_fraction
+from multigpu.tools.context_cost import cp_comm
+from multigpu.tools.links import (  # noqa: F401  (re-exported: the simulator's importers find the links here)
+    INTERCONNECTS,
+    OPS,
+    Link,
+    Links,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    hops_and_factor,
+    per_op,
+    reduce_scatter,
+    ring_time,
+    shared_link,
+    span_link,
+    span_links,
+    tree_all_reduce,
+)
 
 if TYPE_CHECKING:
     from multigpu.planner.shapes import ModelShape
 
 
-@dataclass(frozen=True)
-class Link:
-    alpha_s: float  # latency per message hop
-    bandwidth_Bps: float  # bus bandwidth per GPU, bytes/s
-
-    def __post_init__(self) -> None:
-        if not self.alpha_s >= 0 or not self.bandwidth_Bps > 0:
-            raise UsageError(
-                f"A link needs latency >= 0 and bandwidth > 0 (got {self.alpha_s:g} s, {self.bandwidth_Bps:g} B/s)."
-            )
-
-
-INTERCONNECTS: dict[str, Link] = {
-    # H100 SXM NVLink4: 900 GB/s bidirectional per GPU (450 GB/s each way). nccl-tests ring all-reduce inside an
-    # 8xH100 node reaches about 360 GB/s bus bandwidth (about 470 GB/s with NVLink SHARP, NVIDIA/nccl-tests#290).
-    "nvlink": Link(alpha_s=3e-6, bandwidth_Bps=360e9),
-    # PCIe Gen4 x16: 32 GB/s raw each way, about 25 GB/s achievable (Gen5 twice that); rings that cross the host's
-    # root complexes get less, about 20 GB/s.
-    "pcie": Link(alpha_s=5e-6, bandwidth_Bps=20e9),
-    # InfiniBand NDR, one 400 Gb/s NIC per GPU: 46-48 GB/s per NIC in nccl-tests (NVIDIA/nccl-tests#290). NCCL runs a
-    # ring per NIC, so a collective across nodes gets the node's NICs together: one 100 Gb NIC gives 12.2 GB/s bus
-    # bandwidth, a DGX-1's four give 48 GB/s (NVIDIA/nccl-tests#29). Here: 8 GPUs, 8 NICs, 8 x 46 GB/s; nodes with
-    # fewer NICs get proportionally less, so pass a Link of their own (or a calibrated one).
-    "infiniband": Link(alpha_s=5e-6, bandwidth_Bps=8 * 46e9),
-    # 100 Gb Ethernet, one port per node shared by its GPUs: 12.5 GB/s raw, about 12 GB/s bus bandwidth by the
-    # same argument; TCP sockets add tens of microseconds per message.
-    "ethernet": Link(alpha_s=30e-6, bandwidth_Bps=12e9),
-}
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
-OPS = ("all_reduce", "all_gather", "reduce_scatter")
-
-
-def hops_and_factor(op: str, n: int) -> tuple[int, float]:
-    """Latency hops and the fraction of the full buffer S each GPU sends, for the ring algorithm."""
-    if op == "all_reduce":
-        return 2 * (n - 1), 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter"):
-        return n - 1, (n - 1) / n
-    raise UsageError(f"Unknown collective {op!r}; use one of {', '.join(OPS)}.")
-
-
-def ring_time(op: str, n: int, size: float, link: Link) -> float:
-    """Ring cost of `op` over n ranks on a full buffer of `size` bytes (as nccl-tests counts it)."""
-    if n <= 1:
-        return 0.0
-    hops, factor = hops_and_factor(op, n)
-    return hops * link.alpha_s + factor * size / link.bandwidth_Bps
-
-
-def tree_all_reduce(n: int, size: float, link: Link) -> float:
-    # A pipelined (double) binary tree: a reduce up and a broadcast down, each ceil(log2 n) hops deep, each moving
-    # the whole buffer once over a link. Never beats the ring on bandwidth, wins on latency at small sizes.
-    if n <= 1:
-        return 0.0
-    return 2 * math.ceil(math.log2(n)) * link.alpha_s + 2 * size / link.bandwidth_Bps
-
-
-def all_reduce(n: int, size: float, link: Link) -> float:
-    """The cheaper of ring and tree, as NCCL's tuner picks."""
-    return min(ring_time("all_reduce", n, size, link), tree_all_reduce(n, size, link))
-
-
-def all_gather(n: int, size: float, link: Link) -> float:
-    return ring_time("all_gather", n, size, link)
-
-
-def reduce_scatter(n: int, size: float, link: Link) -> float:
-    return ring_time("reduce_scatter", n, size, link)
-
-
-Links = dict[str, Link]  # one link per collective: a calibration measures each op on its own
-
-
-def per_op(link: Link | Links) -> Links:
-    return link if isinstance(link, dict) else dict.fromkeys(OPS, link)
-
-
-def span_link(n: int, gpus_per_node: int, intra: Link, inter: Link) -> Link:
-    """The link a collective over n ranks sees: the slowest on its ring."""
-    if n <= gpus_per_node:
-        return intra
-    return Link(max(intra.alpha_s, inter.alpha_s), min(intra.bandwidth_Bps, inter.bandwidth_Bps))
-
-
-def span_links(n: int, gpus_per_node: int, intra: Links, inter: Links) -> Links:
-    return {op: span_link(n, gpus_per_node, intra[op], inter[op]) for op in OPS}
 
 
 @dataclass(frozen=True)
@@ -149,6 +82,13 @@ class SimulateConfig:
     activation_bytes: int = 2
     activation_checkpointing: str = "none"  # full's recomputed forward repeats its tp all-reduces
     tp_overlap: bool = False  # async tp: each all-reduce runs under the matmul it feeds, hidden up to the compute
+    # Context parallelism: each sequence split over cp ranks (inside a node beside tp, as the mesh lays them out).
+    cp_size: int = 1
+    cp_method: str = "ulysses"
+    heads: int = 0  # attention heads and key/value heads: what Ulysses' all-to-alls and ring's exchanges move
+    kv_heads: int = 0
+    attention_fraction: float = 0.0  # the share of compute_s in attention's score and value matmuls (ring hides
+    # its exchanges under them)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gpus", tuple(self.gpus))  # a list from the CLI would leave the config unhashable
@@ -184,33 +124,44 @@ class SimulateConfig:
 
     @property
     def model_parallel(self) -> int:
-        """GPUs one model replica spans: tp x pp."""
+        """GPUs one model replica's weights are split over: tp x pp."""
         return self.tp_size * self.pp_size
 
+    @property
+    def replica_span(self) -> int:
+        """GPUs one batch is split over: tp x pp x cp (cp's ranks each hold the whole weights of their stage)."""
+        return self.model_parallel * self.cp_size
+
     def dims(self, n: int) -> ParallelDims:
-        """The layout of `n` GPUs: tp x pp per replica, the data-parallel strategy over the rest (resolved as zero3's
-        is: every data-parallel strategy modelled here needs only how many ranks share the rest)."""
-        request = LayoutSettings(tp_size=self.tp_size, pp_size=self.pp_size)
+        """The layout of `n` GPUs: tp x pp x cp per replica, the data-parallel strategy over the rest (resolved as
+        zero3's is: every data-parallel strategy modelled here needs only how many ranks share the rest)."""
+        request = LayoutSettings(tp_size=self.tp_size, pp_size=self.pp_size, cp_size=self.cp_size)
         return resolve_layout(request, SHARDS, n, -(-n // self.gpus_per_node), self.strategy)
 
     def _check_layout(self) -> None:
         for flag, value in (
             ("--tp-size", self.tp_size),
             ("--pp-size", self.pp_size),
+            ("--cp-size", self.cp_size),
             ("--microbatches", self.microbatches),
         ):
             if not value >= 1:
                 raise UsageError(f"{flag} must be 1 or more (got {value}).")
         check_schedule(self.pp_schedule, self.pp_stages_per_rank)
-        if self.model_parallel == 1:
+        if self.cp_method not in CP_METHODS:
+            raise UsageError(f"--cp-method must be one of {', '.join(CP_METHODS)} (got {self.cp_method!r}).")
+        if self.replica_span == 1:
             return
         if self.hidden < 1 or not self.tokens_per_unit > 0:
-            raise UsageError("tp and pp move activations, so they need the model's width: give --model.")
-        uneven = [n for n in self.gpus if n % self.model_parallel]
+            raise UsageError("tp, pp and cp move activations, so they need the model's width: give --model.")
+        if self.cp_size > 1 and not (self.heads >= 1 and self.kv_heads >= 1):
+            raise UsageError("cp moves attention's heads, so it needs the model's heads: give --model.")
+        uneven = [n for n in self.gpus if n % self.replica_span]
         if uneven:
+            cp = f" x cp {self.cp_size}" if self.cp_size > 1 else ""
             raise UsageError(
-                f"--gpus {','.join(map(str, uneven))} cannot be split into tp {self.tp_size} x pp {self.pp_size} "
-                f"groups; list multiples of {self.model_parallel}."
+                f"--gpus {','.join(map(str, uneven))} cannot be split into tp {self.tp_size} x pp {self.pp_size}{cp} "
+                f"groups; list multiples of {self.replica_span}."
             )
 
 
@@ -281,10 +232,10 @@ def simulate(
         slots = config.compute_slots_per_node
         compute = config.compute_s * (per_node / slots if slots and per_node > slots else 1.0)
         bubble, replicas = 0.0, config.dims(n).data_parallel_size
-        if config.model_parallel == 1:
+        if config.replica_span == 1:
             comm, exposed = strategy_comm(config, n, span_links(n, config.gpus_per_node, intra, inter), compute)
         else:
-            compute /= config.model_parallel
+            compute /= config.replica_span
             comm, exposed, bubble = layout_step(config, n, intra, inter, compute)
         step = compute + exposed + bubble
         speedup = replicas * single / step
@@ -307,22 +258,19 @@ def simulate(
     return predictions
 
 
-def shared_link(link: Link, share: int) -> Link:
-    """`link` when `share` concurrent groups divide its bandwidth (each gets its own NICs' worth)."""
-    return Link(link.alpha_s, link.bandwidth_Bps / max(1, share))
-
-
 def layout_step(config: SimulateConfig, n: int, intra: Links, inter: Links, compute: float) -> tuple[float, ...]:
-    """(comm, exposed comm, bubble) seconds of one step of one GPU under tp x pp x data parallel, `compute` being
-    that GPU's share of the replica's compute.
+    """(comm, exposed comm, bubble) seconds of one step of one GPU under tp x pp x cp x data parallel, `compute`
+    being that GPU's share of the replica's compute.
 
     tp: per layer, 2 all-reduces of a micro-batch's tokens x hidden activations in forward and 2 in backward (2 more
     when full checkpointing recomputes the forward), on the critical path unless tp_overlap.
     pp: a micro-batch's activations go forward and its gradients back once per stage; sends overlap the next
     micro-batch's compute, except on the fill and drain, where each boundary waits for them. The bubble is
     (pp - 1) / (v m + pp - 1) of the pipelined time (planner.layout.bubble_fraction).
-    dp: the data-parallel strategy's collectives over n / (tp x pp) ranks on the rank's own parameters. Every tp
-    rank runs its own dp (and pp) traffic at once, so across nodes each gets 1/tp of the node's NICs.
+    cp: see cp_comm.
+    dp: the data-parallel strategy's collectives over n / (tp x pp) ranks (cp's ranks reduce their gradients
+    together with the data-parallel ones) on the rank's own parameters. Every tp rank runs its own dp (and pp)
+    traffic at once, so across nodes each gets 1/tp of the node's NICs.
     """
     tp, pp, gpn = config.tp_size, config.pp_size, config.gpus_per_node
     dp, m, v = config.dims(n).data_parallel_size, config.microbatches or 1, config.pp_stages_per_rank
@@ -338,27 +286,30 @@ def layout_step(config: SimulateConfig, n: int, intra: Links, inter: Links, comp
         link = shared_link(inter["all_reduce"], gpn) if crosses else intra["all_reduce"]
         send = link.alpha_s + micro_batch / link.bandwidth_Bps
         pp_comm, pp_exposed = 2 * v * m * send, 2 * (v * pp - 1) * send
-    busy = compute + tp_exposed
+    cp_comm_s, cp_exposed = cp_comm(config, intra, inter, compute)
+    busy = compute + tp_exposed + cp_exposed
     fraction = bubble_fraction(pp, m, v)
     bubble = busy * fraction / (1 - fraction)
     dp_comm = dp_exposed = 0.0
-    if dp > 1:
+    reducing = dp * config.cp_size
+    if reducing > 1:
         rank = dataclasses.replace(
             config,
             params=math.ceil(config.params / config.model_parallel),
             grad_payload=None if config.grad_payload is None else config.grad_payload / config.model_parallel,
             layers=max(1, math.ceil(layers)),
-            gpus=(dp,),
+            gpus=(reducing,),
             tp_size=1,
             pp_size=1,
+            cp_size=1,
             pp_schedule="1f1b",
             pp_stages_per_rank=1,
             microbatches=None,
         )
         share = min(tp, gpn)
-        dp_links = {op: span_link(dp, max(1, gpn // tp), intra[op], shared_link(inter[op], share)) for op in OPS}
-        dp_comm, dp_exposed = strategy_comm(rank, dp, dp_links, compute)
-    return tp_comm + pp_comm + dp_comm, tp_exposed + pp_exposed + dp_exposed, bubble
+        links = {op: span_link(reducing, max(1, gpn // tp), intra[op], shared_link(inter[op], share)) for op in OPS}
+        dp_comm, dp_exposed = strategy_comm(rank, reducing, links, compute)
+    return tp_comm + pp_comm + cp_comm_s + dp_comm, tp_exposed + pp_exposed + cp_exposed + dp_exposed, bubble
 
 
 def flops_per_token(shape: ModelShape, seq_len: int) -> float:

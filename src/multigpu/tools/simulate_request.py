@@ -129,6 +129,8 @@ SimulatedLayout = derive(
         "strategy",
         "tp_size",
         "pp_size",
+        "cp_size",
+        "cp_method",
         "pp_schedule",
         "pp_stages_per_rank",
         "pp_microbatches",
@@ -136,11 +138,12 @@ SimulatedLayout = derive(
         "grad_compression",
     ),
     rename={"pp_microbatches": "microbatches"},
-    defaults={"strategy": "ddp", "tp_size": 1, "pp_size": 1},
+    defaults={"strategy": "ddp", "tp_size": 1, "pp_size": 1, "cp_size": 1},
     choices={"strategy": STRATEGIES},
     note={
         "strategy": "; simulate: the data-parallel one",
         "tp_size": "; simulate: inside a node",
+        "cp_size": "; simulate: inside a node beside tp where they fit; --gpus lists multiples of tp x pp x cp",
         "activation_checkpointing": " (simulate: full runs the forward again, a third more compute with --tflops, "
         "and tp's forward all-reduces again; offload's copies to host memory are not modelled)",
     },
@@ -193,9 +196,17 @@ def resolve(request: SimulateRequest) -> tuple[SimulateConfig, Link | None, Link
     if sum(sources) != 1:
         raise UsageError("Give the compute time one way: --compute-s (with --units-per-step), --bench or --tflops.")
     unit = "samples"
-    mp = request.tp_size * request.pp_size
+    mp = request.tp_size * request.pp_size * request.cp_size
     if mp > 1 and shape.transformer is None:
-        raise UsageError("--tp-size and --pp-size move activations, so they need the model's width: give --model.")
+        raise UsageError(
+            "--tp-size, --pp-size and --cp-size move activations, so they need the model's width: give --model."
+        )
+    cp = request.cp_size
+    if cp > 1 and request.seq_len % (2 * cp):
+        raise UsageError(
+            f"--seq-len {request.seq_len} is not a multiple of 2 x --cp-size {cp} = {2 * cp} (each cp rank holds a "
+            f"head and a tail chunk of every sequence); choose a multiple of {2 * cp}."
+        )
     gpus = tuple(parse_list(request.gpus, "--gpus", int))
     if mp > 1 and request.gpus == SimulateRequest.gpus:  # the default list: keep the counts the layout divides
         gpus = tuple(n for n in gpus if n % mp == 0) or (mp,)
@@ -235,10 +246,22 @@ def resolve(request: SimulateRequest) -> tuple[SimulateConfig, Link | None, Link
         tokens_per_unit=1.0 if unit == "tokens" else float(request.seq_len),
         activation_checkpointing=request.activation_checkpointing,
         tp_overlap=request.tp_overlap,
+        cp_size=request.cp_size,
+        cp_method=request.cp_method,
+        heads=shape.transformer.heads if shape.transformer else 0,
+        kv_heads=shape.transformer.kv_heads if shape.transformer else 0,
+        attention_fraction=attention_fraction(shape, request.seq_len),
     )
     intra = load_calibration(request.calibration) if request.calibration else None
     inter = load_calibration(request.inter_calibration, "--inter-calibration") if request.inter_calibration else None
     return config, intra, inter
+
+
+def attention_fraction(shape: ModelShape, seq_len: int) -> float:
+    """The share of a step's FLOPs in attention's score and value matmuls (flops_per_token's second term); 0
+    without a transformer's dimensions."""
+    t = shape.transformer
+    return 12.0 * t.layers * t.hidden * seq_len / flops_per_token(shape, seq_len) if t else 0.0
 
 
 def compressed_gradients(request: SimulateRequest, shape: ModelShape) -> float | None:
@@ -292,6 +315,8 @@ def run(request: SimulateRequest, as_json: bool) -> int:
         title = f"{config.strategy}, {config.intra} in a node, {config.interconnect} between nodes"
         if config.tp_size > 1:
             title += f"; tp {config.tp_size}"
+        if config.cp_size > 1:
+            title += f"; cp {config.cp_size} ({config.cp_method})"
         if request.grad_compression != "none":
             title += f"; gradients {request.grad_compression}"
         if config.pp_size > 1:
