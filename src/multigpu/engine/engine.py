@@ -205,8 +205,9 @@ class Engine(Saving, Reporting, AcrossRanks):
         if not self._printed_batch_size:
             self._printed_batch_size = True
             shared = self.world_size // self._data_world
-            # Under tp and pp "processes" counts the data-parallel ranks; say who reads the same batch.
-            together = f" (each read by the {shared} model-parallel processes of a replica)" if shared > 1 else ""
+            # Under tp, pp and cp "processes" counts the data-parallel ranks; say who reads the same batch.
+            together = f" (each read by the {shared} processes of a replica, which split the model or the sequence)"
+            together = together if shared > 1 else ""
             self.print(loader.batch_size_line() + together)
         return loader
 

@@ -5,6 +5,7 @@ parallelism (shard x tp) are layouts of the same named dimensions, so a strategy
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch.distributed as dist
@@ -43,14 +44,16 @@ def with_cp(mesh: DeviceMesh, dims: Sequence[str]) -> DeviceMesh:
     its data-parallel shards the same way)."""
     names = mesh.mesh_dim_names or ()
     dims = tuple(dim for dim in dims if dim in names)
-    if "cp" in names:
-        if not dims:
-            return mesh["cp"]
-        *outer, last = dims
-        folded = f"{last}_cp"
-        try:
-            mesh[folded]
-        except (KeyError, RuntimeError, ValueError):
-            mesh[last, "cp"]._flatten(folded)
-        dims = (*outer, folded)
-    return mesh[dims] if len(dims) > 1 else mesh[dims[0]]
+    if "cp" not in names:
+        return mesh[dims] if len(dims) > 1 else mesh[dims[0]]
+    if not dims:
+        return mesh["cp"]
+    *outer, last = dims
+    folded = mesh[last, "cp"]._flatten(f"{last}_cp")  # made once; later calls return the same mesh
+    if not outer:
+        return folded
+    # hsdp's (replicate, shard x cp): torch slices a flattened dimension from the root mesh and warns that it will
+    # ask callers to keep such meshes themselves, which it offers no other way to combine with another dimension.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Slicing a flattened dim", UserWarning)
+        return mesh[(*outer, folded.mesh_dim_names[0])]
