@@ -59,6 +59,7 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
         (["--strategies", "dp", SCRIPT], "--strategies has dp"),
         (["--grad-compressions", "none,int8", SCRIPT], "Unknown grad_compression 'int8'"),
         (["--nproc", "0,2", SCRIPT], "process counts of 1 or more"),
+        (["--nproc", "1,3", "--cp-size", "2", SCRIPT], "--cp-size 2 splits each sequence over that many processes"),
         ([], "Give bench a SCRIPT or --recipe train|finetune"),
         (["--collectives", SCRIPT], "drop SCRIPT"),
     ]:

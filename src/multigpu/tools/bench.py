@@ -255,7 +255,9 @@ def print_report(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     tokens = any(c["tokens_per_s"] for c in report["cells"])
-    table = Table(title=f"bench on {report['device']} ({report['precision']}): {report['target']}")
+    cp = report["config"].get("cp_size")
+    split = f"; each sequence over cp {cp} of the processes" if cp and cp > 1 else ""
+    table = Table(title=f"bench on {report['device']} ({report['precision']}{split}): {report['target']}")
     columns = ["procs", "strategy", "samples/s (min/med/max)", *(["tokens/s"] if tokens else [])]
     columns += ["step ms med / p90", "speedup", "efficiency", "comm share", "grad MB sent/step", "peak MB per rank"]
     for column in columns:
