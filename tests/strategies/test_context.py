@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from multigpu.core.errors import UsageError
-from multigpu.strategies.context import ContextParallel, head_split, use_context_attention
+from multigpu.strategies.context import ContextParallel, head_split
+from multigpu.strategies.context_attention import use_context_attention
 from tests.dist import run_in_processes
 
 CP = 3

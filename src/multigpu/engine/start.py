@@ -41,7 +41,8 @@ from multigpu.engine.config import EngineConfig
 from multigpu.engine.trackers import check_servers, parse_log_to
 from multigpu.planner import choose_strategy
 from multigpu.strategies import Strategy, build_strategy
-from multigpu.strategies.context import ContextParallel, use_context_attention
+from multigpu.strategies.context import ContextParallel
+from multigpu.strategies.context_attention import use_context_attention
 from multigpu.strategies.dp import DataParallel
 
 

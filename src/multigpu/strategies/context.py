@@ -18,23 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from multigpu.core.errors import UsageError
-from multigpu.strategies.tp import name_pattern
 
 #: torch's own attention, which a module that cp_attention names sees replaced by Ulysses' while it runs.
-_TORCH_SDPA = F.scaled_dot_product_attention
-#: The name the Ulysses attention is registered under in transformers' attention functions.
-ULYSSES, RING = "multigpu_ulysses", "multigpu_ring"
+TORCH_SDPA = F.scaled_dot_product_attention
 
 
 class _AllToAll(torch.autograd.Function):
@@ -195,7 +189,7 @@ class ContextParallel:
             length = q.shape[2]
             causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
             mask = ((documents[:, :, None] == documents[:, None, :]) & causal)[:, None]
-        out = _TORCH_SDPA(
+        out = TORCH_SDPA(
             q,
             k,
             v,
@@ -268,123 +262,3 @@ def _check_right_padding(mask: torch.Tensor) -> None:
             "and this batch masks tokens before real ones; pad on the right (tokenizer.padding_side = 'right'), or "
             "pack documents with position_ids."
         )
-
-
-def ulysses_attention(cp: ContextParallel) -> Callable[..., tuple[torch.Tensor, None]]:
-    """A transformers attention function (AttentionInterface) that runs `cp`'s Ulysses attention."""
-
-    def attend(
-        module: nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        dropout: float = 0.0,
-        scaling: float | None = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
-        if kwargs.get("sliding_window") or kwargs.get("softcap"):
-            raise UsageError(
-                f"{type(module).__name__} uses a sliding window or a soft cap, which context parallelism's attention "
-                "does not compute; drop cp_size for this model."
-            )
-        return cp.attention(query, key, value, kwargs.get("position_ids"), scaling, dropout), None
-
-    return attend
-
-
-def ring_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """A transformers attention function: causal sdpa, which torch's context_parallel turns into ring attention.
-    Registered with no mask function, so transformers builds no mask from the slices' position_ids."""
-    groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True, scale=scaling)
-    return out.transpose(1, 2), None
-
-
-def use_context_attention(model: nn.Module, cp: ContextParallel) -> None:
-    """Makes every Hugging Face decoder inside `model` attend through `cp`'s method, or, in a model of one's own,
-    the modules its `cp_attention` names (module-name patterns, `*` for one name)."""
-    configs = {
-        id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")
-    }
-    if not configs:
-        attend_in_named_modules(model, cp)
-        return
-    from transformers import AttentionInterface  # imported by runs with cp only
-
-    AttentionInterface.register(ULYSSES, ulysses_attention(cp))
-    AttentionInterface.register(RING, ring_attention)
-    for config in configs.values():
-        if cp.method == "ulysses":
-            check_heads(config.num_attention_heads, cp.size)
-        config._attn_implementation = ULYSSES if cp.method == "ulysses" else RING
-
-
-def attend_in_named_modules(model: nn.Module, cp: ContextParallel) -> None:
-    """Inside each module that `model`'s `cp_attention` names, torch's scaled_dot_product_attention (called as
-    F.scaled_dot_product_attention) becomes Ulysses' (under ring, torch's context_parallel replaces it everywhere
-    itself). The model's forward must take position_ids, the place of each token of its slice."""
-    owner = next((m for m in model.modules() if getattr(m, "cp_attention", None)), None)
-    if owner is None:
-        raise UsageError(
-            f"Context parallelism must know where {type(model).__name__} computes attention; give the model a "
-            "cp_attention attribute listing its attention modules' name patterns (e.g. ['blocks.*.attn']), or "
-            "drop cp_size."
-        )
-    if "position_ids" not in inspect.signature(owner.forward).parameters:
-        raise UsageError(
-            f"Context parallelism gives each rank a slice of every sequence, so {type(owner).__name__}.forward must "
-            "take position_ids (each token's place in its sequence) and place its tokens by them; add that argument."
-        )
-    modules = dict(owner.named_modules())
-    for pattern in owner.cp_attention if cp.method == "ulysses" else ():
-        matched = [modules[n] for n in modules if name_pattern(pattern).fullmatch(n)]
-        if not matched:
-            raise UsageError(
-                f"cp_attention's pattern {pattern!r} matches no module of {type(owner).__name__}; correct it (names "
-                "as named_modules() gives them) or remove it."
-            )
-        for module in matched:
-            module.forward = _with_attention(module.forward, cp)
-
-
-def _with_attention(forward: Callable[..., Any], cp: ContextParallel) -> Callable[..., Any]:
-    """`forward` with torch's scaled_dot_product_attention replaced by `cp`'s while it runs."""
-
-    def sdpa(
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        dropout_p: float = 0.0,
-        is_causal: bool = False,
-        scale: float | None = None,
-        enable_gqa: bool = False,
-    ) -> torch.Tensor:
-        if attn_mask is not None or not is_causal:
-            raise UsageError(
-                "Context parallelism computes causal attention over each whole sequence (packed documents apart, by "
-                "position_ids); call scaled_dot_product_attention with is_causal=True and no attn_mask in the "
-                "modules cp_attention names."
-            )
-        return cp.attention(query, key, value, cp.positions, scale, dropout_p).transpose(1, 2)
-
-    @functools.wraps(forward)
-    def attending(*args: Any, **kwargs: Any) -> Any:
-        F.scaled_dot_product_attention = sdpa
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            F.scaled_dot_product_attention = _TORCH_SDPA
-
-    return attending
