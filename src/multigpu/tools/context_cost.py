@@ -3,13 +3,9 @@ Pure arithmetic."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from multigpu.core.recompute import FORWARD_RUN_AGAIN
 from multigpu.tools.links import Links, all_to_all, span_link
-
-if TYPE_CHECKING:
-    from multigpu.tools.simulate import SimulateConfig
+from multigpu.tools.simulate_config import SimulateConfig
 
 
 def cp_comm(config: SimulateConfig, intra: Links, inter: Links, compute: float) -> tuple[float, float]:
