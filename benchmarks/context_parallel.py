@@ -5,8 +5,9 @@
 
 Each size is one launch of cp processes (ddp with one replica: every rank reads the same batch and keeps its own
 half of each sequence). Per rank it reports:
-- activations: the bytes autograd saves for backward in the first step's forward (each storage once, parameters
-  left out): the memory a sequence costs, which context parallelism divides, and what the planner counts;
+- saved: the bytes autograd saves for backward in the first step's forward (each storage once, parameters left
+  out): the memory a sequence costs, which context parallelism divides; beside it the planner's figures for the
+  same layout (saved, and the peak, which adds what backward holds on top);
 - peak RSS: the process's whole peak resident memory (weights, optimizer, the allocator's slack, torch itself);
 - s/step: the last step's time (on one CPU the cp ranks share its cores, so this is no speed figure).
 """
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils.data import Subset
 
 from multigpu.launch.launcher import LaunchConfig, launch
 
@@ -53,7 +55,11 @@ def worker(cp: int, seq_len: int, method: str, steps: int, out: str) -> None:
     engine = recipe_engine(config)
     model, optimizer, _, data = build(config, engine)
     loss_fn = lm_loss(engine, model)
-    loader = engine.dataloader(data.train, batch_size=1, collate_fn=data.collate_fn(engine.sequence_multiple))
+    # Whole pieces of one play each (one document per row): both layouts then attend with plain causal attention,
+    # and the first step's sequence is the same in every launch.
+    whole = [i for i, documents in enumerate(data.train.bins) if len(documents) == 1][:steps]
+    collate = data.collate_fn(engine.sequence_multiple)
+    loader = engine.dataloader(Subset(data.train, whole), batch_size=1, shuffle=False, collate_fn=collate)
     saved, seconds = SavedBytes(model), []
     for step, batch in enumerate(loader):
         start = time.perf_counter()
@@ -90,12 +96,18 @@ def main() -> None:
             if launch(LaunchConfig(nproc=cp), [*argv, "--worker", str(cp), str(out)]):
                 sys.exit(1)
             rows.append((cp, json.loads((out / "result.json").read_text())))
+    from multigpu.planner.activations import transformer_activations
+    from multigpu.planner.shapes import load_shape
+
+    shape = load_shape("smollm2-135m").transformer
     base = max(rows[0][1]["activations"])
-    print(f"{'cp':>3} {'activations/rank (MiB)':>24} {'of cp 1':>8} {'peak RSS/rank (MiB)':>20} {'s/step':>7}")
+    print(f"{'cp':>3} {'saved/rank (MiB)':>17} {'of cp 1':>8} {'planned saved':>14} {'planned peak':>13} "
+          f"{'peak RSS/rank (MiB)':>20} {'s/step':>7}")  # fmt: skip
     for cp, r in rows:
-        mib = max(r["activations"]) / 2**20
-        print(f"{cp:>3} {mib:>24,.0f} {max(r['activations']) / base:>8.2f} "
-              f"{max(r['peak_rss']) / 2**20:>20,.0f} {r['seconds']:>7.1f}")  # fmt: skip
+        planned = transformer_activations(shape, 1, args.seq_len, "32", "none", cp)
+        measured = max(r["activations"])
+        print(f"{cp:>3} {measured / 2**20:>17,.0f} {measured / base:>8.2f} {planned.saved / 2**20:>14,.0f} "
+              f"{planned.peak / 2**20:>13,.0f} {max(r['peak_rss']) / 2**20:>20,.0f} {r['seconds']:>7.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -139,9 +139,10 @@ class ContextParallel:
         out = _AllToAll.apply(ordered.reshape(self.size * mine, b, s, d), [mine] * self.size, split, self.group)
         return out.permute(1, 2, 0, 3)
 
-    def documents(self, position_ids: torch.Tensor | None) -> torch.Tensor | None:
-        """Each token's document number over the whole sequence, in order, from the slices' position_ids (a new
-        document wherever the position does not follow on); None when every row is one document (plain causal)."""
+    def documents(self, position_ids: torch.Tensor | None) -> list[list[tuple[int, int]]] | None:
+        """Each row's documents over the whole sequence, in order, as (start, end) spans, from the slices'
+        position_ids (a new document wherever the position does not follow on); None when every row is one
+        document (plain causal attention)."""
         if position_ids is None:
             return None
         last, documents = self._positions
@@ -153,8 +154,11 @@ class ContextParallel:
         whole = torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], 1)
         starts = torch.ones_like(whole, dtype=torch.bool)
         starts[:, 1:] = whole[:, 1:] != whole[:, :-1] + 1
-        numbers = starts.long().cumsum(1)
-        documents = None if bool((numbers[:, -1] == 1).all()) else numbers
+        documents = None
+        if bool(starts[:, 1:].any()):
+            length = whole.shape[1]
+            firsts = [row.nonzero().flatten().tolist() for row in starts]
+            documents = [list(zip(row, [*row[1:], length], strict=True)) for row in firsts]
         self._positions = (position_ids, documents)
         return documents
 
@@ -178,27 +182,26 @@ class ContextParallel:
         split, kv_split = head_split(heads, self.size), head_split(kv_heads, self.size)
         q, k, v = self.to_heads(query, split), self.to_heads(key, kv_split), self.to_heads(value, kv_split)
         documents = self.documents(position_ids)
-        if documents is not None and documents.shape[0] != q.shape[0]:
+        if documents is not None and len(documents) != q.shape[0]:
             raise UsageError(
                 "Packed documents under context parallelism reach a model of one's own through the batch's "
                 "position_ids, which a pipeline's micro-batches do not carry; drop pp_size, or pack one document "
                 "per row."
             )
-        mask = None
-        if documents is not None:
-            length = q.shape[2]
-            causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-            mask = ((documents[:, :, None] == documents[:, None, :]) & causal)[:, None]
-        out = TORCH_SDPA(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            dropout_p=dropout,
-            is_causal=mask is None,
-            scale=scaling,
-            enable_gqa=k.shape[1] != q.shape[1],
+        attend = functools.partial(
+            TORCH_SDPA, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=k.shape[1] != q.shape[1]
         )
+        if documents is None:
+            out = attend(q, k, v)
+        else:  # each document attends causally to itself alone: no sequence x sequence mask is ever made
+            out = torch.cat(
+                [
+                    torch.cat(
+                        [attend(q[r : r + 1, :, a:b], k[r : r + 1, :, a:b], v[r : r + 1, :, a:b]) for a, b in row], 2
+                    )
+                    for r, row in enumerate(documents)
+                ]
+            )
         return self.to_positions(out, split)
 
     def ring_context(self, inputs: Any, targets: Any) -> contextlib.AbstractContextManager[None]:
