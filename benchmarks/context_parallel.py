@@ -100,7 +100,7 @@ def main() -> None:
     from multigpu.planner.shapes import load_shape
 
     shape = load_shape("smollm2-135m").transformer
-    base = max(rows[0][1]["activations"])
+    base = max(next((r for cp, r in rows if cp == 1), rows[0][1])["activations"])
     print(f"{'cp':>3} {'saved/rank (MiB)':>17} {'of cp 1':>8} {'planned saved':>14} {'planned peak':>13} "
           f"{'peak RSS/rank (MiB)':>20} {'s/step':>7}")  # fmt: skip
     for cp, r in rows:
