@@ -1,7 +1,7 @@
 """Per-rank memory of a long sequence under context parallelism against one process: SmolLM2-135M fine-tuned with
 `multigpu finetune`'s own parts on Shakespeare at --seq-len 8192, --cp-size 1 (one process) and --cp-size 2 (two).
 
-    python benchmarks/context_parallel.py [--seq-len 8192] [--method lora] [--sizes 1,2] [--steps 2]
+    python benchmarks/context_parallel.py [--seq-len 8192] [--method lora] [--loss chunked] [--sizes 1,2] [--steps 2]
 
 Each size is one launch of cp processes (ddp with one replica: every rank reads the same batch and keeps its own
 half of each sequence). Per rank it reports:
@@ -45,12 +45,12 @@ class SavedBytes:
         return sum(self.seen.values())
 
 
-def worker(cp: int, seq_len: int, method: str, steps: int, out: str) -> None:
+def worker(cp: int, seq_len: int, method: str, loss: str, steps: int, out: str) -> None:
     from multigpu.engine.monitor import peak_memory_bytes
     from multigpu.recipes.common import per_rank, recipe_engine
     from multigpu.recipes.finetune import FinetuneConfig, build, lm_loss, model_inputs
 
-    config = FinetuneConfig(model="smollm2", method=method, seq_len=seq_len, cp_size=cp, batch_size=1,
+    config = FinetuneConfig(model="smollm2", method=method, seq_len=seq_len, cp_size=cp, batch_size=1, loss=loss,
                             multi_gpu="ddp" if cp > 1 else "single", log_every=0, save_dir=out)  # fmt: skip
     engine = recipe_engine(config)
     model, optimizer, _, data = build(config, engine)
@@ -80,34 +80,46 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--method", default="lora", choices=("lora", "full"))
+    parser.add_argument("--loss", default="plain", choices=("plain", "chunked"))
     parser.add_argument("--sizes", default="1,2", help="cp sizes, one launch of that many processes each")
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per launch")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(int(args.worker[0]), args.seq_len, args.method, args.steps, args.worker[1])
+        worker(int(args.worker[0]), args.seq_len, args.method, args.loss, args.steps, args.worker[1])
         return
-    print(f"SmolLM2-135M {args.method}, one sequence of {args.seq_len} tokens per step, fp32, on CPU")
+    print(f"SmolLM2-135M {args.method}, --loss {args.loss}, one sequence of {args.seq_len} tokens per step, fp32, CPU")
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for cp in map(int, args.sizes.split(",")):
             out = Path(folder, f"cp{cp}")
-            argv = [__file__, "--seq-len", str(args.seq_len), "--method", args.method, "--steps", str(args.steps)]
+            argv = [__file__, "--seq-len", str(args.seq_len), "--method", args.method, "--loss", args.loss]
+            argv += ["--steps", str(args.steps)]
             if launch(LaunchConfig(nproc=cp), [*argv, "--worker", str(cp), str(out)]):
                 sys.exit(1)
             rows.append((cp, json.loads((out / "result.json").read_text())))
+    print_rows(rows, args.seq_len, args.loss)
+
+
+def print_rows(rows: list[tuple[int, dict]], seq_len: int, loss: str) -> None:
+    """The table; the planner's figures beside under the plain loss (it does not count the chunked loss's saving)."""
     from multigpu.planner.activations import transformer_activations
     from multigpu.planner.shapes import load_shape
 
     shape = load_shape("smollm2-135m").transformer
     base = max(next((r for cp, r in rows if cp == 1), rows[0][1])["activations"])
-    print(f"{'cp':>3} {'saved/rank (MiB)':>17} {'of cp 1':>8} {'planned saved':>14} {'planned peak':>13} "
-          f"{'peak RSS/rank (MiB)':>20} {'s/step':>7}")  # fmt: skip
+    planner = loss == "plain"
+    planned_columns = f" {'planned saved':>14} {'planned peak':>13}" if planner else ""
+    print(
+        f"{'cp':>3} {'saved/rank (MiB)':>17} {'of cp 1':>8}{planned_columns} {'peak RSS/rank (MiB)':>20} {'s/step':>7}"
+    )
     for cp, r in rows:
-        planned = transformer_activations(shape, 1, args.seq_len, "32", "none", cp)
         measured = max(r["activations"])
-        print(f"{cp:>3} {measured / 2**20:>17,.0f} {measured / base:>8.2f} {planned.saved / 2**20:>14,.0f} "
-              f"{planned.peak / 2**20:>13,.0f} {max(r['peak_rss']) / 2**20:>20,.0f} {r['seconds']:>7.1f}")  # fmt: skip
+        line = f"{cp:>3} {measured / 2**20:>17,.0f} {measured / base:>8.2f}"
+        if planner:
+            planned = transformer_activations(shape, 1, seq_len, "32", "none", cp)
+            line += f" {planned.saved / 2**20:>14,.0f} {planned.peak / 2**20:>13,.0f}"
+        print(f"{line} {max(r['peak_rss']) / 2**20:>20,.0f} {r['seconds']:>7.1f}")
 
 
 if __name__ == "__main__":

@@ -100,6 +100,11 @@ def run(config: DemoConfig, engine_config: EngineConfig, nproc: int) -> int:
             "classifier; drop them (multigpu finetune takes them)."
         )
     start.check(engine_config, nproc)
+    if (engine_config.cp_size or 1) > 1:  # after the layout's own checks, which hold for any model
+        raise UsageError(
+            "cp_size splits each sequence of a batch, and the demo trains on points, which have none; drop "
+            "--cp-size (multigpu finetune splits its sequences)."
+        )
     argv = config_to_argv(config) + config_to_argv(engine_config)
     return launch(launch_config, ["multigpu.recipes.demo", *argv], module=True)
 

@@ -118,6 +118,11 @@ class FinetuneConfig(lm_data.DataSettings, FinetuneSettings, lm_models.ModelSett
                 f"equal chunks, and --seq-len {self.seq_len} is not a multiple of {2 * (self.cp_size or 1)}; choose a "
                 "--seq-len that is.",
             ),
+            (
+                (self.cp_size or 1) == 1 or not self.sample_prompt,
+                "--sample-prompt generates token by token, which context parallelism's split attention does not; "
+                "drop --sample-prompt or --cp-size.",
+            ),
             (not self.merge or self.method != "full", "--merge merges an adapter; drop it for --method full."),
             (
                 self.method != "qlora" or (self.multi_gpu != "tp" and (self.tp_size or 1) == 1),
