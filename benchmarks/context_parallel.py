@@ -5,9 +5,10 @@
 
 Each size is one launch of cp processes (ddp with one replica: every rank reads the same batch and keeps its own
 half of each sequence). Per rank it reports:
-- saved: the bytes autograd saves for backward in the first step's forward (each storage once, parameters left
-  out): the memory a sequence costs, which context parallelism divides; beside it the planner's figures for the
-  same layout (saved, and the peak, which adds what backward holds on top);
+- activations: the bytes autograd saves for backward in the first step's forward (each storage once, parameters
+  left out), all held at the end of the forward: what a sequence costs, which context parallelism divides; beside
+  it the planner's figure for the same layout, and its peak, which adds what backward holds on top (the loss's
+  gradients over the vocabulary, a layer's recomputation);
 - peak RSS: the process's whole peak resident memory (weights, optimizer, the allocator's slack, torch itself);
 - s/step: the last step's time (on one CPU the cp ranks share its cores, so this is no speed figure).
 """
@@ -109,16 +110,15 @@ def print_rows(rows: list[tuple[int, dict]], seq_len: int, loss: str) -> None:
     shape = load_shape("smollm2-135m").transformer
     base = max(next((r for cp, r in rows if cp == 1), rows[0][1])["activations"])
     planner = loss == "plain"
-    planned_columns = f" {'planned saved':>14} {'planned peak':>13}" if planner else ""
-    print(
-        f"{'cp':>3} {'saved/rank (MiB)':>17} {'of cp 1':>8}{planned_columns} {'peak RSS/rank (MiB)':>20} {'s/step':>7}"
-    )
+    planned_columns = f" {'planned':>8} {'planned/measured':>16} {'planned peak':>13}" if planner else ""
+    print(f"{'cp':>3} {'activations/rank (MiB)':>22} {'of cp 1':>8}{planned_columns} "
+          f"{'peak RSS/rank (MiB)':>20} {'s/step':>7}")  # fmt: skip
     for cp, r in rows:
         measured = max(r["activations"])
-        line = f"{cp:>3} {measured / 2**20:>17,.0f} {measured / base:>8.2f}"
+        line = f"{cp:>3} {measured / 2**20:>22,.0f} {measured / base:>8.2f}"
         if planner:
             planned = transformer_activations(shape, 1, seq_len, "32", "none", cp)
-            line += f" {planned.saved / 2**20:>14,.0f} {planned.peak / 2**20:>13,.0f}"
+            line += f" {planned.saved / 2**20:>8,.0f} {planned.saved / measured:>16.2f} {planned.peak / 2**20:>13,.0f}"
         print(f"{line} {max(r['peak_rss']) / 2**20:>20,.0f} {r['seconds']:>7.1f}")
 
 
