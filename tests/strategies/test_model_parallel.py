@@ -114,7 +114,7 @@ CELLS: dict[str, tuple[int, dict]] = {
     "cp-2": (2, {"multi_gpu": "ddp", "cp_size": 2, **LONG}),
     "zero3-x-cp": (4, {"multi_gpu": "zero3", "cp_size": 2, "batch_size": 2, **LONG}),
     "zero3-x-tp-x-cp": (4, {"multi_gpu": "zero3", "tp_size": 2, "cp_size": 2, **LONG}),
-    "cp-selective": (2, {"multi_gpu": "ddp", "cp_size": 2, "activation_checkpointing": "selective", **LONG}),
+    "zero1-x-cp-selective": (2, {"multi_gpu": "zero1", "cp_size": 2, "activation_checkpointing": "selective", **LONG}),
     "cp-packed": (2, {"multi_gpu": "zero2", "cp_size": 2, **PACKED}),
     "cp-packed-compile-full": (
         2,
@@ -266,7 +266,13 @@ def test_each_layout_reaches_the_one_process_validation_loss(results: dict, name
     split |= {"zero3-compile-full": 32, "ddp-compile-full": 64, "zero1-compile-offload": 64}
     split |= {"zero3-lora-full": 32}
     # cp ranks hold what their data-parallel rank holds: zero shards over shard x cp.
-    split |= {"cp-2": 64, "cp-selective": 64, "cp-packed": 32, "cp-packed-compile-full": 32, "hsdp-x-cp-packed": 32}
+    split |= {
+        "cp-2": 64,
+        "zero1-x-cp-selective": 64,
+        "cp-packed": 32,
+        "cp-packed-compile-full": 32,
+        "hsdp-x-cp-packed": 32,
+    }
     split |= {"tp-lora": 32} | {cell: 32 for cell in CELLS if cell.startswith("tp-sequence")}
     split |= {cell: 64 if "x-tp" not in cell else 32 for cell in CELLS if cell.startswith("pp")}
     split |= {cell: 32 for cell in CELLS if "-x-pp" in cell}
