@@ -280,12 +280,11 @@ class Engine(Saving, Reporting, AcrossRanks):
         it is one step of the pipeline schedule over the batch's micro-batches, `output` is the last stage's (a
         Hugging Face model's logits) and the loss comes back on every rank.
         """
-        if self._cp is not None:
-            inputs, targets = self._cp.split(inputs, targets, positions=True)
+        inputs, targets, ring = self._sliced(inputs, targets)
         if self._strategy.pipelined:
-            with outputs_for(loss_fn), self._cp_context(inputs, targets):
+            with outputs_for(loss_fn), ring:
                 return self._pipeline_micro_step(inputs, targets, loss_fn)
-        with self.accumulate(model), outputs_for(loss_fn), self._cp_context(inputs, targets):
+        with self.accumulate(model), outputs_for(loss_fn), ring:
             result = loss_fn(_call(model, inputs), targets)
             loss, count = result if isinstance(result, tuple) else (result, None)
             self.backward(loss, count=count)
@@ -313,9 +312,8 @@ class Engine(Saving, Reporting, AcrossRanks):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`loss_fn(model(inputs), targets)` without gradients, for evaluation, on every rank: under pp the
         schedule runs forward only and the last stage's loss is shared. Returns what loss_fn returns, detached."""
-        if self._cp is not None:
-            inputs, targets = self._cp.split(inputs, targets, positions=True)
-        with torch.no_grad(), outputs_for(loss_fn), self._cp_context(inputs, targets):
+        inputs, targets, ring = self._sliced(inputs, targets)
+        with torch.no_grad(), outputs_for(loss_fn), ring:
             if self._strategy.pipelined:
                 with self._plan.autocast_context(self.device):
                     loss, count = self._strategy.pipeline_step(inputs, targets, loss_fn, lambda r, s: r, train=False)
@@ -325,9 +323,13 @@ class Engine(Saving, Reporting, AcrossRanks):
             return tuple(r.detach() if torch.is_tensor(r) else r for r in result)
         return result.detach()
 
-    def _cp_context(self, inputs: Any, targets: Any) -> contextlib.AbstractContextManager[None]:
-        """Where torch's ring attention runs (cp_method ring); nothing otherwise."""
-        return self._cp.ring_context(inputs, targets) if self._cp is not None else contextlib.nullcontext()
+    def _sliced(self, inputs: Any, targets: Any) -> tuple[Any, Any, contextlib.AbstractContextManager[None]]:
+        """Under context parallelism, this rank's slice of the batch and where torch's ring attention runs (a null
+        context under ulysses); without it, the batch as given."""
+        if self._cp is None:
+            return inputs, targets, contextlib.nullcontext()
+        inputs, targets = self._cp.split(inputs, targets, positions=True)
+        return inputs, targets, self._cp.ring_context(inputs, targets)
 
     def lm_loss(self, head: nn.Module, ignore_index: int = -100, chunk_tokens: int | None = None) -> TokenLoss:
         """A language model's loss_fn for forward_backward and forward_loss in the `loss` setting's mode: (output,
