@@ -9,14 +9,14 @@ import torch
 import torch.distributed as dist
 
 from multigpu.core.data import gather_in_order
-from multigpu.core.env import all_reduce_value, grouped
+from multigpu.core.env import all_reduce_value, collective_device, grouped
 from multigpu.core.errors import UsageError
 from multigpu.core.stream import StreamLoader
 from multigpu.engine.observe import watching
 
 
 class AcrossRanks:
-    """A mixin of the Engine: reads its observers, device, loader and main-process flag."""
+    """A mixin of the Engine: reads its observers, device, loader, main-process flag, layout and data ranks."""
 
     def reduce(self, value: float | torch.Tensor, op: str = "mean") -> float | torch.Tensor:
         """`value` combined over all ranks ("mean", "sum" or "max"), returned on every rank as the same type."""
@@ -48,3 +48,13 @@ class AcrossRanks:
         """print() on the main process only."""
         if self.is_main_process:
             print(*args, **kwargs, flush=True)
+
+    def _sum_over_replicas(self, totals: torch.Tensor) -> torch.Tensor:
+        """A step's `totals` summed over every rank, each replica's counted once: the tp and pp ranks of a replica
+        hold the same totals, its cp ranks each their own tokens'."""
+        if not grouped():
+            return totals
+        totals = totals.to(collective_device(self.device))
+        with watching(self.observers, "step totals"):
+            dist.all_reduce(totals)
+        return totals / (self.world_size // (self._data_world * self._strategy.layout.cp))

@@ -15,13 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset
 
 from multigpu.core.data import Batch, DistributedLoader
-from multigpu.core.env import DistEnv, collective_device, grouped
+from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
 from multigpu.core.float8 import refresh_all_gather_scales
 from multigpu.core.loss import TokenLoss, outputs_for
@@ -37,6 +36,7 @@ from multigpu.engine.observe import Reporting, StepObserver, StepStats, new_obse
 from multigpu.engine.saving import Saving
 from multigpu.engine.window import Window
 from multigpu.strategies import Strategy
+from multigpu.strategies.context import sliced
 
 
 class Engine(Saving, Reporting, AcrossRanks):
@@ -65,7 +65,7 @@ class Engine(Saving, Reporting, AcrossRanks):
         self._cp = start.context_parallel(self._strategy, config)
         wants_loss = any(observer.wants_loss for observer in self.observers)
         # The ranks whose gradients are averaged: the data-parallel ones and, each with its own tokens, the cp ones.
-        self._window = Window(config.grad_accum_steps, self._data_world * layout.cp, self.device, wants_loss)
+        self._window = Window(config.grad_accum_steps, self._data_world, self.device, wants_loss, layout.cp)
         self._backward_ran = False  # since the last engine.step
         self._lm_loss_made = False  # engine.lm_loss made the loss function a loss setting other than plain needs
         self._loader: Loader | None = None
@@ -254,11 +254,6 @@ class Engine(Saving, Reporting, AcrossRanks):
     def _account(self, loss: torch.Tensor, count: int | torch.Tensor | None) -> float:
         if self._window.batch is not None:
             self._train_loader = self._loader
-        if count is None and self._cp is not None:
-            raise UsageError(
-                "Context parallelism gives each cp rank its own slice of every sequence's tokens, so the loss must be "
-                "their sum: return (sum, count) from loss_fn (engine.lm_loss does), or pass count= to engine.backward."
-            )
         return self._window.account(loss, count)
 
     def _end_micro_step(self, ended_window: bool) -> None:
@@ -280,7 +275,7 @@ class Engine(Saving, Reporting, AcrossRanks):
         it is one step of the pipeline schedule over the batch's micro-batches, `output` is the last stage's (a
         Hugging Face model's logits) and the loss comes back on every rank.
         """
-        inputs, targets, ring = self._sliced(inputs, targets)
+        inputs, targets, ring = sliced(self._cp, inputs, targets)
         if self._strategy.pipelined:
             with outputs_for(loss_fn), ring:
                 return self._pipeline_micro_step(inputs, targets, loss_fn)
@@ -312,7 +307,7 @@ class Engine(Saving, Reporting, AcrossRanks):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`loss_fn(model(inputs), targets)` without gradients, for evaluation, on every rank: under pp the
         schedule runs forward only and the last stage's loss is shared. Returns what loss_fn returns, detached."""
-        inputs, targets, ring = self._sliced(inputs, targets)
+        inputs, targets, ring = sliced(self._cp, inputs, targets)
         with torch.no_grad(), outputs_for(loss_fn), ring:
             if self._strategy.pipelined:
                 with self._plan.autocast_context(self.device):
@@ -322,14 +317,6 @@ class Engine(Saving, Reporting, AcrossRanks):
         if isinstance(result, tuple):
             return tuple(r.detach() if torch.is_tensor(r) else r for r in result)
         return result.detach()
-
-    def _sliced(self, inputs: Any, targets: Any) -> tuple[Any, Any, contextlib.AbstractContextManager[None]]:
-        """Under context parallelism, this rank's slice of the batch and where torch's ring attention runs (a null
-        context under ulysses); without it, the batch as given."""
-        if self._cp is None:
-            return inputs, targets, contextlib.nullcontext()
-        inputs, targets = self._cp.split(inputs, targets, positions=True)
-        return inputs, targets, self._cp.ring_context(inputs, targets)
 
     def lm_loss(self, head: nn.Module, ignore_index: int = -100, chunk_tokens: int | None = None) -> TokenLoss:
         """A language model's loss_fn for forward_backward and forward_loss in the `loss` setting's mode: (output,
@@ -382,15 +369,6 @@ class Engine(Saving, Reporting, AcrossRanks):
             scheduler.step()
         self._end_window(count, loss, outcome.applied)
         return True
-
-    def _sum_over_replicas(self, totals: torch.Tensor) -> torch.Tensor:
-        """`totals` summed over every rank, each replica's counted once (all the ranks of one replica hold it)."""
-        if not grouped():
-            return totals
-        totals = totals.to(collective_device(self.device))
-        with watching(self.observers, "step totals"):
-            dist.all_reduce(totals)
-        return totals / (self.world_size // (self._data_world * self._strategy.layout.cp))
 
     def _end_window(self, count: float | None, loss: float | None, applied: bool) -> None:
         """Times the step just ended and tells the observers; the next step's time starts now."""

@@ -28,13 +28,18 @@ class Totals:
 class Window:
     """The window under way: `grad_accum_steps` backwards, or the engine loader's batches that end it."""
 
-    def __init__(self, grad_accum_steps: int, data_world: int, device: torch.device, wants_loss: bool) -> None:
+    def __init__(
+        self, grad_accum_steps: int, data_world: int, device: torch.device, wants_loss: bool, cp: int = 1
+    ) -> None:
+        # cp ranks read one batch but each computes the gradient of its own tokens: their gradients are averaged
+        # with the data-parallel ranks', so a summed loss is weighted by all of them.
         self.grad_accum_steps, self.data_world, self.device, self.wants_loss = (
             grad_accum_steps,
-            data_world,
+            data_world * cp,
             device,
             wants_loss,
         )
+        self.cp = cp
         self.backwards = 0  # backwards since the last optimizer step
         self.done = False  # the window's last backward has run: the next engine.step applies it
         self.batch: Batch | None = None  # the engine-loader batch being trained on, if any
@@ -71,6 +76,11 @@ class Window:
         if self.batch is not None:
             totals.samples += self.batch.global_size
         summed = count is not None
+        if not summed and self.cp > 1:
+            raise UsageError(
+                "Context parallelism gives each cp rank its own slice of every sequence's tokens, so the loss must be "
+                "their sum: return (sum, count) from loss_fn (engine.lm_loss does), or pass count= to engine.backward."
+            )
         if self.backwards > 0 and summed != (totals.count is not None):
             raise UsageError("Pass count= to engine.backward on every micro-step of an optimizer step, or on none.")
         weight = self.weight(summed)

@@ -71,7 +71,7 @@ class ContextParallel:
     method: str = "ulysses"
     mesh: Any = None
     positions: torch.Tensor | None = None  # this rank's position_ids of the batch under way (split sets them)
-    _positions: tuple[Any, Any] = field(default=(None, None), repr=False)
+    _gathered: tuple[Any, Any] = field(default=(None, None), repr=False)  # (position_ids, their documents)
 
     def join(self, mesh: Any) -> None:
         """Takes the cp dimension of the strategy's mesh, built in its setup."""
@@ -145,7 +145,7 @@ class ContextParallel:
         document (plain causal attention)."""
         if position_ids is None:
             return None
-        last, documents = self._positions
+        last, documents = self._gathered
         if last is position_ids:  # every layer of one forward gets the same tensor: gather it once
             return documents
         pieces = [torch.empty_like(position_ids) for _ in range(self.size)]
@@ -159,7 +159,7 @@ class ContextParallel:
             length = whole.shape[1]
             firsts = [row.nonzero().flatten().tolist() for row in starts]
             documents = [list(zip(row, [*row[1:], length], strict=True)) for row in firsts]
-        self._positions = (position_ids, documents)
+        self._gathered = (position_ids, documents)
         return documents
 
     def attention(
@@ -235,6 +235,15 @@ class ContextParallel:
     def documents_in(positions: torch.Tensor) -> bool:
         """Whether any row of whole-sequence `positions` holds more than one document."""
         return bool((positions[:, 1:] != positions[:, :-1] + 1).any())
+
+
+def sliced(cp: ContextParallel | None, inputs: Any, targets: Any) -> tuple[Any, Any, contextlib.AbstractContextManager]:
+    """Under context parallelism, this rank's slice of a batch and where torch's ring attention runs (a null context
+    under ulysses); without it, the batch as given."""
+    if cp is None:
+        return inputs, targets, contextlib.nullcontext()
+    inputs, targets = cp.split(inputs, targets, positions=True)
+    return inputs, targets, cp.ring_context(inputs, targets)
 
 
 def _sequence_length(inputs: Any) -> int:
