@@ -8,8 +8,9 @@
 #
 # On a GPU machine without internet, run `scripts/gpu_check.sh --prepare` first on one with internet (and with
 # scripts/setup.sh's .venv): it fills .gpu-check/ with wheels of what GPU images usually lack (torchao,
-# liger-kernel) and the tiny test model (its tokenizer is SmolLM2's, a 94 MB package); bring that folder along
-# (about 20 MB) and this script installs the wheels into a scratch folder and points MULTIGPU_CACHE at the model.
+# liger-kernel, datasets with dill and multiprocess) and the tiny test model (its tokenizer is SmolLM2's, a 94 MB
+# package); bring that folder along (about 21 MB) and this script installs the wheels into a scratch folder and
+# points MULTIGPU_CACHE at the model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -22,7 +23,7 @@ if [ "${1:-}" = "--prepare" ]; then
   "$python" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$prepared/wheels" "torchao==${TORCHAO_VERSION:-0.18.0}" \
-    "liger-kernel==${LIGER_VERSION:-0.8.5}"
+    "liger-kernel==${LIGER_VERSION:-0.8.5}" "datasets==${DATASETS_VERSION:-5.2.0}" dill==0.4.1 multiprocess==0.70.19
   MULTIGPU_CACHE="$root/$prepared/cache" PYTHONPATH="$root/src" "$python" -c \
     "from multigpu.recipes.lm_models import model_dir; print('tiny model in', model_dir('tiny'))"
   # The tiny model took its tokenizer from SmolLM2, converted whole on the way (0.5 GB): the tests need only tiny.
@@ -74,8 +75,10 @@ step() {  # step NAME SECONDS COMMAND...: runs it under a timeout, its output to
 
 # Two test files at a time, as scripts/test.sh runs the suite: most of a test is starting processes or compiling.
 step tests 210 "$PYTHON" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -ra tests/gpu
-# The rows share a 260 s budget (a row that does not fit is reported as not run); compile time is counted in it.
-step throughput 300 "$PYTHON" benchmarks/gpu_throughput.py --budget-s 260 --out "$out/gpu_throughput.json"
+# The rows share a budget of THROUGHPUT_BUDGET_S seconds (default 260; a row that does not fit is reported as not
+# run); compile time is counted in it.
+budget=${THROUGHPUT_BUDGET_S:-260}
+step throughput $((budget + 40)) "$PYTHON" benchmarks/gpu_throughput.py --budget-s "$budget" --out "$out/gpu_throughput.json"
 step verify 60 "$PYTHON" -m multigpu verify --nproc 1 --strategy zero3 --precision bf16-mixed --steps 10 \
   tests/scripts/next_token.py
 exit $failed

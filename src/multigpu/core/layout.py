@@ -50,6 +50,12 @@ class LayoutSettings(Settings):
         "context parallel degree: each sequence split by position over this many processes, which read the same "
         "batch (beside ddp, zero2, zero3, hsdp and pp; the sequence length a multiple of 2 x cp_size)",
     )
+    ep_size: int | None = setting(
+        None,
+        "expert parallel degree: a mixture-of-experts model's experts spread over this many of the data-parallel "
+        "processes (times cp), tokens sent to their experts' ranks and back by all-to-all (beside ddp, zero2, zero3, "
+        "hsdp and pp; the number of experts a multiple of it)",
+    )
     cp_method: str = setting(
         "ulysses",
         "with cp_size: ulysses (all-to-all to whole sequences of a slice of the heads around attention; any device) "
@@ -74,6 +80,10 @@ class LayoutSettings(Settings):
             (
                 self.cp_size is None or self.cp_size >= 1,
                 f"cp_size must be 1 or more (got {self.cp_size}); leave it unset for none.",
+            ),
+            (
+                self.ep_size is None or self.ep_size >= 1,
+                f"ep_size must be 1 or more (got {self.ep_size}); leave it unset for none.",
             ),
         )
 
@@ -146,7 +156,7 @@ class ParallelDims:
     cp: int = 1  # context parallel: each sequence split by position
     tp: int = 1  # tensor parallel: each layer's matrices split across processes
     pp: int = 1  # pipeline parallel: consecutive groups of layers on different processes
-    ep: int = 1  # expert parallel: a mixture's experts spread over ranks of shard x cp (no processes of its own)
+    ep: int = 1  # expert parallel: a mixture's experts spread over data-parallel x cp ranks (no processes of its own)
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -156,11 +166,21 @@ class ParallelDims:
                     f"The {item.name} degree must be a whole number of at least 1, not {degree!r}; "
                     f"set {item.name} to 1 or more."
                 )
-        if (self.shard * self.cp) % self.ep:
+        pool, named = self.expert_pool
+        if pool % self.ep:
             raise UsageError(
-                f"ep {self.ep} spreads experts over the shard x cp processes, {self.shard * self.cp} here, and does "
-                "not divide them; choose an ep that divides shard x cp."
+                f"ep_size {self.ep} spreads experts over the {pool} data-parallel processes ({named}) and does not "
+                f"divide them; choose an ep_size that divides {pool}."
             )
+
+    @property
+    def expert_pool(self) -> tuple[int, str]:
+        """How many processes an ep group is drawn from, and which dimensions those are: the shards (x cp) where
+        parameters are sharded, else the replicas (x cp). An ep group is `ep` consecutive ranks of that pool, so
+        its all-to-alls stay inside a node as the shards' collectives do."""
+        inner = "shard" if self.shard > 1 else "replicate"
+        degree = getattr(self, inner) * self.cp
+        return degree, f"{inner} {getattr(self, inner)}" + (f" x cp {self.cp}" if self.cp > 1 else "")
 
     @property
     def world_size(self) -> int:
@@ -216,12 +236,13 @@ class Spread:
 
 
 ALONE = Spread()  # one process: single, dp
-REPLICAS = Spread(("replicate",), frozenset({"cp"}))  # ddp, zero1
-SHARDS = Spread(("shard",), frozenset({"tp", "pp", "cp"}))  # zero2, zero3
-HYBRID = Spread(("shard",), frozenset({"replicate", "tp", "pp", "cp"}))  # hsdp: replicas (one per node), shards inside
+REPLICAS = Spread(("replicate",), frozenset({"cp", "ep"}))  # ddp, zero1
+SHARDS = Spread(("shard",), frozenset({"tp", "pp", "cp", "ep"}))  # zero2, zero3
+# hsdp: replicas (one per node), shards inside
+HYBRID = Spread(("shard",), frozenset({"replicate", "tp", "pp", "cp", "ep"}))
 TENSOR = Spread(("tp",), frozenset({"tp"}))  # tp: every process splits every planned layer
 #: pp: stages over the rest, or pp_size and replicas
-PIPELINE = Spread(("pp", "replicate"), frozenset({"pp", "tp", "cp"}))
+PIPELINE = Spread(("pp", "replicate"), frozenset({"pp", "tp", "cp", "ep"}))
 OWN_GROUPS = Spread(("shard",))  # deepspeed: every process a ZeRO partition, in groups DeepSpeed makes itself
 
 
@@ -275,4 +296,4 @@ def resolve_layout(request: LayoutSettings, spread: Spread, world: int, nodes: i
             f"Strategy {name} runs in one process, but {world} were launched and would each train alone; launch one "
             "process, or use ddp/zero1/zero2/zero3."
         )
-    return ParallelDims(**degrees)
+    return ParallelDims(**degrees, ep=request.ep_size or 1)

@@ -43,6 +43,8 @@ NOT_BESIDE = {
     "replicate": "replicate is {takers}'s number of replicas; drop it or use strategy {takers}, not {name}.",
     "cp": "cp_size splits each sequence beside the processes of {takers}, not {name}; choose one of those or drop "
     "cp_size.",
+    "ep": "ep_size spreads experts over the data-parallel processes of {takers}, not {name}; choose one of those or "
+    "drop ep_size.",
 }
 
 __all__ = ["STRATEGIES", "STRATEGY_CLASSES", "Strategy", "build_strategy", "strategy_class"]
@@ -70,7 +72,13 @@ def build_strategy(
     if name not in STRATEGY_CLASSES:
         raise UsageError(f"Unknown strategy {name!r}; choose one of {', '.join(STRATEGY_CLASSES)}.")
     cls = strategy_class(name)
-    asked = {"tp": settings.tp_size, "pp": settings.pp_size, "replicate": settings.replicate, "cp": settings.cp_size}
+    asked = {
+        "tp": settings.tp_size,
+        "pp": settings.pp_size,
+        "replicate": settings.replicate,
+        "cp": settings.cp_size,
+        "ep": settings.ep_size,
+    }
     for dim, degree in asked.items():  # composition is a rule over the layout: which degrees a strategy takes
         if degree not in (None, 1) and dim not in cls.spread.takes:
             takers = _either(n for n, c in _unaliased() if dim in c.spread.takes and dim not in c.spread.fills)
