@@ -242,7 +242,7 @@ SHARDS = Spread(("shard",), frozenset({"tp", "pp", "cp", "ep"}))  # zero2, zero3
 HYBRID = Spread(("shard",), frozenset({"replicate", "tp", "pp", "cp", "ep"}))
 TENSOR = Spread(("tp",), frozenset({"tp"}))  # tp: every process splits every planned layer
 #: pp: stages over the rest, or pp_size and replicas
-PIPELINE = Spread(("pp", "replicate"), frozenset({"pp", "tp", "cp", "ep"}))
+PIPELINE = Spread(("pp", "replicate"), frozenset({"pp", "tp", "cp"}))
 OWN_GROUPS = Spread(("shard",))  # deepspeed: every process a ZeRO partition, in groups DeepSpeed makes itself
 
 

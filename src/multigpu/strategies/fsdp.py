@@ -72,8 +72,8 @@ class FSDP(CompressionOptions, ShardingOptions, TensorParallelOptions, Strategy)
 
     @property
     def builds_on_meta(self) -> bool:  # type: ignore[override]
-        # Filling shards from one rank (fill.py) knows the rows of one sharded dimension, not tp's splits as well.
-        return self.layout.tp == 1
+        # Filling shards from one rank (fill.py) knows the rows of one sharded dimension, not tp's or ep's splits.
+        return self.layout.tp == 1 and self.layout.ep == 1
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -112,6 +112,15 @@ class FSDP(CompressionOptions, ShardingOptions, TensorParallelOptions, Strategy)
         start_alike(model, env.device)
         if self.layout.tp > 1:  # tp splits the layers first; fully_shard then shards each slice over "shard"
             tensor_parallelize(model, self.mesh["tp"], self.sequence_parallel)
+        if self.layout.ep > 1:  # each rank's experts, sharded over the ranks that hold the same ones
+            self.experts.parallelize(env.device)
+            for layer in self.experts.layers:
+                fully_shard(
+                    layer.experts,
+                    mesh=self.experts.mesh["edp"],
+                    mp_policy=plan.unit,
+                    reshard_after_forward=self.reshard_after_forward,
+                )
         for unit in [*units, model]:
             shard(unit)
         # fully_shard replaced every Parameter with a sharded DTensor one; point the optimizer at those.

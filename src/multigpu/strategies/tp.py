@@ -34,6 +34,7 @@ from multigpu.core.layout import TENSOR, TensorParallelOptions
 from multigpu.core.modules import repoint
 from multigpu.core.precision import Precision, PrecisionPlan
 from multigpu.strategies.base import Strategy, move_to_device
+from multigpu.strategies.experts import without_experts
 
 #: The styles a plan may name (Hugging Face's names), and what each splits. A column split leaves each process a
 #: slice of the layer's outputs (the next rowwise layer takes exactly that slice); a row split sums the partial
@@ -46,6 +47,46 @@ STYLES: dict[str, Callable[[], ParallelStyle]] = {
     # An embedding split by vocabulary rows: each process looks up the tokens in its rows, the sum is whole.
     "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
 }
+
+
+class _SumGradOverTp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReplicatedSummingGrads(ParallelStyle):
+    """A module whose weights stay whole on every tp rank but which each rank applies to its own slice (Qwen3's
+    per-head q and k norms after the column-split projections): its gradient on each rank is its slice's part, so
+    the parts are summed over the tp group in backward, before any data-parallel reduction."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group, held = device_mesh.get_group(), {}
+
+        def summing(mod: nn.Module, args: Any) -> None:
+            held.update(mod._parameters)
+            for name, param in held.items():
+                if param is not None and param.requires_grad:
+                    mod._parameters[name] = _SumGradOverTp.apply(param, group)  # type: ignore[assignment]
+
+        def restore(mod: nn.Module, args: Any, output: Any) -> None:
+            mod._parameters.update(held)
+            held.clear()
+
+        module.register_forward_pre_hook(summing)
+        module.register_forward_hook(restore)
+        return module
+
+
+STYLES["replicated_with_grad_allreduce"] = ReplicatedSummingGrads
+
 #: Under sequence parallelism the residual stream between the split layers is split by sequence position (dim 1):
 #: a row split's partial outputs are summed and scattered by position (reduce-scatter) instead of summed whole, and
 #: the head gathers the positions before its column split. The norms run on their positions only; their weights
@@ -56,6 +97,7 @@ SEQUENCE_STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "colwise_gather_output": lambda: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     "embedding_rowwise": STYLES["embedding_rowwise"],
     "sequence_parallel": lambda: SequenceParallel(use_local_output=True),
+    "replicated_with_grad_allreduce": ReplicatedSummingGrads,
 }
 #: A plan of one's own model that names `sequence_parallel` modules (its norms) runs Megatron's convention: the
 #: embedding scatters its output by position, each column split gathers its input's positions first, each row split
@@ -67,12 +109,13 @@ PLAN_SEQUENCE_STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "colwise_gather_output": SEQUENCE_STYLES["colwise_gather_output"],
     "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
     "sequence_parallel": SEQUENCE_STYLES["sequence_parallel"],
+    "replicated_with_grad_allreduce": ReplicatedSummingGrads,
 }
 
 
 def model_plan(model: nn.Module) -> dict[str, str]:
     """The model's tensor-parallel plan (its `tp_plan`), or one sentence saying how to give one."""
-    plan = getattr(model, "tp_plan", None)
+    plan = without_experts(model, getattr(model, "tp_plan", None) or {})
     if not plan:
         raise UsageError(
             f"{type(model).__name__} has no tensor-parallel plan; give the model a tp_plan attribute mapping "
@@ -88,6 +131,10 @@ def model_plan(model: nn.Module) -> dict[str, str]:
     return dict(plan)
 
 
+def _plan_of(module: nn.Module) -> dict[str, str]:
+    return getattr(module, "tp_plan", None) or {}
+
+
 def planned_modules(model: nn.Module, plan: dict[str, str], sequence: str | None = None) -> dict[str, str]:
     """Module name -> style for every module a pattern of `plan` matches; a pattern that matches none is refused.
 
@@ -95,7 +142,8 @@ def planned_modules(model: nn.Module, plan: dict[str, str], sequence: str | None
     attributes through (peft's PeftModel) puts the inner model's name in front of them. A LoRA layer in the place of
     a split layer gets its adapter split to match (lora_adapter_styles)."""
     modules = dict(model.named_modules())
-    owner = max((name for name, module in modules.items() if getattr(module, "tp_plan", None) == plan), key=len)
+    # The plan may be the declared one less its mixture-of-experts entries (experts.without_experts).
+    owner = max((name for name, module in modules.items() if plan.items() <= dict(_plan_of(module)).items()), key=len)
     prefix = f"{owner}." if owner else ""
     found: dict[str, str] = {}
     for pattern, style in plan.items():
@@ -155,7 +203,7 @@ def check_divisible(model: nn.Module, modules: dict[str, str], degree: int) -> N
             )
     for name, style in modules.items():
         module = model.get_submodule(name)
-        if style == "sequence_parallel":
+        if style in ("sequence_parallel", "replicated_with_grad_allreduce"):  # they split nothing
             continue
         if not isinstance(module, nn.Linear | nn.Embedding):
             raise UsageError(
