@@ -115,24 +115,22 @@ def build_model(model: str) -> Any:
     return LlamaForCausalLM(config)
 
 
-class TokenLoss:
-    """finetune's summed token loss; remembers whether it was ever handed the whole logits tensor, which a fused or
-    chunked loss never materialises (how the benchmark tells that such a row's setting took effect)."""
+class LogitsWatch:
+    """Watches the model's output head (a forward hook): remembers whether it ever handed out the whole logits,
+    vocabulary wide, which it never does under a fused or chunked loss (engine.lm_loss has it hand its input, the
+    hidden states, through): how the benchmark tells that such a row's setting took effect."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, head: Any, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.saw_whole_logits = False
+        head.register_forward_hook(self.look)
 
-    def __call__(self, output: Any, labels: Any) -> Any:
-        from multigpu.recipes.finetune import summed_token_loss
-
-        logits = getattr(output, "logits", output)
-        if getattr(logits, "shape", (0,))[-1] == self.vocab_size and logits.shape[:-1] == labels.shape:
+    def look(self, head: Any, args: Any, output: Any) -> None:
+        if getattr(output, "shape", (0,))[-1] == self.vocab_size:
             self.saw_whole_logits = True
-        return summed_token_loss(output, labels)
 
 
-def check_applied(model: Any, settings: dict[str, Any], loss: TokenLoss) -> None:
+def check_applied(model: Any, settings: dict[str, Any], watch: LogitsWatch) -> None:
     """Raises, in one sentence, where a setting of the row left the model or the step as the plain path has them:
     a row must measure its feature or fail, never time the plain path under the feature's name."""
     from multigpu.core.modules import default_units
@@ -149,7 +147,7 @@ def check_applied(model: Any, settings: dict[str, Any], loss: TokenLoss) -> None
         problems.append(f"float8={settings['float8']!r} converted no linear layer to torchao's Float8Linear")
     if settings.get("liger") and not any(_from_liger(m) for m in model.modules()):
         problems.append("liger=True replaced no module's forward with Liger-Kernel's")
-    if settings.get("loss", "plain") != "plain" and loss.saw_whole_logits:
+    if settings.get("loss", "plain") != "plain" and watch.saw_whole_logits:
         problems.append(f"loss={settings['loss']!r} still handed the whole logits tensor to the loss")
     if problems:
         raise RuntimeError(f"Not applied by the Engine: {'; '.join(problems)}.")
@@ -160,12 +158,14 @@ def _from_liger(module: Any) -> bool:
     return any((getattr(o, "__module__", "") or "").startswith("liger_kernel") for o in (type(module), forward))
 
 
-def set_up_row(row: str, args: argparse.Namespace) -> tuple[Any, Any, Any, Callable[[], Any], TokenLoss]:
+def set_up_row(row: str, args: argparse.Namespace) -> tuple[Any, Any, Any, Callable[[], Any], LogitsWatch]:
     """The Engine with the row's settings, the model and AdamW set up by it, and one training step on a fixed
-    batch of random tokens (data loading is not what is measured)."""
+    batch of random tokens (data loading is not what is measured), with the loss of the row's `loss` setting
+    (engine.lm_loss, as the fine-tune recipe takes it)."""
     import torch
 
     import multigpu as mg
+    from multigpu.recipes.finetune import lm_loss, unwrap
 
     # The eager row counts one step's FLOPs with the Engine's own counter (the monitor's, on the second step; a
     # log_every it never reaches reports nothing); every row does the same model arithmetic, so MFU uses that count.
@@ -182,14 +182,15 @@ def set_up_row(row: str, args: argparse.Namespace) -> tuple[Any, Any, Any, Calla
     shape = (args.batch_size, args.seq_len)
     inputs = {"input_ids": torch.randint(0, vocab, shape, generator=generator).to(engine.device)}
     labels = torch.randint(0, vocab, shape, generator=generator).to(engine.device)
-    loss_fn = TokenLoss(vocab)
+    loss_fn = lm_loss(engine, model)
+    watch = LogitsWatch(unwrap(model).get_output_embeddings(), vocab)
 
     def step() -> Any:
         loss = engine.forward_backward(model, inputs, labels, loss_fn)
         engine.step(optimizer)
         return loss
 
-    return engine, model, labels, step, loss_fn
+    return engine, model, labels, step, watch
 
 
 def run_row(row: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -201,7 +202,7 @@ def run_row(row: str, args: argparse.Namespace) -> dict[str, Any]:
     torch._dynamo.reset()  # a row run after another in one process compiles afresh
     counters = torch._dynamo.utils.counters
     counters.clear()
-    engine, model, labels, step, loss_fn = set_up_row(row, args)
+    engine, model, labels, step, watch = set_up_row(row, args)
     on_gpu = engine.device.type == "cuda"
     warmup_s = []
     for _ in range(args.warmup):
@@ -211,7 +212,7 @@ def run_row(row: str, args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.synchronize(engine.device)  # time the queued work, not its launch
         warmup_s.append(time.perf_counter() - started)
     settings = row_settings(row)
-    check_applied(model, settings, loss_fn)
+    check_applied(model, settings, watch)
     if on_gpu:
         torch.cuda.reset_peak_memory_stats(engine.device)  # the steady state: weights, AdamW's state, one step
     started = time.perf_counter()
@@ -329,6 +330,8 @@ def format_table(results: list[dict[str, Any]], device: str, peak_tflops: float 
             f"| {label} | {r['tokens_per_s']:,.0f} | {mfu} | {r['peak_memory_gib']:.1f} | {r['step_s'] * 1e3:.1f} "
             f"| {compile_s} | {breaks} |"
         )
+    if peak_tflops and any(r["status"] == "ok" and r.get("mfu") is None for r in results):
+        lines += ["", "MFU -: every row's MFU takes the eager row's FLOP count, and this run has none; run that row."]
     lines += ["", "Published (other models and hardware, 8 GPUs: context only):", "", "| run | tokens/s/GPU |"]
     lines += ["| --- | ---: |", *(f"| {run} | {tokens:,} |" for run, tokens in PUBLISHED)]
     return "\n".join(lines)

@@ -61,26 +61,34 @@ def test_each_row_adds_its_settings_to_the_rows_before_it_and_names_engine_setti
 
 def test_a_setting_the_engine_left_unapplied_fails_its_row_naming_each() -> None:
     model = bench.build_model("smoke")  # as the plain path leaves it: nothing converted, patched or compiled
-    loss = bench.TokenLoss(model.config.vocab_size)
-    loss.saw_whole_logits = True
-    bench.check_applied(model, {}, loss)  # the eager row asks for nothing
+    watch = bench.LogitsWatch(model.get_output_embeddings(), model.config.vocab_size)
+    watch.saw_whole_logits = True
+    bench.check_applied(model, {}, watch)  # the eager row asks for nothing
     with pytest.raises(RuntimeError) as raised:
-        bench.check_applied(model, bench.row_settings("fused_loss"), loss)
+        bench.check_applied(model, bench.row_settings("fused_loss"), watch)
     for setting in ("activation_checkpointing='selective'", "compile=True", "float8='tensorwise'", "liger=True"):
         assert setting in str(raised.value)
     assert "loss='fused' still handed the whole logits tensor" in str(raised.value)
 
 
-def test_the_loss_notices_the_whole_logits_tensor() -> None:
+@pytest.mark.parametrize("loss", ["plain", "chunked"])
+def test_the_watch_sees_the_whole_logits_under_the_plain_loss_alone(loss: str) -> None:
+    """The rows' loss is engine.lm_loss's (the Engine refuses a loss setting without it): under chunked, as under
+    fused, the head hands the hidden states through and the whole logits never exist."""
     import torch
 
-    loss = bench.TokenLoss(vocab_size=8)
-    labels = torch.zeros(2, 3, dtype=torch.long)
-    loss(torch.zeros(2, 3, 4), labels)  # not the vocabulary wide: a chunk, say
-    assert not loss.saw_whole_logits
-    summed, count = loss(torch.zeros(2, 3, 8), labels)
-    assert loss.saw_whole_logits and int(count) == 6
-    assert float(summed) == pytest.approx(6 * math.log(8))  # uniform logits: log(vocabulary) per token
+    import multigpu as mg
+
+    args = bench.parse_args(["--smoke"])
+    engine = mg.Engine(strategy="single", loss=loss, seed=0)
+    model = bench.build_model(args.model)
+    model, _ = engine.setup(model, torch.optim.AdamW(model.parameters()))
+    watch = bench.LogitsWatch(model.get_output_embeddings(), model.config.vocab_size)
+    ids = torch.randint(0, model.config.vocab_size, (args.batch_size, args.seq_len))
+    loss_fn = engine.lm_loss(model.get_output_embeddings())
+    summed, count = engine.forward_loss(model, {"input_ids": ids}, ids, loss_fn)
+    assert watch.saw_whole_logits == (loss == "plain")
+    assert 0 < float(summed) / int(count) < 2 * math.log(model.config.vocab_size)  # about log(vocabulary) at init
 
 
 def test_a_row_past_its_time_is_killed_and_a_failing_row_says_why(tmp_path: Path) -> None:
@@ -105,6 +113,9 @@ def test_mfu_is_every_row_s_tokens_times_the_eager_row_s_flops_per_token() -> No
     assert bench.add_mfu([eager, compiled, failed], peak_tflops=1000.0) == 1e9
     assert (eager["mfu"], compiled["mfu"], failed["mfu"]) == (pytest.approx(0.1), pytest.approx(0.2), None)
     assert bench.add_mfu([compiled], peak_tflops=1000.0) is None and compiled["mfu"] is None  # no eager count
+    assert "this run has none; run that row" in bench.format_table(
+        [compiled | {"step_s": 1.0, "peak_memory_gib": 1.0, "compile_s": None}], "H100", 1000.0
+    )
 
 
 def test_arguments_refused_before_anything_runs() -> None:

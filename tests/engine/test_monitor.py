@@ -1,11 +1,12 @@
-"""The monitor's pure parts: peak FLOPS lookup and the imbalance flags."""
+"""The monitor's pure parts: peak FLOPS lookup, the imbalance flags and the attention FLOP formulas."""
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
-from multigpu.engine.monitor import StepMonitor, imbalance, peak_tflops
+from multigpu.engine.monitor import StepMonitor, attention_flop_formulas, imbalance, peak_tflops
 
 
 def test_peak_tflops_by_device_name_and_precision() -> None:
@@ -74,3 +75,39 @@ def test_imbalance_flags_the_slow_rank_and_the_heavy_rank() -> None:
     (heavy,) = imbalance([1.0, 1.0], [500 * mb, 900 * mb], 1.25)
     assert heavy.startswith("rank 1 peaks at 1.80x the memory")
     assert imbalance([1.0, 1.0], [10 * mb, 20 * mb], 1.25) == []  # a few MB apart is noise, not imbalance
+
+
+def test_grouped_query_attention_is_counted_as_its_query_heads_attending(monkeypatch: pytest.MonkeyPatch) -> None:
+    """8 query heads over 2 key/value heads (enable_gqa's shapes), on the meta device: the fused kernels' forward
+    and backward counted as attention over 8 heads, through torch's counts made as strict as torch 2.11's (which
+    raise where the key and value have fewer heads than the query)."""
+    from torch.utils import flop_counter
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def strict(count: Any, query_at: int) -> Any:
+        def checked(*shapes: Any) -> int:
+            assert all(shape[1] == shapes[query_at][1] for shape in shapes), shapes
+            return count(*shapes)
+
+        return checked
+
+    monkeypatch.setattr(flop_counter, "sdpa_flop_count", strict(flop_counter.sdpa_flop_count, 0))
+    monkeypatch.setattr(flop_counter, "sdpa_backward_flop_count", strict(flop_counter.sdpa_backward_flop_count, 1))
+
+    def flops(op: object, *args: object) -> int:
+        with FlopCounterMode(display=False, custom_mapping=attention_flop_formulas()) as counter:
+            op(*args)
+        return counter.get_total_flops()
+
+    aten, meta = torch.ops.aten, {"device": "meta"}
+    batch, heads, kv_heads, length, dim = 2, 8, 2, 16, 4
+    q = torch.empty(batch, heads, length, dim, **meta)
+    k, v = (torch.empty(batch, kv_heads, length, dim, **meta) for _ in range(2))
+    seed, empty = torch.empty(2, dtype=torch.long, **meta), torch.empty(0, **meta)
+    product = 2 * batch * heads * length * length * dim  # one [length, dim] x [dim, length] product per query head
+    out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True)[:2]
+    assert flops(aten._scaled_dot_product_efficient_attention, q, k, v, None, True) == 2 * product  # scores, values
+    assert flops(aten._scaled_dot_product_flash_attention, q, k, v) == 2 * product
+    # The scores again, then four products for the gradients.
+    backward = (out, q, k, v, None, out, lse, seed, empty, 0.0, [True, True, True, False])
+    assert flops(aten._scaled_dot_product_efficient_attention_backward, *backward) == 5 * product

@@ -170,14 +170,15 @@ def test_two_gpus_train_like_one(tmp_path: Path) -> None:
         assert_matches(case, results[0][index], train_reference(case, world_size=2))
 
 
-def sync_batchnorm_step(nproc: int) -> dict:
-    """One ddp step with sync_batchnorm, every rank on data of its own: BatchNorm must see the global batch."""
+def sync_batchnorm_step(processes: int) -> dict:
+    """One ddp step with sync_batchnorm, every rank on data of its own: BatchNorm must see the global batch.
+    `processes`: the group's size (not `nproc`, which run_in_processes takes itself)."""
     engine = mg.Engine(strategy="ddp", sync_batchnorm=True)
     model = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = engine.setup(model, optimizer)
     before = model.module[1].weight.detach().clone()
-    batches = [torch.randn(8, 4, generator=torch.Generator().manual_seed(rank)) + rank for rank in range(nproc)]
+    batches = [torch.randn(8, 4, generator=torch.Generator().manual_seed(rank)) + rank for rank in range(processes)]
     x = batches[engine.rank].to(engine.device)
     engine.backward(nn.functional.cross_entropy(model(x), torch.zeros(8, dtype=torch.long, device=engine.device)))
     engine.step(optimizer)
@@ -192,7 +193,7 @@ def sync_batchnorm_step(nproc: int) -> dict:
 
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=two_gpus)])
 def test_sync_batchnorm_converts_and_normalises_over_every_rank(nproc: int) -> None:
-    results = run_in_processes("tests.gpu.test_gpu_paths:sync_batchnorm_step", nproc, timeout=300, nproc=nproc)
+    results = run_in_processes("tests.gpu.test_gpu_paths:sync_batchnorm_step", nproc, timeout=300, processes=nproc)
     for result in results:
         assert result["layers"] == ["SyncBatchNorm"] and result["trained"], result
         assert torch.allclose(result["running_mean"], result["expected"], atol=1e-5), result

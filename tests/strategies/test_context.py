@@ -34,7 +34,8 @@ def whole_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
     starts = torch.ones_like(pos, dtype=torch.bool)
     starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
     docs = starts.cumsum(1)
-    mask = (docs[:, :, None] == docs[:, None, :]) & torch.ones(LENGTH, LENGTH, dtype=torch.bool).tril()
+    causal = torch.ones(LENGTH, LENGTH, dtype=torch.bool, device=pos.device).tril()  # on the inputs' device
+    mask = (docs[:, :, None] == docs[:, None, :]) & causal
     k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None]).transpose(1, 2)
 

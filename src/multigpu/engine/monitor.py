@@ -210,6 +210,32 @@ def imbalance(busy: list[float], memory: list[float], ratio: float) -> list[str]
     return warnings
 
 
+def attention_flop_formulas() -> dict[Any, Any]:
+    """torch's FLOP formulas of the fused attention ops (forward and backward), for keys and values with fewer heads
+    than the queries (grouped-query attention, which transformers hands to sdpa with enable_gqa on a GPU): counted
+    as the attention with those heads repeated, which is what it computes. torch before 2.13 refuses such shapes
+    (an AssertionError in the step the Monitor counts)."""
+    import torch
+    from torch.utils import flop_counter
+
+    def repeated(query: Any, key: Any, value: Any) -> list[tuple[int, ...]]:
+        return [(shape[0], query[1], *shape[2:]) for shape in (key, value)]
+
+    def forward(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+        return flop_counter.sdpa_flop_count(query, *repeated(query, key, value))
+
+    def backward(grad: Any, query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+        return flop_counter.sdpa_backward_flop_count(grad, query, *repeated(query, key, value))
+
+    formulas = {}
+    for kind in ("efficient", "flash", "cudnn"):
+        for suffix, formula in (("", forward), ("_backward", backward)):
+            op = getattr(torch.ops.aten, f"_scaled_dot_product_{kind}_attention{suffix}", None)
+            if op is not None:
+                formulas[op] = formula
+    return formulas
+
+
 class Monitor(StepObserver):
     """The Engine's own metrics, attached to every Engine: a StepMonitor report every `log_every` steps, the FLOPs
     of one step for MFU (counted on the second step this process runs, whose time is then left out), and the
@@ -252,7 +278,7 @@ class Monitor(StepObserver):
         if op == "forward" and self._counting and self._counter is None:
             from torch.utils.flop_counter import FlopCounterMode
 
-            self._counter = FlopCounterMode(display=False)
+            self._counter = FlopCounterMode(display=False, custom_mapping=attention_flop_formulas())
             self._counter.__enter__()  # left at the end of the backward that follows
         return contextlib.nullcontext()
 
