@@ -245,6 +245,10 @@ class TokenLoss:
         if mode != "plain":
             keep_gathered(head, holders)
 
+    def count(self, targets: torch.Tensor) -> torch.Tensor:
+        """The number of targets the loss counts in `targets` (those not ignore_index), without the model's output."""
+        return (targets != self.ignore_index).sum()
+
     def __call__(self, output: Any, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         values = getattr(output, "logits", output)  # a Hugging Face output's; under chunked, the hidden states
         if self.mode == "plain":

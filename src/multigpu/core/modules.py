@@ -22,12 +22,15 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     """One unit per block: the items of every ModuleList or ModuleDict that are not containers themselves
     (transformer layers, however deeply nested), else each top-level child that has parameters.
 
-    A unit is all-gathered as a whole, so its size sets the temporary memory and the overlap granularity.
+    A unit is all-gathered as a whole, so its size sets the temporary memory and the overlap granularity. The
+    adapters of a LoRA wrapper around a parameter (peft's ParamWrapper, `parameter_name`: on a mixture's experts)
+    are not units: the wrapper reads their weights without calling them, which would leave them sharded.
     """
+    read = {id(d) for m in model.modules() if hasattr(m, "parameter_name") for d in m.children()}
     blocks = [
         block
         for module in model.modules()
-        if isinstance(module, _CONTAINERS)
+        if isinstance(module, _CONTAINERS) and id(module) not in read
         for block in (module.values() if isinstance(module, nn.ModuleDict) else module)
         if not isinstance(block, _CONTAINERS)
     ]

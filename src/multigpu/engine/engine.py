@@ -247,10 +247,7 @@ class Engine(Saving, Reporting, AcrossRanks):
         the token-normalised loss one process would compute over the same global batch.
         """
         syncs = self._window.begin()
-        weight = self._account(loss.detach(), count)
-        loss = loss * weight
-        if self._strategy.experts is not None:  # the load-balancing loss backs up with the same weight
-            self._strategy.experts.weigh(weight, count, self._window)
+        loss = loss * self._account(loss.detach(), count, weigh_experts=True)
         if self._scaler is not None:
             loss = self._scaler.scale(loss)
         for observer in self.observers:
@@ -261,10 +258,13 @@ class Engine(Saving, Reporting, AcrossRanks):
             observer.on_backward_end()
         self._end_micro_step(syncs)
 
-    def _account(self, loss: torch.Tensor, count: int | torch.Tensor | None) -> float:
+    def _account(self, loss: torch.Tensor, count: int | torch.Tensor | None, weigh_experts: bool = False) -> float:
         if self._window.batch is not None:
             self._train_loader = self._loader
-        return self._window.account(loss, count)
+        weight = self._window.account(loss, count)
+        if weigh_experts and self._strategy.experts is not None:  # the load-balancing loss backs up alike
+            self._strategy.experts.weigh(weight, count, self._window)
+        return weight
 
     def _end_micro_step(self, ended_window: bool) -> None:
         self._window.end_micro_step(ended_window)
@@ -302,6 +302,8 @@ class Engine(Saving, Reporting, AcrossRanks):
             return result[0] * self._window.weight(True) if summed else result * self._window.weight(False) * share
 
         syncs = self._window.begin()
+        if self._strategy.experts is not None:
+            self._strategy.experts.weigh_pipeline(loss_fn, targets, self._window)
         for observer in self.observers:
             observer.on_backward_start()
         with watching(self.observers, "pipeline step"), self._plan.autocast_context(self.device):

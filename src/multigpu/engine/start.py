@@ -229,11 +229,6 @@ def set_up(
     if cp is not None:  # the attention compile and recomputation will see
         use_context_attention(model, cp)
     strategy.experts = mixture_of_experts(model, strategy.layout, env.device.type)
-    if strategy.experts is not None and strategy.pipelined and strategy.experts.coefficient:
-        raise UsageError(
-            "A pipeline's stages cannot weigh a mixture-of-experts model's load-balancing loss yet; set the "
-            "model's router_aux_loss_coef to 0 to train it under pp, or use ddp, zero2, zero3 or hsdp."
-        )
     values = meta_values(strategy, model, optimizer, env, *build, say)
     model = batchnorm(model, strategy, env, config.sync_batchnorm)
     # float8 first, as torchtitan orders it: tp, recomputation, compile and sharding then see its layers; the

@@ -92,6 +92,11 @@ class FinetuneConfig(lm_data.DataSettings, FinetuneSettings, lm_models.ModelSett
     warmup_steps: int = setting(10, "linear warm-up over this many steps' samples, then cosine decay")
     lora_r: int = setting(8, "LoRA rank")
     lora_alpha: int = setting(16, "LoRA scaling numerator (scale = alpha / r)")
+    lora_experts: bool = setting(
+        False,
+        "lora/qlora on a mixture of experts: also adapt each layer's experts and router (peft's target_parameters; "
+        "by default the adapters go on the attention projections only)",
+    )
     merge: bool = setting(False, "also write the base model with the adapter merged in")
     sample_prompt: str | None = setting(None, "print this prompt's greedy continuation before and after training")
     eval_batches: int = setting(20, "validation batches per rank per evaluation (0: all)")
@@ -175,6 +180,7 @@ def build(config: FinetuneConfig, engine: Engine) -> tuple[nn.Module, torch.opti
             config.method,
             config.lora_r,
             config.lora_alpha,
+            lora_experts=config.lora_experts,
             precision=engine.precision.name,  # the engine's: bench and verify may run another than the config's
             skeleton=skeleton,
         )
@@ -382,7 +388,9 @@ def export_adapter(checkpoint: Path, out: Path, key: str = "model") -> None:
     check_new_output(out, "OUT")
     run = finetune_of(checkpoint)
     with torch.device("meta"):
-        model = lm_models.load_model(run.model, "lora", run.lora_r, run.lora_alpha, skeleton=True)
+        model = lm_models.load_model(
+            run.model, "lora", run.lora_r, run.lora_alpha, lora_experts=run.lora_experts, skeleton=True
+        )
     stored = model_metadata(checkpoint, key)
     for name, parameter in model.named_parameters():
         if parameter.requires_grad and (name not in stored or list(stored[name].size) != list(parameter.shape)):
@@ -411,7 +419,7 @@ def finetune_of(checkpoint: Path) -> FinetuneConfig:
             "checkpoint where its finetune wrote it, or use the adapter the finetune wrote at its end "
             "(SAVE_DIR/adapter)."
         )
-    return FinetuneConfig(**{name: settings[name] for name in ("model", "lora_r", "lora_alpha") if name in settings})
+    return FinetuneConfig(**{name: settings[name] for name in ("model", "lora_r", "lora_alpha", "lora_experts") if name in settings})
 
 
 def check(config: FinetuneConfig) -> None:

@@ -332,6 +332,7 @@ def load_model(
     adapter: str | None = None,
     precision: str = "32",
     skeleton: bool = False,
+    lora_experts: bool = False,
 ) -> Any:
     """The model ready to train (or to generate with): full, or with LoRA adapters (on nf4 weights for qlora).
 
@@ -376,7 +377,12 @@ def load_model(
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
-        r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules=lora_targets(model), task_type="CAUSAL_LM"
+        r=lora_r,
+        lora_alpha=lora_alpha,
+        lora_dropout=0.0,
+        target_modules=lora_targets(model),
+        target_parameters=expert_targets(model) if lora_experts else None,
+        task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, config)
     if skeleton:
@@ -443,6 +449,22 @@ def pass_document_bounds(decoder: torch.nn.Module, args: tuple, kwargs: dict[str
     if kwargs.get("attention_mask") is None and kwargs.get("use_cache") is False:
         kwargs.update(packed_attention_kwargs(decoder.config, kwargs.get("position_ids")))
     return args, kwargs
+
+
+def expert_targets(model: torch.nn.Module) -> list[str]:
+    """The parameters of every mixture layer's experts and router, as peft's target_parameters names them (the
+    end of their names); refuses a model without experts."""
+    from multigpu.strategies.experts import find_layers
+
+    layers = find_layers(model, default_top_k=0)
+    if not layers:
+        raise UsageError("--lora-experts adapts a mixture-of-experts model's experts, and this model has none; drop it.")
+    prefix = layers[0].name.split(".")
+    names = [f"{layer.name}.{name}" for layer in layers for name, _ in layer.experts.named_parameters()]
+    names += [n for n, p in model.named_parameters() if any(p is layer.router.weight for layer in layers)]
+    # The names past the layer index: "mlp.experts.gate_up_proj", the same in every layer.
+    depth = next(i for i, part in enumerate(prefix) if part.isdigit()) + 1
+    return sorted({".".join(name.split(".")[depth:]) for name in names})
 
 
 def lora_targets(model: torch.nn.Module) -> list[str]:

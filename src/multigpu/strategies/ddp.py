@@ -10,14 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
 from multigpu.core.layout import REPLICAS
-from multigpu.core.modules import repoint
 from multigpu.core.precision import PrecisionPlan
 from multigpu.core.settings import Settings, setting
 from multigpu.strategies.base import Strategy, move_to_device
@@ -57,6 +55,8 @@ class DDP(CompressionOptions, DDPOptions, Strategy):
         mesh = self.build_mesh(env)
         model = move_to_device(model, env)
         if self.layout.ep > 1:
+            from multigpu.strategies.expert_parallel import replicate_experts
+
             replicate_experts(model, optimizer, self.experts, env.device)
         device_ids = [env.device.index] if env.device.type == "cuda" else None
         wrapped = DistributedDataParallel(
@@ -128,23 +128,3 @@ def unused_parameter_names(model: DistributedDataParallel, message: str, shown: 
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return ", ".join(names[:shown]) + more if names else "of the model"
 
-
-def replicate_experts(model: nn.Module, optimizer: torch.optim.Optimizer | None, experts: Any, device: Any) -> None:
-    """Expert parallelism beside DDP: each rank's experts (DTensors over the ep ranks, which DDP cannot take) left
-    out of DDP, their gradients averaged over the ranks that hold the same experts as each backward ends."""
-    names = {id(p): name for name, p in model.named_parameters()}
-    experts.parallelize(device)
-    repoint(optimizer, names, model)
-    held = {id(p) for p in experts.expert_parameters()}
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-        model, [name for name, p in model.named_parameters() if id(p) in held]
-    )
-    group = experts.mesh["edp"].get_group()
-
-    def average(param: torch.Tensor) -> None:
-        local = param.grad.to_local()
-        dist.all_reduce(local, op=dist.ReduceOp.AVG, group=group)
-
-    for param in experts.expert_parameters():
-        if param.requires_grad:
-            param.register_post_accumulate_grad_hook(average)

@@ -24,11 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from multigpu.core.errors import UsageError
 from multigpu.core.layout import ParallelDims
-from multigpu.strategies.context import _AllToAll
 
 
 @dataclass
@@ -38,10 +36,11 @@ class MoELayer:
 
     name: str
     block: nn.Module
-    router: nn.Module
-    experts: nn.Module
+    router: nn.Module  # the module whose output holds the logits (under a LoRA wrapper, the one it wraps)
+    experts: nn.Module  # the module holding the experts' weights
     num_experts: int
     top_k: int
+    entry: nn.Module  # what the block calls with the tokens: the experts, or a LoRA wrapper around them
 
 
 def _is_experts(module: nn.Module) -> bool:
@@ -52,43 +51,47 @@ def _is_experts(module: nn.Module) -> bool:
     return all(p.dim() >= 2 and p.shape[0] == count for p in params) and any(p.dim() == 3 for p in params)
 
 
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The module a LoRA wrapper (peft's) wraps, all the way down; the module itself when it is none."""
+    while hasattr(module, "get_base_layer") and module.get_base_layer() is not module:
+        module = module.get_base_layer()
+    return module
+
+
+def _router_of(block: nn.Module, experts: nn.Module, count: int) -> list[nn.Module]:
+    found = []
+    for child in block.children():
+        base = _unwrapped(child)
+        weight = getattr(base, "weight", None)
+        if base is not experts and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == count:
+            found.append(base)
+    return found
+
+
 def find_layers(model: nn.Module, default_top_k: int | None = None) -> list[MoELayer]:
-    """The model's mixture layers, in order; refuses an experts module without exactly one router beside it."""
+    """The model's mixture layers, in order: each experts module, its block (the nearest module above it with a
+    router beside it) and router; refuses an experts module with no router, or several, beside it."""
     layers = []
     for name, module in model.named_modules():
         if not _is_experts(module):
             continue
-        block_name = name.rpartition(".")[0]
-        block = model.get_submodule(block_name)
-        count = module.num_experts
-        routers = [
-            child
-            for child in block.children()
-            if child is not module
-            and isinstance(getattr(child, "weight", None), torch.Tensor)
-            and child.weight.dim() == 2
-            and child.weight.shape[0] == count
-        ]
+        count, path = module.num_experts, name.split(".")
+        for depth in range(len(path) - 1, -1, -1):  # up through any wrappers to the block
+            block, routers = model.get_submodule(".".join(path[:depth])), []
+            routers = _router_of(block, module, count)
+            if routers:
+                break
         if len(routers) != 1:
             raise UsageError(
-                f"{name} holds {count} experts, and its block {block_name or 'the model'} has {len(routers)} router(s) "
-                f"with a ({count}, hidden) weight beside it; give the block exactly one router module."
+                f"{name} holds {count} experts, and {len(routers)} router(s) with a ({count}, hidden) weight sit "
+                "beside it; give its block exactly one router module."
             )
         top_k = getattr(routers[0], "top_k", None) or getattr(block, "top_k", None) or default_top_k
         if not isinstance(top_k, int):
-            raise UsageError(
-                f"{name}'s router names no top_k (how many experts each token goes to); set router.top_k."
-            )
-        layers.append(MoELayer(name, block, routers[0], module, count, top_k))
+            raise UsageError(f"{name}'s router names no top_k (how many experts each token goes to); set router.top_k.")
+        entry = block.get_submodule(path[depth])
+        layers.append(MoELayer(name, block, routers[0], module, count, top_k, entry))
     return layers
-
-
-def expert_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """The ranks laid out as (pp, edp, ep, tp): an ep group is ep consecutive data-parallel (x cp) ranks, as
-    ParallelDims.expert_pool requires; edp, the ranks that hold the same experts and average their gradients."""
-    data = dims.replicate * dims.shard * dims.cp
-    ranks = torch.arange(dims.world_size).reshape(dims.pp, data // dims.ep, dims.ep, dims.tp)
-    return DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "tp"))
 
 
 class _InjectAux(torch.autograd.Function):
@@ -108,17 +111,6 @@ class _InjectAux(torch.autograd.Function):
         return grad, torch.full((), weight, dtype=torch.float32, device=grad.device), None
 
 
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, factor: float) -> torch.Tensor:
-        ctx.factor = factor
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.factor, None
-
-
 @dataclass
 class MixtureOfExperts:
     """A run's mixture layers and what happens around them: each router's load-balancing loss over the tokens of
@@ -131,7 +123,19 @@ class MixtureOfExperts:
     backward_weight: float = 1.0  # the Engine's weight of this micro-step's loss (set before each backward)
     aux: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> its global loss in the last forward
     tokens: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> global tokens per expert, last forward
+    counted: bool = False  # under pp: whether weigh_pipeline knew the step's token count
     _pending: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def parallelize(self, device: torch.device) -> None:
+        """With ep > 1: each rank's share of the experts, and the all-to-all dispatch (expert_parallel.py)."""
+        from multigpu.strategies.expert_parallel import parallelize
+
+        if self.ep > 1:
+            parallelize(self, device)
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """The parameters ep spreads: each layer's experts' own (LoRA adapters on them stay whole)."""
+        return [p for layer in self.layers for p in layer.experts.parameters(recurse=False)]
 
     @property
     def ep(self) -> int:
@@ -139,13 +143,15 @@ class MixtureOfExperts:
 
     def attach(self, device_type: str) -> None:
         """Builds the groups (every rank must call it) and hooks each router and block."""
+        from multigpu.strategies.expert_parallel import expert_mesh
+
         if self.dims.world_size > 1:
             self.mesh = expert_mesh(self.dims, device_type)
         for index, layer in enumerate(self.layers):
             layer.router.register_forward_hook(self._routed(index))
             layer.block.register_forward_hook(self._carry_aux(index))
 
-    def _data_group(self) -> Any:
+    def data_group(self) -> Any:
         """The ranks whose tokens one step's load-balancing loss counts: data-parallel x cp (not tp, whose ranks
         see the same tokens, nor pp, whose stages hold other layers)."""
         if self.mesh is None or self.dims.replicate * self.dims.shard * self.dims.cp == 1:
@@ -164,7 +170,7 @@ class MixtureOfExperts:
             shares = probs.sum(0)
             rows = torch.tensor([probs.shape[0]], dtype=torch.float32, device=probs.device)
             totals = torch.cat([counts, shares.detach(), rows])
-            group = self._data_group()
+            group = self.data_group()
             if group is not None:
                 dist.all_reduce(totals, group=group)
             every = layer.num_experts
@@ -199,98 +205,63 @@ class MixtureOfExperts:
             self.backward_weight = weight * window.data_world
             return
         count = torch.as_tensor(count, dtype=torch.float64, device=window.device).detach().clone()
-        group = self._data_group()
+        group = self.data_group()
         if group is not None:
             dist.all_reduce(count, group=group)
         self.backward_weight = weight * float(count)
 
-    def loss(self) -> float | None:
-        """The last forward's load-balancing loss, the mean over layers (every rank gets the same number)."""
+    def weigh_pipeline(self, loss_fn: Any, targets: Any, window: Any) -> None:
+        """`weigh` for a pipeline step, before it runs: its stages' backwards interleave with later forwards, so the
+        step's token count comes from the targets, by the loss's own rule (engine.lm_loss's `count`). Each of the
+        schedule's micro-batches (equal slices of the batch) gets its share; `pipeline_slices` divides by them."""
+        self.counted = hasattr(loss_fn, "count")
+        self.weigh(window.weight(self.counted), loss_fn.count(targets) if self.counted else None, window)
+
+    def pipeline_slices(self, micro: int, summed: bool) -> None:
+        """Divides the step's weight among the schedule's `micro` micro-batches; refuses a summed loss whose
+        count weigh_pipeline could not know beforehand."""
+        if summed and not self.counted and self.coefficient:
+            raise UsageError(
+                "Under pp a mixture-of-experts model's load-balancing loss is weighed before the pipeline runs, "
+                "from the batch's tokens, which only engine.lm_loss(head) can count then; pass engine.lm_loss(head) "
+                "as loss_fn, or a loss_fn that returns the mean."
+            )
+        self.backward_weight /= micro
+
+    def _every_layer(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(each layer's loss, each layer's tokens per expert) of the last forward, the layers of every pipeline
+        stage included (a collective over the pp ranks: every rank calls it)."""
         if not self.aux:
             return None
-        return float(torch.stack(list(self.aux.values())).mean())
+        device = next(iter(self.aux.values())).device
+        table = torch.zeros(len(self.layers), 1 + self.layers[0].num_experts, dtype=torch.float64, device=device)
+        for index, value in self.aux.items():
+            table[index, 0], table[index, 1:] = value, self.tokens[index]
+        if self.dims.pp > 1:  # each stage ran its own layers
+            dist.all_reduce(table, group=self.mesh["pp"].get_group())  # type: ignore[index]
+        return table[:, 0].cpu(), table[:, 1:].cpu()
+
+    def loss(self) -> float | None:
+        """The last forward's load-balancing loss, the mean over layers; every rank gets the same number (and
+        must ask for it under pp)."""
+        found = self._every_layer()
+        return None if found is None else float(found[0].mean())
 
     def metrics(self) -> dict[str, Any]:
         """The last forward's load-balancing loss and routed tokens over all data-parallel ranks, summed over
         layers: per expert, per rank of an ep group (the experts each holds: what each computes), and the busiest
-        expert against the mean (1.0: balanced; a skewed router makes one rank the step's straggler)."""
-        if not self.tokens:
+        expert against the mean (1.0: balanced; a skewed router makes one rank the step's straggler). Every rank
+        calls it."""
+        found = self._every_layer()
+        if found is None:
             return {}
-        per_expert = torch.stack([t.cpu() for t in self.tokens.values()]).sum(0)
+        per_expert = found[1].sum(0)
         return {
-            "moe_aux_loss": self.loss(),
+            "moe_aux_loss": float(found[0].mean()),
             "moe_tokens_per_expert": [int(n) for n in per_expert.tolist()],
             "moe_tokens_per_rank": [int(n) for n in per_expert.view(self.ep, -1).sum(1).tolist()],
             "moe_busiest_expert_vs_mean": float(per_expert.max() / per_expert.mean().clamp(min=1e-9)),
         }
-
-    # Expert parallelism.
-
-    def parallelize(self, device: torch.device) -> None:
-        """Gives each rank of an ep group its 1/ep of every layer's experts (rank 0's values, the same on every
-        rank first), as DTensors sharded by expert over the ep dimension: checkpoints then hold whole layers and
-        load into another ep or another strategy. The experts' forward becomes the all-to-all dispatch."""
-        if self.ep == 1:
-            return
-        assert self.mesh is not None
-        ep_mesh = self.mesh["ep"]
-        for layer in self.layers:
-            for name, param in list(layer.experts.named_parameters(recurse=False)):
-                whole = param.data.to(device)
-                dist.broadcast(whole, src=0)
-                local = whole.chunk(self.ep, dim=0)[ep_mesh.get_local_rank()].clone()
-                sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
-                layer.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-            forward = layer.experts.forward
-            layer.experts.forward = self._dispatching(layer, forward)
-
-    def expert_parameters(self) -> list[nn.Parameter]:
-        return [p for layer in self.layers for p in layer.experts.parameters(recurse=False)]
-
-    def _dispatching(self, layer: MoELayer, forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        group = self.mesh["ep"].get_group()  # type: ignore[index]
-        experts, ep, local = layer.experts, self.ep, layer.num_experts // self.ep
-
-        def dispatched(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-            flat = top_k_index.reshape(-1)
-            order = torch.argsort(flat, stable=True)  # grouped by expert, so by the rank that holds it
-            token = order // top_k_index.shape[-1]
-            per_expert = torch.bincount(flat, minlength=layer.num_experts)
-            arriving = torch.empty_like(per_expert)
-            dist.all_to_all_single(arriving, per_expert, group=group)  # [source rank, my expert]
-            send = per_expert.view(ep, local).sum(1).tolist()
-            receive = arriving.view(ep, local).sum(1).tolist()
-            inputs = _AllToAll.apply(hidden[token], send, receive, group)
-            weights = _AllToAll.apply(top_k_weights.reshape(-1)[order].unsqueeze(1), send, receive, group)
-            which = torch.arange(local, device=flat.device).repeat(ep).repeat_interleave(arriving)
-            outputs = self._local_experts(experts, forward, inputs, which.unsqueeze(1), weights.to(inputs.dtype))
-            back = _AllToAll.apply(outputs, receive, send, group)
-            return hidden.new_zeros(hidden.shape).index_add(0, token, back.to(hidden.dtype))
-
-        return dispatched
-
-    def _local_experts(
-        self,
-        experts: nn.Module,
-        forward: Callable[..., torch.Tensor],
-        inputs: torch.Tensor,
-        which: torch.Tensor,
-        weights: torch.Tensor,
-    ) -> torch.Tensor:
-        """The module's own forward over this rank's experts: its parameters seen as their local slices (whose
-        gradient is divided by ep: every rank of the ep group added its tokens' part, and the data-parallel mean
-        over the edp ranks would otherwise count each ep group's tokens ep times)."""
-        held = dict(experts._parameters)
-        count = experts.num_experts
-        try:
-            for name, param in held.items():
-                value = param.to_local() if isinstance(param, DTensor) else param
-                experts._parameters[name] = _ScaleGrad.apply(value, 1.0 / self.ep)  # type: ignore[assignment]
-            experts.num_experts = count // self.ep
-            return forward(inputs, which, weights)
-        finally:
-            experts._parameters.update(held)
-            experts.num_experts = count
 
 
 def mixture_of_experts(model: nn.Module, dims: ParallelDims, device_type: str) -> MixtureOfExperts | None:

@@ -113,14 +113,9 @@ class FSDP(CompressionOptions, ShardingOptions, TensorParallelOptions, Strategy)
         if self.layout.tp > 1:  # tp splits the layers first; fully_shard then shards each slice over "shard"
             tensor_parallelize(model, self.mesh["tp"], self.sequence_parallel)
         if self.layout.ep > 1:  # each rank's experts, sharded over the ranks that hold the same ones
-            self.experts.parallelize(env.device)
-            for layer in self.experts.layers:
-                fully_shard(
-                    layer.experts,
-                    mesh=self.experts.mesh["edp"],
-                    mp_policy=plan.unit,
-                    reshard_after_forward=self.reshard_after_forward,
-                )
+            from multigpu.strategies.expert_parallel import shard_experts
+
+            shard_experts(self.experts, env.device, plan.unit, self.reshard_after_forward)
         for unit in [*units, model]:
             shard(unit)
         # fully_shard replaced every Parameter with a sharded DTensor one; point the optimizer at those.

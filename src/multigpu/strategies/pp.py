@@ -237,6 +237,8 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
         # A new schedule's first run infers its shapes by a real forward and backward, after which torch drops the
         # sharded stages' gradients: those of this accumulation's earlier batches wait aside meanwhile.
         aside = self._gradients_aside() if new and train and self.data is not None else []
+        if self.experts is not None and train:
+            self.experts.pipeline_slices(micro, summed=False)
         run(*args, target=targets, losses=[], **kwargs)
         with torch.no_grad():
             for param, grad in aside:
@@ -254,6 +256,8 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
         totals[2] = float(summed)
         dist.all_reduce(totals, group=self._group)  # only the last stage computed them
         loss, count, summed = totals[0], totals[1], bool(totals[2] > 0)
+        if self.experts is not None and train and summed:
+            self.experts.pipeline_slices(1, summed=True)  # refuses a count it could not know beforehand
         return (loss, count) if summed else (loss, None)
 
     def _gradients_aside(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
