@@ -69,7 +69,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from multigpu.planner.memory import PlanConfig, plan_shape
+    from multigpu.planner.memory import PlanConfig
+    from multigpu.planner.recommend import plan_shape
     from multigpu.planner.report import print_table, to_json
     from multigpu.planner.shapes import from_counts, load_shape
 

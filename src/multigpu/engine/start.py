@@ -145,13 +145,14 @@ def strategy_for(
     config: EngineConfig,
     say: Callable[[str], None],
 ) -> Strategy:
-    """`auto` with several processes: the planner's fastest strategy that fits this device's memory."""
+    """`auto` with several processes: the planner's fastest strategy that fits this device's memory (for a mixture
+    of experts without ep_size, at the smallest ep degree that fits it)."""
     if env.device.type == "cuda":
         memory = torch.cuda.get_device_properties(env.device).total_memory
     else:  # the processes of a node share its RAM
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / env.local_world_size
     kind = "sgd" if isinstance(optimizer, torch.optim.SGD) else "adamw"  # others counted as Adam (2 states)
-    name, reason = choose_strategy(
+    name, reason, ep_size = choose_strategy(
         model,
         kind,
         gpus=env.local_world_size,
@@ -162,6 +163,7 @@ def strategy_for(
         grad_accum_steps=config.grad_accum_steps,
         unsharded_grad_accum=config.unsharded_grad_accum,
         per="GPU" if env.device.type == "cuda" else "process",
+        ep_size=config.ep_size,
     )
     say(f"strategy auto -> {name}: {reason}")
     offload = name == "zero3+offload"
@@ -170,6 +172,7 @@ def strategy_for(
         strategy="zero3" if offload else name,
         cpu_offload=offload,
         unsharded_grad_accum=name.startswith(("zero2", "zero3")) and config.unsharded_grad_accum,
+        ep_size=ep_size if ep_size > 1 else config.ep_size,  # a mixture that fits only with its experts split
     )
     return resolve(chosen.strategy, env, chosen, say)
 

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from multigpu.core.errors import UsageError
-from multigpu.planner.memory import OPTIMIZERS, ORDER, Plan, PlanConfig, StrategyMemory, plan_shape
-from multigpu.planner.shapes import BUILTIN, ModelShape, from_module, load_shape
+from multigpu.planner.memory import OPTIMIZERS, ORDER, Plan, PlanConfig, StrategyMemory
+from multigpu.planner.module_shape import from_module
+from multigpu.planner.recommend import plan_shape
+from multigpu.planner.shapes import BUILTIN, ModelShape, load_shape
 
 __all__ = [
     "BUILTIN",
     "OPTIMIZERS",
     "ORDER",
+    "Choice",
     "ModelShape",
     "Plan",
     "PlanConfig",
@@ -27,7 +30,7 @@ def plan(model: Any, sample_input: Any = None, **options: Any) -> Plan:
 
     `options` are PlanConfig's fields (gpus, nodes, gpu_memory such as "80GB", precision, optimizer, batch_size,
     seq_len, grad_accum_steps, unsharded_grad_accum, activation_checkpointing, lora_r, qlora, cpu_offload, tp_size,
-    pp_size, cp_size, cp_method, ...).
+    pp_size, cp_size, ep_size, cp_method, ...).
     """
     return plan_shape(_shape(model, sample_input), PlanConfig(**options))
 
@@ -47,6 +50,14 @@ def _built_on_meta(model: Any) -> bool:
     return hasattr(model, "parameters") and on_meta(model)
 
 
+class Choice(NamedTuple):
+    """What `auto` runs: a strategy, the ep degree it runs a mixture of experts at (1 for a dense model), and why."""
+
+    strategy: str
+    reason: str
+    ep_size: int = 1
+
+
 def choose_strategy(
     model: Any,
     optimizer: str,
@@ -58,10 +69,13 @@ def choose_strategy(
     grad_accum_steps: int = 1,
     unsharded_grad_accum: bool = False,
     per: str = "GPU",
-) -> tuple[str, str]:
+    ep_size: int | None = None,
+) -> Choice:
     """`auto`: the fastest strategy whose model states and buffers fit (activations depend on the batch, unknown
-    here, so leave room for them). Returns the strategy name and the reason, for the user. `per`: what `gpu_bytes`
-    is the memory of, in the reason ("process" on CPU, where it is each process's share of the RAM).
+    here, so leave room for them), and the reason, for the user. `per`: what `gpu_bytes` is the memory of, in the
+    reason ("process" on CPU, where it is each process's share of the RAM). A mixture of experts (experts found by
+    module_shape.expert_modules) without `ep_size` runs each strategy, fastest first, at the smallest ep degree that
+    fits it (plan_shape's rule); with `ep_size`, at that degree.
 
     The choice is on training memory alone; the reason adds the setup warning where a model built whole would not
     fit the strategy's setup, unless `model` already lies on the meta device (built under engine.init_module()).
@@ -77,10 +91,11 @@ def choose_strategy(
         cpu_offload=offload_possible,
         grad_accum_steps=grad_accum_steps,
         unsharded_grad_accum=unsharded_grad_accum,
+        ep_size=ep_size,
     )
     result = plan_shape(_shape(model), config, per)
     if result.recommendation is None:
         raise UsageError(f"No strategy fits this model: {result.reason}.")
     if result.setup_warning and not _built_on_meta(model):
-        return result.recommendation, f"{result.reason}; {result.setup_warning}"
-    return result.recommendation, result.reason
+        return Choice(result.recommendation, f"{result.reason}; {result.setup_warning}", result.ep_size)
+    return Choice(result.recommendation, result.reason, result.ep_size)

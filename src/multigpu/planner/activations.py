@@ -17,6 +17,15 @@ Under activation checkpointing (core/recompute.py's modes) a layer keeps
   offload             nothing on the device: every saved tensor waits in host memory until backward needs it;
 and backward brings the rest of one layer's activations back at a time (recomputed, or copied back), on top at
 the peak.
+A mixture-of-experts layer (Hugging Face's Qwen3-MoE, Mixtral, OLMoE: each expert runs on the tokens routed to it)
+keeps, in place of the dense MLP, per routed token (T*k, k experts per token)
+  dispatch and combine  2*T*k*h*c           each expert's input rows and its output rows (weighted by the router)
+  expert MLP            4*T*k*e*c           gate, up, SiLU(gate) and down_proj's input, e the expert's width
+  router                4*T*E               the fp32 softmax over the E experts
+and its linear inputs are q, k, v and the router's under autocast (4); a shared expert adds a dense MLP's. Routing
+is taken as balanced (each expert, each ep rank, gets its share of T*k; a skewed router holds more on some ranks).
+Under expert parallelism the dispatch and combine all-to-alls add their send and receive buffers (2*T*k*h*c), one
+layer at a time, on top at the peak. tp does not split experts: each tp rank runs every routed token.
 Tensor and pipeline parallelism divide these per rank: see transformer_parts and layout.py.
 Context parallelism (cp ranks, each holding seq / cp positions of every sequence) divides every T above by cp.
 Attention differs by method (attention_saved):
@@ -54,6 +63,7 @@ class ActivationParts:
     layer_gradients: int  # the gradients of the MLP's gate and up outputs, alive together in its backward
     outside: int  # token ids, labels, the final norm, the head's input and the log-softmax
     cp_buffers: int = 0  # what cp's attention holds besides, one layer at a time in backward
+    ep_buffers: int = 0  # the all-to-alls' send and receive buffers of a mixture layer under ep, one at a time
 
 
 def transformer_parts(
@@ -65,8 +75,12 @@ def transformer_parts(
     sequence_parallel: bool = False,
     cp: int = 1,
     cp_method: str = "ulysses",
+    moe: bool = False,
+    ep: int = 1,
 ) -> ActivationParts:
-    """`tp` divides what Megatron-style tensor parallelism splits: attention by heads and the MLP by its width.
+    """One layer's parts: a dense layer's, or (`moe`) a mixture-of-experts layer's under expert parallelism `ep`.
+
+    `tp` divides what Megatron-style tensor parallelism splits: attention by heads and the MLP by its width.
     Without sequence parallelism the norms, the residual stream and each split linear's input stay whole on every
     rank, and the head's logits are gathered whole, so the log-softmax is whole too. Sequence parallelism divides
     the norms (the final one too) and a layer's input by tp; the split linears still keep the gathered input, and
@@ -80,8 +94,11 @@ def transformer_parts(
     mixed = precision in ("bf16-mixed", "fp16-mixed")
     h, i = t.hidden, t.intermediate
     positions = tp if sequence_parallel else 1  # what splits by position
+    if moe:
+        i = t.shared_expert_intermediate  # the dense MLP a mixture layer keeps, if any
     norms = 2 * tokens * h * (4 + residual) + 8 * tokens
-    inputs = (5 if mixed else 2) * tokens * h * compute
+    casts = (2 if i else 0) + (4 if moe else 3)  # q, k, v (and the router) each cast their own, gate and up too
+    inputs = (casts if mixed else 2) * tokens * h * compute
     attention = attention_saved(t, batch, seq, compute, tp, cp, cp_method)
     split = -(-4 * tokens * i * compute // tp) + attention
     final_norm = tokens * h * (4 + residual) + 4 * tokens
@@ -92,7 +109,17 @@ def transformer_parts(
     layer_input = -(-tokens * h * residual // positions)
     gradients = -(-2 * tokens * i * compute // tp)
     buffers = attention_buffers(t, batch, seq, compute, tp, cp, cp_method)
-    return ActivationParts(layer, layer_input, products, gradients, outside, buffers)
+    routed, e = tokens * t.experts_per_token, t.expert_intermediate
+    if not moe:
+        return ActivationParts(layer, layer_input, products, gradients, outside, buffers)
+    # The experts' rows in and out, their MLPs, and the router's fp32 softmax; selective keeps the router's logits
+    # and the experts' gate, up and down outputs.
+    experts = routed * compute * (2 * h + 4 * e) + 4 * tokens * t.experts
+    kept = tokens * compute * t.experts + routed * compute * (2 * e + h)
+    dispatch = 2 * routed * h * compute if ep > 1 else 0
+    return ActivationParts(
+        layer + experts, layer_input, products + kept, gradients + 2 * routed * e * compute, outside, buffers, dispatch
+    )
 
 
 def attention_heads(t: Transformer, tp: int, cp: int) -> tuple[int, int]:
@@ -143,21 +170,56 @@ def kept_per_layer(parts: ActivationParts, checkpointing: str) -> int:
     return kept[checkpointing]
 
 
+def layer_parts(
+    t: Transformer,
+    layers: int,
+    batch: int,
+    seq: int,
+    precision: str,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    cp: int = 1,
+    cp_method: str = "ulysses",
+    ep: int = 1,
+) -> list[tuple[int, ActivationParts]]:
+    """(how many, parts) of each kind of layer among `layers` of the model's (t.layer_kinds): the dense layers',
+    then the mixture layers'."""
+    dense, moe = t.layer_kinds(layers)
+    common = (t, batch, seq, precision, tp, sequence_parallel, cp, cp_method)
+    kinds = ((dense, transformer_parts(*common)), (moe, transformer_parts(*common, moe=True, ep=ep)))
+    return [(count, parts) for count, parts in kinds if count]
+
+
+def layers_kept(kinds: list[tuple[int, ActivationParts]], checkpointing: str) -> tuple[int, int]:
+    """(bytes the layers keep between forward and backward, what one layer's backward adds on top at most)."""
+    kept = sum(count * kept_per_layer(parts, checkpointing) for count, parts in kinds)
+    return kept, max((recomputed(parts, checkpointing) for _, parts in kinds), default=0)
+
+
 def transformer_activations(
-    t: Transformer, batch: int, seq: int, precision: str, checkpointing: str, cp: int = 1, cp_method: str = "ulysses"
+    t: Transformer,
+    batch: int,
+    seq: int,
+    precision: str,
+    checkpointing: str,
+    cp: int = 1,
+    cp_method: str = "ulysses",
+    ep: int = 1,
 ) -> Activations:
-    parts = transformer_parts(t, batch, seq, precision, cp=cp, cp_method=cp_method)
-    kept = kept_per_layer(parts, checkpointing)
-    saved = t.layers * kept + parts.outside
+    kinds = layer_parts(t, t.layers, batch, seq, precision, cp=cp, cp_method=cp_method, ep=ep)
+    kept, recompute = layers_kept(kinds, checkpointing)
+    saved = kept + kinds[0][1].outside
     # Backward starts with the loss's: the gradients of the fp32 log-softmax and of the logits, each tokens x vocab.
     # It frees what lies outside the layers before it reaches the last layer, whose activations then come back.
     loss_backward = 2 * 4 * batch * seq // cp * t.vocab
-    return Activations(saved, max(saved + loss_backward, t.layers * kept + recomputed(parts, checkpointing)))
+    return Activations(saved, max(saved + loss_backward, kept + recompute))
 
 
 def recomputed(parts: ActivationParts, checkpointing: str) -> int:
     """Bytes a layer's backward adds to what the layers keep: under checkpointing the rest of its activations,
-    recomputed or copied back, and the gradients of its widest tensors; under cp, its attention's buffers."""
+    recomputed or copied back, and the gradients of its widest tensors; under cp, its attention's buffers; under
+    ep, its all-to-alls' buffers."""
+    buffers = parts.cp_buffers + parts.ep_buffers
     if checkpointing == "none":
-        return parts.cp_buffers
-    return parts.layer - kept_per_layer(parts, checkpointing) + parts.layer_gradients + parts.cp_buffers
+        return buffers
+    return parts.layer - kept_per_layer(parts, checkpointing) + parts.layer_gradients + buffers

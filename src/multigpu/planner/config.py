@@ -74,6 +74,11 @@ def takes_cp(row: str) -> bool:
     return "cp" in SPREADS[row].takes
 
 
+def takes_ep(row: str) -> bool:
+    """Whether a row's strategy spreads a mixture's experts over ep ranks (single, dp, tp and DeepSpeed's do not)."""
+    return "ep" in SPREADS[row].takes
+
+
 # The training set-up and layout are the Engine's settings, planned for a GPU cluster: bf16-mixed and no model
 # parallelism unless asked.
 _ENGINE_SETTINGS = derive(
@@ -93,6 +98,7 @@ _ENGINE_SETTINGS = derive(
         "tp_size",
         "pp_size",
         "cp_size",
+        "ep_size",
         "cp_method",
         "sequence_parallel",
         "pp_schedule",
@@ -106,6 +112,8 @@ _ENGINE_SETTINGS = derive(
         "cpu_offload": " (plan: allows the zero3+offload row to be recommended)",
         "activation_checkpointing": " (plan: offload counts what stays on the GPU)",
         "cp_size": "; plan: also shows the longest sequence each row fits at batch size 1",
+        "ep_size": "; plan: unset, a mixture's rows take ep 1, zero3 is shown at every ep that divides its "
+        "processes and the experts, and the recommendation takes the smallest ep its strategy fits at",
     },
 )
 
@@ -163,7 +171,8 @@ class PlanConfig(_ENGINE_SETTINGS):
     def layout(self, row: str) -> ParallelDims:
         """The degrees of a row's strategy on this cluster, as that strategy would resolve them."""
         cp = self.cp_size if takes_cp(row) else None
-        request = LayoutSettings(tp_size=self.tp_size, pp_size=self.pp_size, cp_size=cp)
+        ep = self.ep_size if takes_ep(row) else None
+        request = LayoutSettings(tp_size=self.tp_size, pp_size=self.pp_size, cp_size=cp, ep_size=ep)
         return resolve_layout(request, SPREADS[row], self.world, self.nodes, row)
 
     @property

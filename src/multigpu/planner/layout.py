@@ -21,8 +21,8 @@ import math
 from dataclasses import dataclass, replace
 
 from multigpu.core.errors import UsageError
-from multigpu.planner.activations import kept_per_layer, recomputed, transformer_parts
-from multigpu.planner.shapes import ModelShape, Transformer
+from multigpu.planner.activations import layer_parts, layers_kept, transformer_parts
+from multigpu.planner.shapes import ModelShape
 
 COLUMN_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # the rest (o_proj, down_proj) split rows
 
@@ -82,42 +82,59 @@ def bubble_fraction(pp: int, microbatches: int, stages_per_rank: int = 1) -> flo
     return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
 
 
-def _split_lora(t: Transformer, tp: int) -> tuple[tuple[int, int], ...]:
+def _split_lora(linears: dict[str, tuple[int, int]], tp: int) -> tuple[tuple[int, int], ...]:
     """A layer's LoRA (in, out) pairs as one tp rank holds them: the split side of each projection divided."""
-    return tuple((i, o // tp) if name in COLUMN_SPLIT else (i // tp, o) for name, (i, o) in t.linears().items())
+    return tuple((i, o // tp) if name in COLUMN_SPLIT else (i // tp, o) for name, (i, o) in linears.items())
 
 
-def held_shape(shape: ModelShape, tp: int, pp: int, stage: Stage) -> ModelShape:
-    """The part of the model one rank holds, as a ModelShape the memory arithmetic reads like a whole model."""
-    if tp == 1 and pp == 1:
+def held_shape(shape: ModelShape, tp: int, pp: int, stage: Stage, ep: int = 1) -> ModelShape:
+    """The part of the model one rank holds, as a ModelShape the memory arithmetic reads like a whole model.
+
+    `ep`: a mixture's routed experts split over an ep group, 1/ep of each layer's on a rank (the router, attention
+    and any shared expert stay whole). tp splits attention and dense MLPs, not experts: each tp rank holds its
+    experts whole."""
+    if tp == 1 and pp == 1 and ep == 1:
         return shape
     t = shape.transformer
     if t is None:
-        # Without a layer structure the weights are taken as evenly divisible over tp x pp.
+        # Without a layer structure the weights are taken as evenly divisible over tp x pp (and the experts over
+        # ep, the largest unit shrinking in proportion).
         share = 1 / (tp * pp)
+        params = (shape.params - shape.expert_params) * share + shape.expert_params * share / ep
+        unit = (shape.largest_unit or shape.params // 10) * params / (shape.params * share) / tp
         return replace(
             shape,
-            params=max(1, math.ceil(shape.params * share)),
+            params=max(1, math.ceil(params)),
             linear_params=math.ceil(shape.linear_params * share),
-            largest_unit=math.ceil((shape.largest_unit or shape.params // 10) / tp),
+            largest_unit=math.ceil(unit),
             largest_tensor=math.ceil(shape.largest_tensor / tp),
-            trainable=None if shape.trainable is None else math.ceil(shape.trainable * share),
+            trainable=None if shape.trainable is None else math.ceil(shape.trainable * params / shape.params),
             lora_shapes=shape.lora_shapes[: math.ceil(len(shape.lora_shapes) / pp)],
             activation_bytes_per_sample=shape.activation_bytes_per_sample / pp,
+            expert_params=math.ceil(shape.expert_params * share / ep),
         )
-    linear = sum(i * o for i, o in t.linears().values()) // tp
-    layer = linear + 2 * t.hidden  # two RMSNorm weights, whole on every tp rank
+    dense, moe = t.layer_kinds(stage.layers)
+    norms = 2 * t.hidden + t.qk_norm  # whole on every tp rank
+    dense_linear = sum(i * o for i, o in t.linears().values()) // tp
+    moe_linear = sum(i * o for i, o in t.moe_linears().values()) // tp
+    experts = t.layer_experts() // ep
+    router = t.moe_layer_params() - sum(i * o for i, o in t.moe_linears().values()) - t.layer_experts() - norms
+    units = (dense_linear + norms if dense else 0, moe_linear + experts + router + norms if moe else 0)
     vocab_slice = t.vocab * t.hidden // tp
     # A tied head shares the embedding's storage when one rank holds both; across pipeline ranks each keeps a copy.
     head = 0 if t.tied_embeddings and pp == 1 else vocab_slice
-    params = stage.layers * layer + (vocab_slice if stage.first else 0) + ((head + t.hidden) if stage.last else 0)
+    params = dense * units[0] + moe * units[1] + (vocab_slice if stage.first else 0)
+    params += (head + t.hidden) if stage.last else 0
+    fused = t.experts * 2 * t.expert_intermediate * t.hidden // ep if moe else 0  # experts' gate_up_proj
+    largest_linear = max(i * o for i, o in t.linears().values()) // tp
     return replace(
         shape,
         params=params,
-        linear_params=stage.layers * linear,
-        largest_unit=max(layer, vocab_slice if stage.first or stage.last else 0),
-        largest_tensor=max(1, t.largest_matrix() // tp),
-        lora_shapes=_split_lora(t, tp) * stage.layers,
+        linear_params=dense * dense_linear + moe * moe_linear,
+        largest_unit=max(*units, vocab_slice if stage.first or stage.last else 0),
+        largest_tensor=max(1, vocab_slice, largest_linear, fused),
+        lora_shapes=_split_lora(t.linears(), tp) * dense + _split_lora(t.moe_linears(), tp) * moe,
+        expert_params=moe * experts,
     )
 
 
@@ -132,6 +149,7 @@ def stage_activations(
     sequence_parallel: bool = False,
     cp: int = 1,
     cp_method: str = "ulysses",
+    ep: int = 1,
 ) -> float:
     """Bytes of activations on one rank at its peak: its in-flight micro-batches, each `batch` sequences (seq / cp
     positions of each under context parallelism)."""
@@ -139,8 +157,8 @@ def stage_activations(
     if t is None:
         # per-rank bytes from held_shape; a measured sample's positions are taken to split evenly over cp
         return shape.activation_bytes_per_sample * batch * stage.in_flight / cp
-    parts = transformer_parts(t, batch, seq, precision, tp, sequence_parallel, cp, cp_method)
-    per_micro_batch = stage.layers * kept_per_layer(parts, checkpointing) + (parts.outside if stage.last else 0)
+    kinds = layer_parts(t, stage.layers, batch, seq, precision, tp, sequence_parallel, cp, cp_method, ep=ep)
+    outside = transformer_parts(t, batch, seq, precision, tp, sequence_parallel, cp, cp_method).outside
     # Checkpointing brings the rest of one layer's activations back at a time in backward: on top, once.
-    recompute = recomputed(parts, checkpointing) if stage.layers else 0
-    return per_micro_batch * stage.in_flight + recompute
+    kept, recompute = layers_kept(kinds, checkpointing)
+    return (kept + (outside if stage.last else 0)) * stage.in_flight + recompute

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from multigpu.core.errors import UsageError
 from multigpu.planner.activations import transformer_activations
-from multigpu.planner.config import OPTIMIZERS, PlanConfig, parse_bytes, takes_cp  # noqa: F401  (importers)
+from multigpu.planner.config import OPTIMIZERS, PlanConfig, parse_bytes, takes_cp, takes_ep  # noqa: F401  (importers)
 from multigpu.planner.layout import Stage, held_shape, pipeline_stages, stage_activations
-from multigpu.planner.setup_memory import BUILD_BYTES, setup_bytes, setup_fits, setup_warning
+from multigpu.planner.setup_memory import BUILD_BYTES, setup_bytes, setup_fits
 from multigpu.planner.shapes import ModelShape
+from multigpu.planner.states import model_states, sharded_states
 
 #: From fastest to most frugal: the planner recommends the first that fits (the guides' decision tree).
 ORDER = ("ddp", "zero1", "zero2", "zero3", "zero3+offload")
@@ -40,6 +40,7 @@ class StrategyMemory:
     setup_init_module: float = 0.0  # the same when built under engine.init_module()
     setup_fits: str = ""  # "yes" (plain build), "with init_module" or "no"
     pp_rank: int = 0  # with pp_size: the pipeline rank reported, the one whose total binds
+    ep_size: int = 1  # expert parallelism: a mixture's experts split over this many ranks
 
 
 @dataclass
@@ -53,37 +54,13 @@ class Plan:
     reason: str = ""
     setup_warning: str = ""  # the recommended strategy fits in training but not with a plain build
     cp_size: int = 1  # the cp degree the recommendation needs: the one asked for, or more where that does not fit
+    ep_size: int = 1  # the ep degree the recommendation runs at: the one asked for, or the smallest that fits
+    experts: int = 0  # a mixture's routed experts per layer; 0: a dense model
+    active_params: int = 0  # a mixture's parameters per token (0: a dense model, all of them)
     left_out: str = ""  # the strategies not shown, and why
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _bytes_per_param(precision: str) -> int:
-    """Stored weights and their gradients: fp32 master weights in every mode but bf16-true."""
-    return 2 if precision == "bf16-true" else 4
-
-
-def _optimizer_bytes(optimizer: str, precision: str) -> float:
-    state = _bytes_per_param(precision)
-    return {"adamw": 2 * state, "sgd": state, "adamw8bit": 2.0}[optimizer]  # sgd: one momentum buffer
-
-
-def model_states(shape: ModelShape, config: PlanConfig) -> tuple[float, float, float, int]:
-    """Unsharded bytes of parameters, gradients and optimizer states, and the trainable parameter count."""
-    weight = _bytes_per_param(config.precision)
-    if config.lora_r is None:
-        trainable = shape.params if shape.trainable is None else shape.trainable
-        params = shape.params * weight
-    else:
-        trainable = sum(config.lora_r * (i + o) for i, o in shape.lora_shapes)
-        base = shape.params * weight
-        if config.qlora:
-            # nf4: half a byte per weight of the quantised linears, plus an fp32 scale per block of 64 weights.
-            frozen_16bit = (shape.params - shape.linear_params) * 2
-            base = shape.linear_params * (0.5 + 4 / 64) + frozen_16bit
-        params = base + trainable * weight
-    return params, trainable * weight, trainable * _optimizer_bytes(config.optimizer, config.precision), trainable
 
 
 def built_model(shape: ModelShape, config: PlanConfig) -> tuple[float, int]:
@@ -95,8 +72,9 @@ def built_model(shape: ModelShape, config: PlanConfig) -> tuple[float, int]:
     return built, shape.params + trainable
 
 
-def activations_per_gpu(shape: ModelShape, config: PlanConfig, batch: int, cp: int = 1) -> float:
-    """`cp`: the ranks each sequence is split over (a measured module's positions are taken to split evenly)."""
+def activations_per_gpu(shape: ModelShape, config: PlanConfig, batch: int, cp: int = 1, ep: int = 1) -> float:
+    """`cp`: the ranks each sequence is split over (a measured module's positions are taken to split evenly);
+    `ep`: the ranks a mixture's experts are split over (their all-to-alls' buffers)."""
     if shape.transformer is None:
         return shape.activation_bytes_per_sample * batch / cp
     found = transformer_activations(
@@ -107,6 +85,7 @@ def activations_per_gpu(shape: ModelShape, config: PlanConfig, batch: int, cp: i
         config.activation_checkpointing,
         cp,
         config.cp_method,
+        ep,
     )
     return float(found.peak)
 
@@ -120,14 +99,14 @@ def _accumulates_unsharded(config: PlanConfig) -> bool:
     return config.unsharded_grad_accum and config.grad_accum_steps > 1
 
 
-def _fsdp_grads(grads: float, n: int, config: PlanConfig) -> float:
-    """FSDP's gradients per rank: a shard, or whole while micro-steps defer their reduce-scatter."""
-    return grads if _accumulates_unsharded(config) else grads / n
-
-
 def model_parallel_name(config: PlanConfig) -> str:
     """The row's name when tp x pp takes every GPU, leaving no data parallelism."""
     return "+".join(name for name, size in (("tp", config.tp_size), ("pp", config.pp_size)) if size > 1)
+
+
+def row_ep(name: str, config: PlanConfig) -> int:
+    """The ep degree a row runs at: the one asked for where its strategy takes ep, else 1."""
+    return (config.ep_size or 1) if takes_ep(name) else 1
 
 
 def strategy_memory(name: str, shape: ModelShape, config: PlanConfig, batch: int) -> StrategyMemory:
@@ -144,11 +123,17 @@ def _stages(shape: ModelShape, config: PlanConfig) -> list[Stage]:
 
 
 def _stage_memory(name: str, whole: ModelShape, config: PlanConfig, batch: int, stage: Stage) -> StrategyMemory:
+    """`shape` is the stage's (tp's slice) whole; `held`, what a rank of it holds before data-parallel sharding
+    (1/ep of the experts): what replicated rows keep and sharded rows gather."""
+    ep = row_ep(name, config)
     shape = held_shape(whole, config.tp_size, config.pp_size, stage)
-    params, grads, optim, _ = model_states(shape, config)
-    n = _data_parallel(name, config)
+    held = held_shape(whole, config.tp_size, config.pp_size, stage, ep)
+    params, grads, optim, _ = model_states(held, config)
+    n = data_parallel(name, config)
+    shard_params, shard_grads, shard_optim = sharded_states(shape, config, n, ep)
+    fsdp_grads = grads if _accumulates_unsharded(config) else shard_grads  # whole while reduce-scatters wait
     compute = 4 if config.precision == "32" else 2
-    unit = (shape.largest_unit or shape.params // 10) * compute
+    unit = (held.largest_unit or held.params // 10) * compute
     cp = config.cp_size if takes_cp(name) else 1
     if config.model_parallel:
         activations = stage_activations(
@@ -162,23 +147,26 @@ def _stage_memory(name: str, whole: ModelShape, config: PlanConfig, batch: int, 
             config.sequence_parallel,
             cp,
             config.cp_method,
+            ep,
         )
     else:
-        activations = activations_per_gpu(shape, config, batch, cp)
-    memory = StrategyMemory(name, params, grads, optim, activations, 0.0, FRAMEWORK_OVERHEAD, pp_rank=stage.rank)
+        activations = activations_per_gpu(shape, config, batch, cp, ep)
+    memory = StrategyMemory(
+        name, params, grads, optim, activations, 0.0, FRAMEWORK_OVERHEAD, pp_rank=stage.rank, ep_size=ep
+    )
+    autocast_weights = autocast_weights_bytes(held, config)
     if name in ("single", "dp") or (config.model_parallel and name == model_parallel_name(config)):
-        memory.temporary = autocast_weights_bytes(shape, config)
-    autocast_weights = autocast_weights_bytes(shape, config)
+        memory.temporary = autocast_weights
     if name == "ddp":
         memory.temporary = grads + autocast_weights  # DDP keeps a flat bucket copy of every gradient
     elif name == "zero1":
-        memory.optimizer = optim / n
+        memory.optimizer = shard_optim
         memory.temporary = grads + autocast_weights
     elif name == "zero2":
-        memory.params, memory.grads, memory.optimizer = params / n, _fsdp_grads(grads, n, config), optim / n
-        memory.temporary = shape.params * compute  # parameters stay gathered from forward to backward
+        memory.params, memory.grads, memory.optimizer = shard_params, fsdp_grads, shard_optim
+        memory.temporary = held.params * compute  # parameters stay gathered from forward to backward
     elif name in ("zero3", "hsdp"):
-        memory.params, memory.grads, memory.optimizer = params / n, _fsdp_grads(grads, n, config), optim / n
+        memory.params, memory.grads, memory.optimizer = shard_params, fsdp_grads, shard_optim
         memory.temporary = 2 * unit  # the unit in use and the next one, prefetched
     elif name in DEEPSPEED:
         # DeepSpeed keeps an fp32 master copy of this rank's partition of the trainable weights beside the
@@ -190,7 +178,7 @@ def _stage_memory(name: str, whole: ModelShape, config: PlanConfig, batch: int, 
         memory.grads = grads if stage == 1 else grads / n
         memory.temporary = 2 * unit if stage == 3 else autocast_weights
     elif name == "zero3+offload":
-        memory.cpu = (params + grads + optim) / n
+        memory.cpu = shard_params + shard_grads + shard_optim
         memory.params = memory.optimizer = 0.0
         # Deferred reduce-scatters keep the whole gradients on the GPU until the window's last micro-step.
         memory.grads = grads if _accumulates_unsharded(config) else 0.0
@@ -202,95 +190,18 @@ def _stage_memory(name: str, whole: ModelShape, config: PlanConfig, batch: int, 
     return memory
 
 
-def plan_shape(shape: ModelShape, config: PlanConfig, per: str = "GPU") -> Plan:
-    """`per`: what the memory is of, in the reasons ("GPU"; "process" for `auto` on CPU, where it is RAM)."""
-    _, _, _, trainable = model_states(shape, config)
-    plan = Plan(shape.name, shape.params, trainable, config)
-    _check_tp_divides_heads(shape, config.tp_size)
-    for name in _rows(config):
-        memory = strategy_memory(name, shape, config, config.batch_size)
-        memory.max_batch_size = _max_batch(name, shape, config)
-        memory.max_seq_len = longest_sequence(name, shape, config)
-        memory.setup, memory.setup_init_module = _setup(name, shape, config, memory.pp_rank)
-        memory.setup_fits = setup_fits(memory, config.gpu_bytes, FRAMEWORK_OVERHEAD)
-        plan.strategies.append(memory)
-    if config.cp_size > 1 and not config.model_parallel:
-        plan.left_out = f"{', '.join(DEEPSPEED)}: DeepSpeed lays out its own process groups, without --cp-size"
-    candidates = _candidates(config)
-    fitting = [m for m in plan.strategies if m.strategy in candidates and m.fits]
-    allowed = [m for m in fitting if m.strategy != "zero3+offload" or config.cpu_offload]
-    memory = f"{config.gpu_bytes / 2**30:.2f} GiB per {per}"
-    # Where nothing fits, not even with offload, a sequence split over more GPUs may.
-    split = _more_cp(shape, config) if not fitting else None
-    if allowed or split:
-        best, cp = (allowed[0], config.cp_size) if allowed else split
-        plan.recommendation, plan.cp_size = best.strategy, cp
-        faster = ", ".join(
-            m.strategy for m in plan.strategies if m.strategy in candidates[: candidates.index(best.strategy)]
-        )
-        split_further = f" with --cp-size {cp}" if cp != config.cp_size else ""
-        plan.reason = f"{best.strategy} needs {best.total / 2**30:.2f} GiB of {memory}{split_further}" + (
-            f"; {faster} would not fit" if faster else " and is the fastest choice"
-        )
-        if split_further:  # the sequence fits only split further over the GPUs
-            plan.reason += f"; at --cp-size {config.cp_size} nothing fits {config.batch_size} x {config.seq_len} tokens"
-        # The choice stays on training memory: whether the model is built whole is the user's choice, not the
-        # config's, and the warning says how to build it when it matters.
-        plan.setup_warning = setup_warning(best, config.gpu_bytes, config.precision, per)
-        return plan
-    more = "GPUs" if per == "GPU" else "machines"
-    instead = (
-        f"lower --batch-size or --seq-len, add --activation-checkpointing full, more {more} or "
-        "--tp-size/--pp-size/--cp-size, LoRA/QLoRA"
-    )
-    if fitting:  # zero3+offload alone, which the config does not allow: the table says it fits, and so must this
-        plan.reason = (
-            f"only zero3+offload fits {memory} at batch size {config.batch_size}, and it keeps the model states "
-            f"in host memory ({fitting[0].cpu / 2**30:.2f} GiB per process): pass --cpu-offload to allow it, "
-            f"or {instead}"
-        )
-    else:
-        plan.reason = f"nothing fits {memory} at batch size {config.batch_size}: {instead}"
-    return plan
+def filled_row(name: str, shape: ModelShape, config: PlanConfig) -> StrategyMemory:
+    """A row of the plan: its memory at the asked batch, the largest batch and longest sequence it fits, and its
+    setup's peak."""
+    memory = strategy_memory(name, shape, config, config.batch_size)
+    memory.max_batch_size = _max_batch(name, shape, config)
+    memory.max_seq_len = longest_sequence(name, shape, config)
+    memory.setup, memory.setup_init_module = setup(name, shape, config, memory.pp_rank)
+    memory.setup_fits = setup_fits(memory, config.gpu_bytes, FRAMEWORK_OVERHEAD)
+    return memory
 
 
-def _candidates(config: PlanConfig) -> tuple[str, ...]:
-    """The rows a recommendation is drawn from. One GPU: single unless only offload fits; several: the guides'
-    order, fastest first."""
-    return ("single", "zero3+offload") if config.world == 1 else _rows(config) if config.model_parallel else ORDER
-
-
-def _more_cp(shape: ModelShape, config: PlanConfig) -> tuple[StrategyMemory, int] | None:
-    """Where nothing fits a transformer's sequence: the fastest row under the smallest larger cp degree (twice,
-    four times, ... the one asked) that fits without offload, with that degree; None where none does."""
-    if shape.transformer is None or config.world == 1:
-        return None
-    cp = 2 * config.cp_size
-    while config.world % (config.tp_size * config.pp_size * cp) == 0 and config.seq_len % (2 * cp) == 0:
-        split = replace(config, cp_size=cp)
-        rows = [strategy_memory(name, shape, split, split.batch_size) for name in _rows(split)]
-        allowed = [m for m in rows if m.strategy in _candidates(split) and m.fits and m.strategy != "zero3+offload"]
-        if allowed:
-            best = allowed[0]
-            best.setup, best.setup_init_module = _setup(best.strategy, shape, split, best.pp_rank)
-            best.setup_fits = setup_fits(best, split.gpu_bytes, FRAMEWORK_OVERHEAD)
-            return best, cp
-        cp *= 2
-    return None
-
-
-def _rows(config: PlanConfig) -> tuple[str, ...]:
-    if not config.model_parallel:
-        if config.cp_size > 1:
-            return ORDER  # DeepSpeed's rows take no cp (Plan.left_out)
-        return REPORTED if config.world == 1 else (*ORDER, *DEEPSPEED)
-    if config.data_parallel == 1 and config.cp_size == 1:
-        return (model_parallel_name(config),)
-    # hsdp is a row of its own only where it replicates; with one node's worth of shards it is zero3.
-    return tuple(name for name in COMPOSED if name != "hsdp" or config.layout("hsdp").replicate > 1)
-
-
-def _data_parallel(name: str, config: PlanConfig) -> int:
+def data_parallel(name: str, config: PlanConfig) -> int:
     """The ranks a row's strategy divides model states over: hsdp's shards (its replicas each hold them whole),
     every data-parallel rank for the others, each times cp."""
     dims = config.layout(name)
@@ -298,23 +209,14 @@ def _data_parallel(name: str, config: PlanConfig) -> int:
     return (dims.shard if name == "hsdp" else dims.data_parallel_size) * dims.cp
 
 
-def _check_tp_divides_heads(shape: ModelShape, tp: int) -> None:
-    t = shape.transformer
-    if t is None or tp == 1:
-        return
-    for count, what in ((t.heads, "attention heads"), (t.kv_heads, "key/value heads")):
-        if count % tp:
-            raise UsageError(f"--tp-size {tp} does not divide the model's {count} {what}; choose one that does.")
-
-
-def _setup(name: str, shape: ModelShape, config: PlanConfig, pp_rank: int) -> tuple[float, float]:
+def setup(name: str, shape: ModelShape, config: PlanConfig, pp_rank: int) -> tuple[float, float]:
     """(plain build, under engine.init_module()). A plain build makes the whole model on every rank before tp/pp
     slice it; under init_module a rank materialises its own slice, sharded over the data-parallel ranks."""
     if not config.model_parallel:
         return setup_bytes(name, shape, config.world, *built_model(shape, config))
     stage = _stages(shape, config)[pp_rank]
     held = held_shape(shape, config.tp_size, config.pp_size, stage)
-    n = _data_parallel(name, config)
+    n = data_parallel(name, config)
     slices, init_module = setup_bytes(name, held, n, *built_model(held, config))
     whole, _ = built_model(shape, config)
     held_bytes, _ = built_model(held, config)

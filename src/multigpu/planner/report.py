@@ -43,19 +43,23 @@ def print_table(plan: Plan) -> None:
 
     c = plan.config
     checkpointing = "" if c.activation_checkpointing == "none" else f", {c.activation_checkpointing} checkpointing"
+    active = f", {plan.active_params / 1e9:.3g}B active in {plan.experts} experts" if plan.experts else ""
     title = (
-        f"{plan.model}: {plan.params / 1e9:.3g}B parameters ({plan.trainable / 1e6:,.1f}M trainable), "
+        f"{plan.model}: {plan.params / 1e9:.3g}B parameters ({plan.trainable / 1e6:,.1f}M trainable{active}), "
         f"{c.world} GPU(s) of {c.gpu_bytes / 2**30:.0f} GiB, {c.precision}, {c.optimizer}, "
         f"batch {c.batch_size} x {c.seq_len} tokens{checkpointing}" + layout(plan)
     )
+    experts = plan.experts or any(m.ep_size > 1 for m in plan.strategies)
     table = Table(
         title=title,
         caption="GiB per GPU (cpu: host memory per process). setup: a rank's tensors while the model is built whole, "
         "init_module: under engine.init_module() (blank: the same); zero3+offload sets up in host memory. "
-        "max seq: the longest sequence that fits at batch size 1",
+        "max seq: the longest sequence that fits at batch size 1"
+        + ("; ep: the experts split over ep ranks, each slice sharded over the rest" if experts else ""),
     )
     for column in (
         "strategy",
+        *(("ep",) if experts else ()),
         "params",
         "grads",
         "optimizer",
@@ -74,6 +78,7 @@ def print_table(plan: Plan) -> None:
     for m in plan.strategies:
         table.add_row(
             m.strategy,
+            *((str(m.ep_size),) if experts else ()),
             gib(m.params),
             gib(m.grads),
             gib(m.optimizer),
@@ -101,6 +106,7 @@ def print_table(plan: Plan) -> None:
     if plan.left_out:
         console.print(f"left out: {plan.left_out}")
     cp = f" with --cp-size {plan.cp_size}" if plan.recommendation and plan.cp_size != c.cp_size else ""
+    cp += f" with --ep-size {plan.ep_size}" if plan.recommendation and plan.ep_size != (c.ep_size or 1) else ""
     console.print(f"recommendation: {plan.recommendation or 'none'}{cp} ({plan.reason})")
     if plan.setup_warning:
         console.print(f"warning: {plan.setup_warning}")

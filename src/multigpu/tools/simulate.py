@@ -23,6 +23,7 @@ from multigpu.core.errors import UsageError
 from multigpu.core.recompute import FORWARD_RUN_AGAIN
 from multigpu.planner.layout import bubble_fraction
 from multigpu.tools.context_cost import cp_comm
+from multigpu.tools.expert_cost import ep_comm, parameter_groups
 from multigpu.tools.links import (  # noqa: F401  (re-exported: the simulator's importers find the links here)
     INTERCONNECTS,
     OPS,
@@ -60,6 +61,7 @@ class Prediction:
     efficiency: float  # speedup / gpus
     unit: str = "samples"
     bubble_s: float = 0.0  # the pipeline's fill and drain: time each rank waits
+    all_to_all_s: float = 0.0  # of comm_s, expert parallelism's dispatch and combine (all exposed)
 
 
 def overlapped(times: list[float], backward_s: float, overlap: bool) -> tuple[float, float]:
@@ -112,12 +114,12 @@ def simulate(
         per_node = min(n, config.gpus_per_node)
         slots = config.compute_slots_per_node
         compute = config.compute_s * (per_node / slots if slots and per_node > slots else 1.0)
-        bubble, replicas = 0.0, config.dims(n).data_parallel_size
-        if config.replica_span == 1:
+        bubble, replicas, all_to_all_s = 0.0, config.dims(n).data_parallel_size, 0.0
+        if config.replica_span == 1 and config.ep_size == 1:
             comm, exposed = strategy_comm(config, n, span_links(n, config.gpus_per_node, intra, inter), compute)
         else:
             compute /= config.replica_span
-            comm, exposed, bubble = layout_step(config, n, intra, inter, compute)
+            comm, exposed, bubble, all_to_all_s = layout_step(config, n, intra, inter, compute)
         step = compute + exposed + bubble
         speedup = replicas * single / step
         predictions.append(
@@ -134,14 +136,15 @@ def simulate(
                 efficiency=speedup / n,
                 unit=config.unit,
                 bubble_s=bubble,
+                all_to_all_s=all_to_all_s,
             )
         )
     return predictions
 
 
 def layout_step(config: SimulateConfig, n: int, intra: Links, inter: Links, compute: float) -> tuple[float, ...]:
-    """(comm, exposed comm, bubble) seconds of one step of one GPU under tp x pp x cp x data parallel, `compute`
-    being that GPU's share of the replica's compute.
+    """(comm, exposed comm, bubble, all-to-all) seconds of one step of one GPU under tp x pp x cp x data parallel
+    (x ep), `compute` being that GPU's share of the replica's compute.
 
     tp: per layer, 2 all-reduces of a micro-batch's tokens x hidden activations in forward and 2 in backward (2 more
     when full checkpointing recomputes the forward), on the critical path unless tp_overlap.
@@ -149,9 +152,12 @@ def layout_step(config: SimulateConfig, n: int, intra: Links, inter: Links, comp
     micro-batch's compute, except on the fill and drain, where each boundary waits for them. The bubble is
     (pp - 1) / (v m + pp - 1) of the pipelined time (planner.layout.bubble_fraction).
     cp: see cp_comm.
+    ep: see ep_comm; all exposed.
     dp: the data-parallel strategy's collectives over n / (tp x pp) ranks (cp's ranks reduce their gradients
-    together with the data-parallel ones) on the rank's own parameters. Every tp rank runs its own dp (and pp)
-    traffic at once, so across nodes each gets 1/tp of the node's NICs.
+    together with the data-parallel ones) on the rank's own parameters; under ep the experts' over the ranks
+    holding the same slice of them (expert_cost.parameter_groups), each group hidden under its share of the
+    compute, in proportion to its parameters. Every tp rank runs its own dp (and pp) traffic at once, so across
+    nodes each gets 1/tp of the node's NICs.
     """
     tp, pp, gpn = config.tp_size, config.pp_size, config.gpus_per_node
     dp, m, v = config.dims(n).data_parallel_size, config.microbatches or 1, config.pp_stages_per_rank
@@ -168,39 +174,48 @@ def layout_step(config: SimulateConfig, n: int, intra: Links, inter: Links, comp
         send = link.alpha_s + micro_batch / link.bandwidth_Bps
         pp_comm, pp_exposed = 2 * v * m * send, 2 * (v * pp - 1) * send
     cp_comm_s, cp_exposed = cp_comm(config, intra, inter, compute)
-    busy = compute + tp_exposed + cp_exposed
+    ep_comm_s, ep_exposed = ep_comm(config, intra, inter)
+    busy = compute + tp_exposed + cp_exposed + ep_exposed
     fraction = bubble_fraction(pp, m, v)
     bubble = busy * fraction / (1 - fraction)
     dp_comm = dp_exposed = 0.0
     reducing = dp * config.cp_size
-    if reducing > 1:
+    groups = parameter_groups(config, reducing)
+    share = min(tp, gpn)
+    links = {op: span_link(reducing, max(1, gpn // tp), intra[op], shared_link(inter[op], share)) for op in OPS}
+    for params, ranks in groups:
+        if ranks == 1:
+            continue
+        part = params / sum(held for held, _ in groups)
         rank = dataclasses.replace(
             config,
-            params=math.ceil(config.params / config.model_parallel),
-            grad_payload=None if config.grad_payload is None else config.grad_payload / config.model_parallel,
+            params=math.ceil(params),
+            grad_payload=None if config.grad_payload is None else config.grad_payload / config.model_parallel * part,
             layers=max(1, math.ceil(layers)),
-            gpus=(reducing,),
+            gpus=(ranks,),
             tp_size=1,
             pp_size=1,
             cp_size=1,
+            ep_size=1,
             pp_schedule="1f1b",
             pp_stages_per_rank=1,
             microbatches=None,
         )
-        share = min(tp, gpn)
-        links = {op: span_link(reducing, max(1, gpn // tp), intra[op], shared_link(inter[op], share)) for op in OPS}
-        dp_comm, dp_exposed = strategy_comm(rank, reducing, links, compute)
-    return tp_comm + pp_comm + cp_comm_s + dp_comm, tp_exposed + pp_exposed + cp_exposed + dp_exposed, bubble
+        comm, exposed = strategy_comm(rank, ranks, links, compute * part)
+        dp_comm, dp_exposed = dp_comm + comm, dp_exposed + exposed
+    comm = tp_comm + pp_comm + cp_comm_s + ep_comm_s + dp_comm
+    return comm, tp_exposed + pp_exposed + cp_exposed + ep_exposed + dp_exposed, bubble, ep_comm_s
 
 
 def flops_per_token(shape: ModelShape, seq_len: int) -> float:
-    """Training FLOPs per token: 6·params (forward 2, backward 4 per weight) + 12·layers·hidden·seq_len for
-    attention's score and value matmuls, which hold no weights (the estimate behind the usual MFU figure).
-    Without a transformer's dimensions, 6·params alone."""
+    """Training FLOPs per token: 6·params (forward 2, backward 4 per weight; a mixture's active ones, those a
+    token is routed through) + 12·layers·width·seq_len for attention's score and value matmuls (width: heads x
+    head_dim), which hold no weights (the estimate behind the usual MFU figure). Without a transformer's
+    dimensions, 6·params alone."""
     if seq_len < 1:
         raise UsageError(f"--seq-len must be 1 or more (got {seq_len}).")
     t = shape.transformer
-    return 6.0 * shape.params + (12.0 * t.layers * t.hidden * seq_len if t else 0.0)
+    return 6.0 * shape.active + (12.0 * t.layers * t.q_hidden * seq_len if t else 0.0)
 
 
 def compute_time(flops_per_unit: float, units_per_step: float, tflops: float, mfu: float) -> float:

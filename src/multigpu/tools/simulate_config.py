@@ -53,6 +53,12 @@ class SimulateConfig:
     kv_heads: int = 0
     attention_fraction: float = 0.0  # the share of compute_s in attention's score and value matmuls (ring hides
     # its exchanges under them)
+    # Expert parallelism: a mixture's experts split over ep of the data-parallel x cp ranks (no GPUs of its own).
+    ep_size: int = 1
+    expert_params: int = 0  # of params, the routed experts' (their gradients reduce over data parallel / ep ranks)
+    moe_layers: int = 0  # the layers that route tokens to experts: one dispatch and one combine each
+    experts: int = 0  # routed experts per mixture layer (ep must divide them)
+    experts_per_token: int = 0  # top-k: copies of each token the all-to-alls move
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gpus", tuple(self.gpus))  # a list from the CLI would leave the config unhashable
@@ -99,7 +105,7 @@ class SimulateConfig:
     def dims(self, n: int) -> ParallelDims:
         """The layout of `n` GPUs: tp x pp x cp per replica, the data-parallel strategy over the rest (resolved as
         zero3's is: every data-parallel strategy modelled here needs only how many ranks share the rest)."""
-        request = LayoutSettings(tp_size=self.tp_size, pp_size=self.pp_size, cp_size=self.cp_size)
+        request = LayoutSettings(tp_size=self.tp_size, pp_size=self.pp_size, cp_size=self.cp_size, ep_size=self.ep_size)
         return resolve_layout(request, SHARDS, n, -(-n // self.gpus_per_node), self.strategy)
 
     def _check_layout(self) -> None:
@@ -107,6 +113,7 @@ class SimulateConfig:
             ("--tp-size", self.tp_size),
             ("--pp-size", self.pp_size),
             ("--cp-size", self.cp_size),
+            ("--ep-size", self.ep_size),
             ("--microbatches", self.microbatches),
         ):
             if not value >= 1:
@@ -114,6 +121,7 @@ class SimulateConfig:
         check_schedule(self.pp_schedule, self.pp_stages_per_rank)
         if self.cp_method not in CP_METHODS:
             raise UsageError(f"--cp-method must be one of {', '.join(CP_METHODS)} (got {self.cp_method!r}).")
+        self._check_experts()
         if self.replica_span == 1:
             return
         if self.hidden < 1 or not self.tokens_per_unit > 0:
@@ -126,4 +134,18 @@ class SimulateConfig:
             raise UsageError(
                 f"--gpus {','.join(map(str, uneven))} cannot be split into tp {self.tp_size} x pp {self.pp_size}{cp} "
                 f"groups; list multiples of {self.replica_span}."
+            )
+
+    def _check_experts(self) -> None:
+        if self.ep_size == 1:
+            return
+        if not (self.experts and self.moe_layers and self.experts_per_token and self.hidden >= 1):
+            raise UsageError(
+                f"--ep-size {self.ep_size} splits a mixture's experts, so it needs a mixture-of-experts model's "
+                "experts, top-k and width: give --model with one."
+            )
+        if self.experts % self.ep_size:
+            raise UsageError(
+                f"--ep-size {self.ep_size} does not divide the model's {self.experts} experts per layer; choose an ep "
+                f"size that divides {self.experts}."
             )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import io
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -107,12 +108,14 @@ def format_table(predictions: list[Prediction], title: str | None = None) -> str
 
     unit = predictions[0].unit if predictions else "samples"
     table = Table(title=title)
-    pipelined = any(p.bubble_s for p in predictions)
+    pipelined, routed = any(p.bubble_s for p in predictions), any(p.all_to_all_s for p in predictions)
     times = ("step s", "compute s", "comm s", "exposed s", *(("bubble s",) if pipelined else ()))
+    times += ("all-to-all s",) if routed else ()
     for column in ("GPUs", "nodes", *times, f"{unit}/s", f"{unit}/s/GPU", "speedup", "efficiency"):
         table.add_column(column, justify="right")
     for p in predictions:
         seconds = (p.step_s, p.compute_s, p.comm_s, p.exposed_comm_s, *((p.bubble_s,) if pipelined else ()))
+        seconds += (p.all_to_all_s,) if routed else ()
         times = (f"{t:.4f}" for t in seconds)
         rates = (f"{p.throughput:,.1f}", f"{p.per_gpu_throughput:,.1f}", f"{p.speedup:.2f}", f"{p.efficiency:.1%}")
         table.add_row(str(p.gpus), str(p.nodes), *times, *rates)
@@ -130,6 +133,7 @@ SimulatedLayout = derive(
         "tp_size",
         "pp_size",
         "cp_size",
+        "ep_size",
         "cp_method",
         "pp_schedule",
         "pp_stages_per_rank",
@@ -138,12 +142,14 @@ SimulatedLayout = derive(
         "grad_compression",
     ),
     rename={"pp_microbatches": "microbatches"},
-    defaults={"strategy": "ddp", "tp_size": 1, "pp_size": 1, "cp_size": 1},
+    defaults={"strategy": "ddp", "tp_size": 1, "pp_size": 1, "cp_size": 1, "ep_size": 1},
     choices={"strategy": STRATEGIES},
     note={
         "strategy": "; simulate: the data-parallel one",
         "tp_size": "; simulate: inside a node",
         "cp_size": "; simulate: inside a node beside tp where they fit; --gpus lists multiples of tp x pp x cp",
+        "ep_size": "; simulate: each mixture layer's dispatch and combine all-to-alls, the experts' gradients reduced "
+        "over the data-parallel ranks / ep, compute from the active parameters; --gpus lists multiples of tp x pp x ep",
         "activation_checkpointing": " (simulate: full runs the forward again, a third more compute with --tflops, "
         "and tp's forward all-reduces again; offload's copies to host memory are not modelled)",
     },
@@ -197,9 +203,10 @@ def resolve(request: SimulateRequest) -> tuple[SimulateConfig, Link | None, Link
         raise UsageError("Give the compute time one way: --compute-s (with --units-per-step), --bench or --tflops.")
     unit = "samples"
     mp = request.tp_size * request.pp_size * request.cp_size
-    if mp > 1 and shape.transformer is None:
+    if (mp > 1 or request.ep_size > 1) and shape.transformer is None:
         raise UsageError(
-            "--tp-size, --pp-size and --cp-size move activations, so they need the model's width: give --model."
+            "--tp-size, --pp-size, --cp-size and --ep-size move activations, so they need the model's width: give "
+            "--model."
         )
     cp = request.cp_size
     if cp > 1 and request.seq_len % (2 * cp):
@@ -208,8 +215,9 @@ def resolve(request: SimulateRequest) -> tuple[SimulateConfig, Link | None, Link
             f"head and a tail chunk of every sequence); choose a multiple of {2 * cp}."
         )
     gpus = tuple(parse_list(request.gpus, "--gpus", int))
-    if mp > 1 and request.gpus == SimulateRequest.gpus:  # the default list: keep the counts the layout divides
-        gpus = tuple(n for n in gpus if n % mp == 0) or (mp,)
+    divides = math.lcm(mp, request.tp_size * request.pp_size * request.ep_size)  # ep: of the dp x cp ranks
+    if divides > 1 and request.gpus == SimulateRequest.gpus:  # the default list: keep the counts the layout divides
+        gpus = tuple(n for n in gpus if n % divides == 0) or (divides,)
     if request.compute_s is not None:
         if request.units_per_step is None:
             raise UsageError("--compute-s needs --units-per-step, the samples one device trains per step.")
@@ -251,6 +259,11 @@ def resolve(request: SimulateRequest) -> tuple[SimulateConfig, Link | None, Link
         heads=shape.transformer.heads if shape.transformer else 0,
         kv_heads=shape.transformer.kv_heads if shape.transformer else 0,
         attention_fraction=attention_fraction(shape, request.seq_len),
+        ep_size=request.ep_size,
+        expert_params=shape.expert_params,
+        moe_layers=shape.transformer.moe_layers if shape.transformer else 0,
+        experts=shape.experts,
+        experts_per_token=shape.transformer.experts_per_token if shape.transformer else 0,
     )
     intra = load_calibration(request.calibration) if request.calibration else None
     inter = load_calibration(request.inter_calibration, "--inter-calibration") if request.inter_calibration else None
@@ -261,7 +274,7 @@ def attention_fraction(shape: ModelShape, seq_len: int) -> float:
     """The share of a step's FLOPs in attention's score and value matmuls (flops_per_token's second term); 0
     without a transformer's dimensions."""
     t = shape.transformer
-    return 12.0 * t.layers * t.hidden * seq_len / flops_per_token(shape, seq_len) if t else 0.0
+    return 12.0 * t.layers * t.q_hidden * seq_len / flops_per_token(shape, seq_len) if t else 0.0
 
 
 def compressed_gradients(request: SimulateRequest, shape: ModelShape) -> float | None:
@@ -282,9 +295,15 @@ def compressed_gradients(request: SimulateRequest, shape: ModelShape) -> float |
 def gradient_shapes(t: Transformer) -> list[tuple[int, ...]]:
     """The shapes of a decoder's parameters, as torch holds them: each projection (out, in), the embeddings and
     head (vocab, hidden), and the RMSNorm weights (hidden)."""
-    layer = [(o, i) for i, o in t.linears().values()] + [(t.hidden,)] * 2
+    norms = [(t.hidden,)] * 2
+    layer = [(o, i) for i, o in t.linears().values()] + norms
+    # a mixture layer: its linears, the router, and the experts' two 3-D weights (gate_up and down), as Hugging Face
+    # holds them
+    experts = [(t.experts, t.hidden), (t.experts, 2 * t.expert_intermediate, t.hidden)]
+    experts += [(t.experts, t.hidden, t.expert_intermediate)]
+    mixture = [(o, i) for i, o in t.moe_linears().values()] + experts + norms
     embeddings = [(t.vocab, t.hidden)] * (1 if t.tied_embeddings else 2)
-    return layer * t.layers + embeddings + [(t.hidden,)]
+    return layer * t.dense_layers + mixture * t.moe_layers + embeddings + [(t.hidden,)]
 
 
 def from_bench(path: Path, strategy: str) -> tuple[float, float, str]:
@@ -317,6 +336,8 @@ def run(request: SimulateRequest, as_json: bool) -> int:
             title += f"; tp {config.tp_size}"
         if config.cp_size > 1:
             title += f"; cp {config.cp_size} ({config.cp_method})"
+        if config.ep_size > 1:
+            title += f"; ep {config.ep_size} ({config.experts} experts, {config.experts_per_token} per token)"
         if request.grad_compression != "none":
             title += f"; gradients {request.grad_compression}"
         if config.pp_size > 1:

@@ -1,0 +1,161 @@
+"""The plan: every row's memory per GPU, and the recommendation, the fastest row that fits (the guides' decision
+tree). For a mixture of experts whose ep is not asked for, zero3 is shown at every ep degree, and the recommendation
+takes each strategy, fastest first, at the smallest ep that fits it. Pure arithmetic."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from multigpu.core.errors import UsageError
+from multigpu.planner.config import PlanConfig, takes_ep
+from multigpu.planner.memory import (
+    COMPOSED,
+    DEEPSPEED,
+    FRAMEWORK_OVERHEAD,
+    ORDER,
+    REPORTED,
+    Plan,
+    StrategyMemory,
+    filled_row,
+    model_parallel_name,
+    row_ep,
+    setup,
+    strategy_memory,
+)
+from multigpu.planner.setup_memory import setup_fits, setup_warning
+from multigpu.planner.shapes import ModelShape
+from multigpu.planner.states import model_states
+
+
+def plan_shape(shape: ModelShape, config: PlanConfig, per: str = "GPU") -> Plan:
+    """`per`: what the memory is of, in the reasons ("GPU"; "process" for `auto` on CPU, where it is RAM)."""
+    _, _, _, trainable = model_states(shape, config)
+    plan = Plan(shape.name, shape.params, trainable, config, experts=shape.experts, active_params=shape.active_params)
+    _check_tp_divides_heads(shape, config.tp_size)
+    _check_ep(shape, config.ep_size)
+    for name in _rows(config):
+        plan.strategies.append(filled_row(name, shape, config))
+        if name == "zero3" and shape.experts and config.world > 1:  # zero3 at every other ep, just below
+            others = [ep for ep in ep_degrees(shape, config, name) if ep != row_ep(name, config)]
+            plan.strategies += [filled_row(name, shape, replace(config, ep_size=ep)) for ep in others]
+    if (config.cp_size > 1 or (config.ep_size or 1) > 1) and not config.model_parallel:
+        without = "--cp-size or --ep-size"
+        plan.left_out = f"{', '.join(DEEPSPEED)}: DeepSpeed lays out its own process groups, without {without}"
+    candidates = _candidates(config)
+    fitting = [m for m in _ranked(shape, config, plan.strategies) if m.fits]
+    allowed = [m for m in fitting if m.strategy != "zero3+offload" or config.cpu_offload]
+    memory = f"{config.gpu_bytes / 2**30:.2f} GiB per {per}"
+    # Where nothing fits, not even with offload, a sequence split over more GPUs may.
+    split = _more_cp(shape, config) if not fitting else None
+    if allowed or split:
+        best, cp = (allowed[0], config.cp_size) if allowed else split
+        if allowed and best not in plan.strategies:  # a strategy at an ep the table does not show: show it
+            best = filled_row(best.strategy, shape, replace(config, ep_size=best.ep_size))
+            after = max(i for i, m in enumerate(plan.strategies) if m.strategy == best.strategy)
+            plan.strategies.insert(after + 1, best)
+        plan.recommendation, plan.cp_size, plan.ep_size = best.strategy, cp, best.ep_size
+        before = candidates[: candidates.index(best.strategy)]
+        faster = ", ".join(dict.fromkeys(m.strategy for m in plan.strategies if m.strategy in before))
+        split_further = f" with --cp-size {cp}" if cp != config.cp_size else ""
+        at_ep = f" with --ep-size {best.ep_size}" if config.ep_size is None and best.ep_size > 1 else ""
+        searched = " at any ep" if config.ep_size is None and shape.experts and config.world > 1 else ""
+        plan.reason = f"{best.strategy} needs {best.total / 2**30:.2f} GiB of {memory}{split_further}{at_ep}" + (
+            f"; {faster} would not fit{searched}" if faster else " and is the fastest choice"
+        )
+        if split_further:  # the sequence fits only split further over the GPUs
+            plan.reason += f"; at --cp-size {config.cp_size} nothing fits {config.batch_size} x {config.seq_len} tokens"
+        # The choice stays on training memory: whether the model is built whole is the user's choice, not the
+        # config's, and the warning says how to build it when it matters.
+        plan.setup_warning = setup_warning(best, config.gpu_bytes, config.precision, per)
+        return plan
+    more = "GPUs" if per == "GPU" else "machines"
+    instead = (
+        f"lower --batch-size or --seq-len, add --activation-checkpointing full, more {more} or "
+        "--tp-size/--pp-size/--cp-size, LoRA/QLoRA"
+    )
+    if fitting:  # zero3+offload alone, which the config does not allow: the table says it fits, and so must this
+        plan.reason = (
+            f"only zero3+offload fits {memory} at batch size {config.batch_size}, and it keeps the model states "
+            f"in host memory ({fitting[0].cpu / 2**30:.2f} GiB per process): pass --cpu-offload to allow it, "
+            f"or {instead}"
+        )
+    else:
+        plan.reason = f"nothing fits {memory} at batch size {config.batch_size}: {instead}"
+    return plan
+
+
+def ep_degrees(shape: ModelShape, config: PlanConfig, name: str) -> list[int]:
+    """The ep degrees a row's strategy can run a mixture at, smallest first: those that divide both its experts and
+    the processes its ep groups are drawn from (core/layout.py's expert_pool)."""
+    pool, _ = replace(config, ep_size=None).layout(name).expert_pool
+    return [ep for ep in range(1, pool + 1) if pool % ep == 0 and shape.experts % ep == 0]
+
+
+def _ranked(shape: ModelShape, config: PlanConfig, shown: list[StrategyMemory]) -> list[StrategyMemory]:
+    """The rows a recommendation is drawn from, in its order: the candidates fastest first, and for a mixture
+    whose ep is not asked for, each strategy that takes ep at every degree, smallest first (rows the table does
+    not show are computed here)."""
+    ranked = []
+    for name in _candidates(config):
+        search = config.ep_size is None and shape.experts and takes_ep(name) and config.world > 1
+        for ep in ep_degrees(shape, config, name) if search else [row_ep(name, config)]:
+            row = next((m for m in shown if m.strategy == name and m.ep_size == ep), None)
+            ranked.append(row or strategy_memory(name, shape, replace(config, ep_size=ep), config.batch_size))
+    return ranked
+
+
+def _check_ep(shape: ModelShape, ep: int | None) -> None:
+    if ep is None or ep == 1:
+        return
+    if not shape.experts:
+        raise UsageError(f"--ep-size {ep} spreads a mixture's experts, but {shape.name} has none; drop --ep-size.")
+    if shape.experts % ep:
+        raise UsageError(
+            f"--ep-size {ep} does not divide {shape.name}'s {shape.experts} experts per layer; choose an ep size "
+            f"that divides {shape.experts}."
+        )
+
+
+def _candidates(config: PlanConfig) -> tuple[str, ...]:
+    """The rows a recommendation is drawn from. One GPU: single unless only offload fits; several: the guides'
+    order, fastest first."""
+    return ("single", "zero3+offload") if config.world == 1 else _rows(config) if config.model_parallel else ORDER
+
+
+def _more_cp(shape: ModelShape, config: PlanConfig) -> tuple[StrategyMemory, int] | None:
+    """Where nothing fits a transformer's sequence: the fastest row under the smallest larger cp degree (twice,
+    four times, ... the one asked) that fits without offload, with that degree; None where none does."""
+    if shape.transformer is None or config.world == 1:
+        return None
+    cp = 2 * config.cp_size
+    while config.world % (config.tp_size * config.pp_size * cp) == 0 and config.seq_len % (2 * cp) == 0:
+        split = replace(config, cp_size=cp)
+        rows = [strategy_memory(name, shape, split, split.batch_size) for name in _rows(split)]
+        allowed = [m for m in rows if m.strategy in _candidates(split) and m.fits and m.strategy != "zero3+offload"]
+        if allowed:
+            best = allowed[0]
+            best.setup, best.setup_init_module = setup(best.strategy, shape, split, best.pp_rank)
+            best.setup_fits = setup_fits(best, split.gpu_bytes, FRAMEWORK_OVERHEAD)
+            return best, cp
+        cp *= 2
+    return None
+
+
+def _rows(config: PlanConfig) -> tuple[str, ...]:
+    if not config.model_parallel:
+        if config.cp_size > 1 or (config.ep_size or 1) > 1:
+            return ORDER  # DeepSpeed's rows take no cp and no ep (Plan.left_out)
+        return REPORTED if config.world == 1 else (*ORDER, *DEEPSPEED)
+    if config.data_parallel == 1 and config.cp_size == 1:
+        return (model_parallel_name(config),)
+    # hsdp is a row of its own only where it replicates; with one node's worth of shards it is zero3.
+    return tuple(name for name in COMPOSED if name != "hsdp" or config.layout("hsdp").replicate > 1)
+
+
+def _check_tp_divides_heads(shape: ModelShape, tp: int) -> None:
+    t = shape.transformer
+    if t is None or tp == 1:
+        return
+    for count, what in ((t.heads, "attention heads"), (t.kv_heads, "key/value heads")):
+        if count % tp:
+            raise UsageError(f"--tp-size {tp} does not divide the model's {count} {what}; choose one that does.")
