@@ -190,13 +190,14 @@ def test_a_script_without_an_engine_is_refused_at_its_first_step(tmp_path: Path)
     ]
 
 
-def test_passes_the_finetune_recipe_under_the_chunked_loss_and_context_parallelism(tmp_path: Path) -> None:
+def test_passes_the_finetune_recipe_under_the_chunked_loss_and_context_and_expert_parallelism(tmp_path: Path) -> None:
     """The loss setting takes effect through engine.lm_loss, which the finetune recipe uses (a script's own loss
     would be refused at its first step); the 2 processes also split each sequence (cp 2), so the chunked loss runs
-    on each rank's half of the tokens and verify compares a cp run with the whole one."""
+    on each rank's half of the tokens and verify compares a cp run with the whole one; and the model is a mixture
+    of experts spread over them (ep 2), whose router load-balancing loss counts the tokens of both."""
     from tests.recipes.test_finetune import write_text
 
-    recipe = ["-m", "multigpu.recipes.finetune", "--model", "tiny", "--method", "full", "--seq-len", "32"]
+    recipe = ["-m", "multigpu.recipes.finetune", "--model", "tiny-moe", "--method", "full", "--seq-len", "32"]
     recipe += ["--data", write_text(tmp_path / "text.txt"), "--batch-size", "2", "--save-dir", str(tmp_path / "run")]
     result = multigpu(
         "verify",
@@ -206,6 +207,8 @@ def test_passes_the_finetune_recipe_under_the_chunked_loss_and_context_paralleli
         "--strategy",
         "zero3",
         "--cp-size",
+        "2",
+        "--ep-size",
         "2",
         "--loss",
         "chunked",

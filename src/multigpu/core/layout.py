@@ -166,6 +166,11 @@ class ParallelDims:
                     f"The {item.name} degree must be a whole number of at least 1, not {degree!r}; "
                     f"set {item.name} to 1 or more."
                 )
+        if self.ep > 1 and self.pp > 1:
+            raise UsageError(
+                f"ep_size {self.ep} beside pp_size {self.pp} is not supported yet (a pipeline's stages would each need "
+                "their own expert groups); drop ep_size to run the experts whole in each stage, or drop pp_size."
+            )
         pool, named = self.expert_pool
         if pool % self.ep:
             raise UsageError(
@@ -236,7 +241,9 @@ class Spread:
 
 
 ALONE = Spread()  # one process: single, dp
-REPLICAS = Spread(("replicate",), frozenset({"cp", "ep"}))  # ddp, zero1
+REPLICAS = Spread(("replicate",), frozenset({"cp", "ep"}))  # ddp
+# zero1: ZeroRedundancyOptimizer partitions whole parameters over the replicas, which ep's experts are not
+OPTIMIZER_SHARDS = Spread(("replicate",), frozenset({"cp"}))
 SHARDS = Spread(("shard",), frozenset({"tp", "pp", "cp", "ep"}))  # zero2, zero3
 # hsdp: replicas (one per node), shards inside
 HYBRID = Spread(("shard",), frozenset({"replicate", "tp", "pp", "cp", "ep"}))

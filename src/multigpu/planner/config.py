@@ -10,6 +10,7 @@ from multigpu.core.errors import UsageError
 from multigpu.core.layout import (
     ALONE,
     HYBRID,
+    OPTIMIZER_SHARDS,
     OWN_GROUPS,
     PIPELINE,
     REPLICAS,
@@ -55,7 +56,7 @@ SPREADS = {
     "single": ALONE,
     "dp": ALONE,
     "ddp": REPLICAS,
-    "zero1": REPLICAS,
+    "zero1": OPTIMIZER_SHARDS,
     "zero2": SHARDS,
     "zero3": SHARDS,
     "zero3+offload": SHARDS,

@@ -20,22 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from multigpu.core.layout import ParallelDims
 from multigpu.core.modules import repoint
 from multigpu.strategies.context import _AllToAll
 from multigpu.strategies.experts import MixtureOfExperts, MoELayer
-
-
-def expert_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """The ranks laid out as (pp, edp, ep, tp): an ep group is ep consecutive data-parallel (x cp) ranks, as
-    ParallelDims.expert_pool requires; edp, the ranks that hold the same experts and average their gradients."""
-    data = dims.replicate * dims.shard * dims.cp
-    ranks = torch.arange(dims.world_size).reshape(dims.pp, data // dims.ep, dims.ep, dims.tp)
-    return DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "tp"))
 
 
 class _ScaleGrad(torch.autograd.Function):

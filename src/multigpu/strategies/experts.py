@@ -94,6 +94,14 @@ def find_layers(model: nn.Module, default_top_k: int | None = None) -> list[MoEL
     return layers
 
 
+def expert_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
+    """The ranks laid out as (pp, edp, ep, tp): an ep group is ep consecutive data-parallel (x cp) ranks, as
+    ParallelDims.expert_pool requires; edp, the ranks that hold the same experts and average their gradients."""
+    data = dims.replicate * dims.shard * dims.cp
+    ranks = torch.arange(dims.world_size).reshape(dims.pp, data // dims.ep, dims.ep, dims.tp)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "tp"))
+
+
 class _InjectAux(torch.autograd.Function):
     """Returns the block's output as it is; in backward, gives the layer's load-balancing loss the gradient the
     Engine set for this micro-step (its weight beside the main loss), so the loss needs no place in loss_fn and
@@ -126,13 +134,6 @@ class MixtureOfExperts:
     counted: bool = False  # under pp: whether weigh_pipeline knew the step's token count
     _pending: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
-    def parallelize(self, device: torch.device) -> None:
-        """With ep > 1: each rank's share of the experts, and the all-to-all dispatch (expert_parallel.py)."""
-        from multigpu.strategies.expert_parallel import parallelize
-
-        if self.ep > 1:
-            parallelize(self, device)
-
     def expert_parameters(self) -> list[nn.Parameter]:
         """The parameters ep spreads: each layer's experts' own (LoRA adapters on them stay whole)."""
         return [p for layer in self.layers for p in layer.experts.parameters(recurse=False)]
@@ -143,8 +144,6 @@ class MixtureOfExperts:
 
     def attach(self, device_type: str) -> None:
         """Builds the groups (every rank must call it) and hooks each router and block."""
-        from multigpu.strategies.expert_parallel import expert_mesh
-
         if self.dims.world_size > 1:
             self.mesh = expert_mesh(self.dims, device_type)
         for index, layer in enumerate(self.layers):

@@ -12,6 +12,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
+from multigpu.core.layout import OPTIMIZER_SHARDS
 from multigpu.core.precision import PrecisionPlan
 from multigpu.strategies.ddp import DDP
 from multigpu.strategies.mesh import with_cp
@@ -20,6 +21,7 @@ from multigpu.strategies.mesh import with_cp
 @dataclass
 class Zero1(DDP):
     name = "zero1"
+    spread = OPTIMIZER_SHARDS
 
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, plan: PrecisionPlan

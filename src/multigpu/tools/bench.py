@@ -44,7 +44,16 @@ class BenchConfig(
     derive(
         "BenchOverrides",
         EngineConfig,
-        only=("precision", "activation_checkpointing", "compile", "compile_backend", "float8", "loss", "cp_size"),
+        only=(
+            "precision",
+            "activation_checkpointing",
+            "compile",
+            "compile_backend",
+            "float8",
+            "loss",
+            "cp_size",
+            "ep_size",
+        ),
         overrides=True,
         note={
             **dict.fromkeys(
@@ -52,6 +61,7 @@ class BenchConfig(
                 "; bench: every run's (default: the script's own)",
             ),
             "cp_size": "; bench: every multi-process run's (each process count a multiple of it)",
+            "ep_size": "; bench: every multi-process run's (each process count a multiple of it)",
         },
     )
 ):
@@ -89,12 +99,13 @@ class BenchConfig(
             CompressionOptions(grad_compression=compression)
             for strategy in set(self.strategy_names) - {"ddp", "zero1", "tp"}:
                 refuse_powersgd(strategy, compression)
-        uneven = [n for n in self.counts if n > 1 and self.cp_size and n % self.cp_size]
-        if uneven:
-            raise UsageError(
-                f"--cp-size {self.cp_size} splits each sequence over that many processes, and --nproc has "
-                f"{', '.join(map(str, uneven))}; list process counts that are multiples of {self.cp_size}."
-            )
+        for flag, size, what in (("--cp-size", self.cp_size, "each sequence"), ("--ep-size", self.ep_size, "experts")):
+            uneven = [n for n in self.counts if n > 1 and size and n % size]
+            if uneven:
+                raise UsageError(
+                    f"{flag} {size} splits {what} over that many processes, and --nproc has "
+                    f"{', '.join(map(str, uneven))}; list process counts that are multiples of {size}."
+                )
         for name in ("steps", "repeats"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name} must be 1 or more (got {getattr(self, name)}).")
@@ -110,7 +121,7 @@ def run_cell(
         # The cell's strategy replaces the script's, with no tensor or pipeline parallelism of the script's own.
         imposed = {"strategy": strategy, "tp_size": None, "pp_size": None, **config.values_for(EngineConfig)}
         if n == 1:  # the one-process baseline splits nothing
-            imposed["cp_size"] = None
+            imposed["cp_size"] = imposed["ep_size"] = None
         if strategy in REDUCING:  # the one-process baseline (single) and tp take no grad_compression
             imposed["grad_compression"] = compression
         spec = harness.Harness(tmp, imposed, warmup=config.warmup, steps=config.steps, grad_sync=sync)

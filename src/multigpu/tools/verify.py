@@ -66,7 +66,7 @@ BOTH_RUNS_TAKE = ("precision", "activation_checkpointing", "compile", "compile_b
 VerifyOverrides = derive(
     "VerifyOverrides",
     EngineConfig,
-    only=("strategy", "tp_size", "pp_size", "cp_size", "cp_method", "grad_compression", *BOTH_RUNS_TAKE),
+    only=("strategy", "tp_size", "pp_size", "cp_size", "cp_method", "ep_size", "grad_compression", *BOTH_RUNS_TAKE),
     overrides=True,
     note={
         "strategy": "; verify: the N-process run's (default: the script's own)",
@@ -75,6 +75,7 @@ VerifyOverrides = derive(
         "pp_size": "; verify: the N-process run's, with --strategy",
         "cp_size": "; verify: the N-process run's, with --strategy",
         "cp_method": "; verify: the N-process run's",
+        "ep_size": "; verify: the N-process run's, with --strategy",
         "grad_compression": "; verify: the N-process run's (default: the script's own)",
     },
 )
@@ -108,7 +109,7 @@ class VerifyConfig(VerifyOverrides):
                 "--nproc 1 compares one process with itself; pass --strategy (e.g. zero3) to check that strategy "
                 "in one process, or --nproc 2 or more."
             )
-        for name in ("tp_size", "pp_size", "cp_size"):
+        for name in ("tp_size", "pp_size", "cp_size", "ep_size"):
             size = getattr(self, name)
             if size is not None and (self.strategy is None or self.nproc % size):
                 raise UsageError(
@@ -158,7 +159,7 @@ def verify(config: VerifyConfig, target: list[str], module: bool = False) -> Ver
         # A strategy given replaces the script's, its layout with it (the script's own tp_size, pp_size dropped).
         imposed = config.values_for(EngineConfig)
         if config.strategy is not None:
-            imposed |= {"tp_size": config.tp_size, "pp_size": config.pp_size, "cp_size": config.cp_size}
+            imposed |= {name: getattr(config, name) for name in ("tp_size", "pp_size", "cp_size", "ep_size")}
         many = _folder(tmp, "many")
         dist = harness.run(target, module, config.nproc, harness.Harness(str(many), imposed, **common))
         samples = harness.step_samples(dist)
@@ -167,7 +168,8 @@ def verify(config: VerifyConfig, target: list[str], module: bool = False) -> Ver
         both = {key: value for key, value in imposed.items() if key in BOTH_RUNS_TAKE}
         # The reference runs plain: no strategy's options (the script's own cpu_offload or grad_compression).
         plain = {option.name: option.default for _, option in strategy_option_fields()}
-        reference = {**plain, "strategy": "single", "tp_size": None, "pp_size": None, "cp_size": None, **both}
+        layout = dict.fromkeys(("tp_size", "pp_size", "cp_size", "ep_size"))
+        reference = {**plain, "strategy": "single", **layout, **both}
         one = _folder(tmp, "one")
         ref = harness.run(target, module, 1, _reference(one, reference, factor, samples, common))
         ref_samples = harness.step_samples(ref)
