@@ -122,7 +122,12 @@ def test_json_value_returns_what_it_checked() -> None:
             "directory",
             " holds text files; pass a directory of .json, .jsonl, .parquet, .csv or .arrow files",
         ),
-        ("finetune", "--model", "file", " is a file, but smollm2, tiny, tiny-moe or a Hugging Face model directory is expected"),
+        (
+            "finetune",
+            "--model",
+            "file",
+            " is a file, but smollm2, tiny, tiny-moe or a Hugging Face model directory is expected",
+        ),
         ("plan", "--model", "directory", "/config.json does not exist; pass a built-in"),
     ],
 )

@@ -35,9 +35,9 @@ from multigpu.engine.config import EngineConfig
 from multigpu.engine.observe import Reporting, StepObserver, StepStats, new_observers, watched, watching
 from multigpu.engine.saving import Saving
 from multigpu.engine.window import Window
-from multigpu.strategies.experts import MixtureOfExperts
 from multigpu.strategies import Strategy
 from multigpu.strategies.context import sliced
+from multigpu.strategies.experts import MixtureOfExperts
 
 
 class Engine(Saving, Reporting, AcrossRanks):

@@ -60,6 +60,7 @@ FinetuneSettings = recipe_settings(
     "FinetuneSettings",
     (
         "precision",
+        "max_grad_norm",
         "grad_accum_steps",
         "unsharded_grad_accum",
         "replicate",
@@ -321,7 +322,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
         engine.print(f"before: {config.sample_prompt}{sample(model, tokenizer, config.sample_prompt, engine)}")
     history = [validate(engine, model, val_loader, config, loss_fn, state["step"])]
     progress = ProgressBar(engine, total)
-    start, tokens, aux = time.perf_counter(), 0.0, None
+    start, tokens, expert_load = time.perf_counter(), 0.0, None
     while not scheduler.done:
         for batch in train_loader:
             loss = engine.forward_backward(model, model_inputs(batch), batch["labels"], loss_fn)
@@ -332,10 +333,10 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
                 rate = tokens / (time.perf_counter() - start)
                 status = f"loss {loss.item() / max(float(count), 1):.3f} lr {scheduler.get_last_lr()[0]:.2e} "
                 if engine.experts is not None:  # the step's last micro-batch's, over every data-parallel rank
-                    aux = engine.experts.loss()
-                    status += f"aux {aux:.4f} "
+                    expert_load = engine.experts.metrics()
+                    status += f"aux {expert_load['moe_aux_loss']:.4f} "
                     if config.log_every and state["step"] % config.log_every == 0:
-                        engine.log(state["step"], engine.experts.metrics())
+                        engine.log(state["step"], expert_load)
                 progress.advance(state["step"], status + f"{rate:,.0f} tokens/s")
                 if config.save_every and state["step"] % config.save_every == 0:
                     save_step(engine, config, state)
@@ -346,9 +347,13 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     if isinstance(data.train, lm_data.TokenStream) and data.train.report():
         engine.print(data.train.report())
     history.append(validate(engine, model, val_loader, config, loss_fn, state["step"], skipped_note(engine)))
-    if aux is not None:
-        engine.print(f"router load-balancing loss at the last step {aux:.6f}")
-        history[-1]["aux_loss"] = aux
+    if expert_load is not None:
+        busiest = expert_load["moe_busiest_expert_vs_mean"]
+        engine.print(
+            f"router load-balancing loss at the last step {expert_load['moe_aux_loss']:.6f}; its tokens per ep rank "
+            f"{expert_load['moe_tokens_per_rank']}, the busiest expert {busiest:.2f} x the mean"
+        )
+        history[-1]["aux_loss"] = expert_load["moe_aux_loss"]
     validated = {"val_loss": history[-1]["val_loss"]} if "val_loss" in history[-1] else {}
     engine.log(state["step"], {**validated, "skipped_steps": engine.skipped_steps})
     if config.sample_prompt:
@@ -357,6 +362,8 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     engine.print(f"wrote {out}; peak memory per rank (MB): {peak_memory_mb(engine)}")
     return {
         "history": history,
+        "expert_load": expert_load,
+        "grad_norm": engine.last_grad_norm,  # the last step's, before clipping
         "steps": state["step"],
         "skipped_steps": engine.skipped_steps,
         "output": str(out),
@@ -419,7 +426,9 @@ def finetune_of(checkpoint: Path) -> FinetuneConfig:
             "checkpoint where its finetune wrote it, or use the adapter the finetune wrote at its end "
             "(SAVE_DIR/adapter)."
         )
-    return FinetuneConfig(**{name: settings[name] for name in ("model", "lora_r", "lora_alpha", "lora_experts") if name in settings})
+    return FinetuneConfig(
+        **{name: settings[name] for name in ("model", "lora_r", "lora_alpha", "lora_experts") if name in settings}
+    )
 
 
 def check(config: FinetuneConfig) -> None:

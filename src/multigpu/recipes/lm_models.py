@@ -458,7 +458,9 @@ def expert_targets(model: torch.nn.Module) -> list[str]:
 
     layers = find_layers(model, default_top_k=0)
     if not layers:
-        raise UsageError("--lora-experts adapts a mixture-of-experts model's experts, and this model has none; drop it.")
+        raise UsageError(
+            "--lora-experts adapts a mixture-of-experts model's experts, and this model has none; drop it."
+        )
     prefix = layers[0].name.split(".")
     names = [f"{layer.name}.{name}" for layer in layers for name, _ in layer.experts.named_parameters()]
     names += [n for n, p in model.named_parameters() if any(p is layer.router.weight for layer in layers)]

@@ -260,7 +260,8 @@ def holders(tensor: torch.Tensor) -> int:
     if not is_dtensor(tensor):
         return dist.get_world_size() if grouped() else 1
     placements = zip(tensor.placements, tensor.device_mesh.shape, strict=True)
-    return dist.get_world_size() // math.prod(size for placement, size in placements if placement.is_shard())
+    # Anything but Replicate splits: zero3's _StridedShard of a tp slice is no is_shard() to torch.
+    return dist.get_world_size() // math.prod(size for placement, size in placements if not placement.is_replicate())
 
 
 def by_mesh(items: list, tensor_of: Callable[[Any], Any]) -> dict[object, list]:

@@ -127,4 +127,3 @@ def unused_parameter_names(model: DistributedDataParallel, message: str, shown: 
     names = [trainable[int(i)] for i in match.group(1).split() if int(i) < len(trainable)]
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return ", ".join(names[:shown]) + more if names else "of the model"
-

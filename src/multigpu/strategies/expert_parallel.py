@@ -108,7 +108,11 @@ def _local_view(layer: MoELayer, rank: int, ep: int) -> Iterator[None]:
             swap(down, "weight", down.weight[rank * local * rows : (rank + 1) * local * rows])
             up = module.lora_B[adapter]
             width = up.weight.shape[0]
-            swap(up, "weight", up.weight.view(width, -1, count)[:, :, rank * local : (rank + 1) * local].reshape(width, -1))
+            swap(
+                up,
+                "weight",
+                up.weight.view(width, -1, count)[:, :, rank * local : (rank + 1) * local].reshape(width, -1),
+            )
     try:
         for module in numbered:
             module.num_experts = local

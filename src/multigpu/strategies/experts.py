@@ -287,7 +287,6 @@ def mixture_of_experts(model: nn.Module, dims: ParallelDims, device_type: str) -
     return mixture
 
 
-
 def without_experts(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """A tensor-parallel plan less its entries for a mixture's experts (and their parameters) and routers: tp
     splits the dense layers, and each tp rank runs the experts whole on the tokens it shares with the others (ep

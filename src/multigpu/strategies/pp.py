@@ -203,7 +203,7 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
         shards = 1
         if isinstance(param, DTensor):
             placements = zip(param.placements, param.device_mesh.shape, strict=True)
-            shards = math.prod(size for placement, size in placements if placement.is_shard())
+            shards = math.prod(size for placement, size in placements if not placement.is_replicate())
         tied = next((count for p, _, count in self._ties if p is param), 1)
         return tied * self._grid.shape[1] // shards
 
