@@ -8,7 +8,7 @@
 #
 # On a GPU machine without internet, run `scripts/gpu_check.sh --prepare` first on one with internet (and with
 # scripts/setup.sh's .venv): it fills .gpu-check/ with wheels of what GPU images usually lack (torchao,
-# liger-kernel, datasets with dill and multiprocess) and the tiny test model (its tokenizer is SmolLM2's, a 94 MB
+# liger-kernel, datasets with dill and multiprocess) and the tiny test models (their tokenizer is SmolLM2's, a 94 MB
 # package); bring that folder along (about 21 MB) and this script installs the wheels into a scratch folder and
 # points MULTIGPU_CACHE at the model.
 set -euo pipefail
@@ -25,8 +25,8 @@ if [ "${1:-}" = "--prepare" ]; then
     --platform manylinux2014_x86_64 -d "$prepared/wheels" "torchao==${TORCHAO_VERSION:-0.18.0}" \
     "liger-kernel==${LIGER_VERSION:-0.8.5}" "datasets==${DATASETS_VERSION:-5.2.0}" dill==0.4.1 multiprocess==0.70.19
   MULTIGPU_CACHE="$root/$prepared/cache" PYTHONPATH="$root/src" "$python" -c \
-    "from multigpu.recipes.lm_models import model_dir; print('tiny model in', model_dir('tiny'))"
-  # The tiny model took its tokenizer from SmolLM2, converted whole on the way (0.5 GB): the tests need only tiny.
+    "from multigpu.recipes.lm_models import model_dir; print('tiny models in', model_dir('tiny'), model_dir('tiny-moe'))"
+  # The tiny model took its tokenizer from SmolLM2, converted whole on the way (0.5 GB): the tests need only the tiny ones.
   rm -rf "$prepared/cache/smollm2-135m-instruct"
   du -sh "$prepared"
   exit 0
