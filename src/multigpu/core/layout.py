@@ -202,6 +202,12 @@ class ParallelDims:
         ranks out (MESH_ORDER: the cp and tp ranks of one replica are consecutive and read the same batch)."""
         return (rank // (self.cp * self.tp)) % self.data_parallel_size
 
+    def sequence_multiple(self, sequence_parallel: bool) -> int:
+        """What each batch's sequence length must be a multiple of: the tensor-parallel degree under
+        sequence_parallel (every tp process takes an equal slice of the positions) and 2 x cp under context
+        parallelism (each cp rank a head and a tail chunk)."""
+        return math.lcm(self.tp if sequence_parallel else 1, 2 * self.cp if self.cp > 1 else 1)
+
     def in_mesh(self, keep: Sequence[str] = ()) -> tuple[tuple[str, int], ...]:
         """(name, degree) of the mesh's dimensions, outermost first: those of degree above 1, and those in `keep`
         whatever their degree (a strategy keeps its own, so that `mesh["shard"]` works in a one-process run)."""

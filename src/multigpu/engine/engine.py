@@ -7,7 +7,6 @@ heartbeat, the metrics monitor, bench and verify's recorder) attaches through mu
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
@@ -37,7 +36,7 @@ from multigpu.engine.saving import Saving
 from multigpu.engine.window import Window
 from multigpu.strategies import Strategy
 from multigpu.strategies.context import sliced
-from multigpu.strategies.experts import MixtureOfExperts
+from multigpu.strategies.experts import MixtureOfExperts, weigh_pipeline
 
 
 class Engine(Saving, Reporting, AcrossRanks):
@@ -116,12 +115,9 @@ class Engine(Saving, Reporting, AcrossRanks):
 
     @property
     def sequence_multiple(self) -> int:
-        """What each batch's sequence length must be a multiple of: the tensor-parallel degree under
-        sequence_parallel (every tp process takes an equal slice of the positions) and 2 x cp_size under context
-        parallelism (each cp rank a head and a tail chunk). Pad each batch to it, on the right, with the padding
-        masked out of the loss, as `multigpu finetune` does."""
-        layout = self._strategy.layout
-        return math.lcm(layout.tp if self.config.sequence_parallel else 1, 2 * layout.cp if layout.cp > 1 else 1)
+        """What each batch's sequence length must be a multiple of (ParallelDims.sequence_multiple). Pad each batch
+        to it, on the right, with the padding masked out of the loss, as `multigpu finetune` does."""
+        return self._strategy.layout.sequence_multiple(self.config.sequence_parallel)
 
     @property
     def is_main_process(self) -> bool:
@@ -129,8 +125,7 @@ class Engine(Saving, Reporting, AcrossRanks):
 
     @property
     def experts(self) -> MixtureOfExperts | None:
-        """The set-up model's mixture-of-experts layers (their load-balancing loss, tokens per expert and per ep
-        rank: `experts.metrics()`), None for a dense model."""
+        """The model's mixture of experts once set up (`experts.metrics()`), None for a dense model."""
         return self._strategy.experts
 
     def setup(
@@ -247,7 +242,7 @@ class Engine(Saving, Reporting, AcrossRanks):
         the token-normalised loss one process would compute over the same global batch.
         """
         syncs = self._window.begin()
-        loss = loss * self._account(loss.detach(), count, weigh_experts=True)
+        loss = loss * self._account(loss.detach(), count, self._strategy.experts)
         if self._scaler is not None:
             loss = self._scaler.scale(loss)
         for observer in self.observers:
@@ -258,13 +253,10 @@ class Engine(Saving, Reporting, AcrossRanks):
             observer.on_backward_end()
         self._end_micro_step(syncs)
 
-    def _account(self, loss: torch.Tensor, count: int | torch.Tensor | None, weigh_experts: bool = False) -> float:
+    def _account(self, loss: torch.Tensor, count: int | torch.Tensor | None, experts: Any = None) -> float:
         if self._window.batch is not None:
             self._train_loader = self._loader
-        weight = self._window.account(loss, count)
-        if weigh_experts and self._strategy.experts is not None:  # the load-balancing loss backs up alike
-            self._strategy.experts.weigh(weight, count, self._window)
-        return weight
+        return self._window.account(loss, count, experts)
 
     def _end_micro_step(self, ended_window: bool) -> None:
         self._window.end_micro_step(ended_window)
@@ -302,8 +294,7 @@ class Engine(Saving, Reporting, AcrossRanks):
             return result[0] * self._window.weight(True) if summed else result * self._window.weight(False) * share
 
         syncs = self._window.begin()
-        if self._strategy.experts is not None:
-            self._strategy.experts.weigh_pipeline(loss_fn, targets, self._window)
+        weigh_pipeline(self._strategy.experts, loss_fn, targets, self._window)
         for observer in self.observers:
             observer.on_backward_start()
         with watching(self.observers, "pipeline step"), self._plan.autocast_context(self.device):
@@ -332,9 +323,8 @@ class Engine(Saving, Reporting, AcrossRanks):
 
     def lm_loss(self, head: nn.Module, ignore_index: int = -100, chunk_tokens: int | None = None) -> TokenLoss:
         """A language model's loss_fn for forward_backward and forward_loss in the `loss` setting's mode: (output,
-        targets) -> (cross-entropy summed over the targets that are not `ignore_index`, their number). `head`: the
-        set-up model's output layer (a Hugging Face model's get_output_embeddings()). Under chunked and fused these
-        calls make it hand its input through, so the loss gets the hidden states (multigpu.core.loss)."""
+        targets) -> (the cross-entropy summed over targets not `ignore_index`, their count). `head`: the set-up
+        model's output layer (get_output_embeddings()), which hands the loss its input under chunked and fused."""
         if self._model is None:
             raise UsageError("engine.lm_loss(head) takes the set-up model's head; call it after engine.setup().")
         holders = [self._model, *self._strategy.local_stages()]  # a pipeline's stages are FSDP roots
@@ -398,8 +388,7 @@ class Engine(Saving, Reporting, AcrossRanks):
         self._window.mark = time.perf_counter()
 
     def mark_untimed(self) -> None:
-        """The step under way does other work besides training (evaluation, a checkpoint, a FLOP count): its
-        time is left out of the throughput figures."""
+        """The step under way does other work (evaluation, a checkpoint, a FLOP count): left out of throughput."""
         self._window.totals.other_work = True
 
 

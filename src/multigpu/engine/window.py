@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -69,8 +70,9 @@ class Window:
         self.done = ended
         self.mark = time.perf_counter()
 
-    def account(self, loss: torch.Tensor, count: int | torch.Tensor | None) -> float:
-        """Adds a micro-step's loss (and count) to the window; returns the weight its backward starts from."""
+    def account(self, loss: torch.Tensor, count: int | torch.Tensor | None, experts: Any = None) -> float:
+        """Adds a micro-step's loss (and count) to the window; returns the weight its backward starts from, which
+        `experts` (a mixture of experts, strategies/experts.py) gives its load-balancing loss too."""
         totals = self.totals
         totals.busy_s += time.perf_counter() - self.mark
         if self.batch is not None:
@@ -92,6 +94,8 @@ class Window:
             share = loss.double() * weight / self.data_world
         if self.wants_loss:
             totals.loss = share if totals.loss is None else totals.loss + share
+        if experts is not None:
+            experts.weigh(weight, count, self)
         return weight
 
     def weight(self, summed: bool) -> float:

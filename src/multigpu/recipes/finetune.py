@@ -48,6 +48,7 @@ from multigpu.recipes.common import (
     skipped_note,
     step_checkpoint,
 )
+from multigpu.recipes.lm_experts import check_experts, expert_progress, expert_summary
 
 # What a resume must keep (its loader counts samples of that data), and what it may change (the schedule follows).
 SAME_DATA = ("data", "data_split", "data_format", "data_column", "data_streaming", "seq_len", "packing",
@@ -332,11 +333,8 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
                 state["step"] += 1
                 rate = tokens / (time.perf_counter() - start)
                 status = f"loss {loss.item() / max(float(count), 1):.3f} lr {scheduler.get_last_lr()[0]:.2e} "
-                if engine.experts is not None:  # the step's last micro-batch's, over every data-parallel rank
-                    expert_load = engine.experts.metrics()
-                    status += f"aux {expert_load['moe_aux_loss']:.4f} "
-                    if config.log_every and state["step"] % config.log_every == 0:
-                        engine.log(state["step"], expert_load)
+                routers, expert_load = expert_progress(engine, state["step"], config.log_every)
+                status += routers
                 progress.advance(state["step"], status + f"{rate:,.0f} tokens/s")
                 if config.save_every and state["step"] % config.save_every == 0:
                     save_step(engine, config, state)
@@ -348,11 +346,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
         engine.print(data.train.report())
     history.append(validate(engine, model, val_loader, config, loss_fn, state["step"], skipped_note(engine)))
     if expert_load is not None:
-        busiest = expert_load["moe_busiest_expert_vs_mean"]
-        engine.print(
-            f"router load-balancing loss at the last step {expert_load['moe_aux_loss']:.6f}; its tokens per ep rank "
-            f"{expert_load['moe_tokens_per_rank']}, the busiest expert {busiest:.2f} x the mean"
-        )
+        engine.print(expert_summary(expert_load))
         history[-1]["aux_loss"] = expert_load["moe_aux_loss"]
     validated = {"val_loss": history[-1]["val_loss"]} if "val_loss" in history[-1] else {}
     engine.log(state["step"], {**validated, "skipped_steps": engine.skipped_steps})
@@ -443,7 +437,7 @@ def check(config: FinetuneConfig) -> None:
     if (config.cp_size or 1) > 1 and config.cp_method == "ulysses":
         lm_models.check_context_heads(config.model, config.cp_size)
     if (config.ep_size or 1) > 1:
-        lm_models.check_experts(config.model, config.ep_size)
+        check_experts(lm_models.model_dir(config.model), config.model, config.ep_size)
     check_same_data(config, resolve_resume(config), SAME_DATA)
     if not config.data_streaming:  # tokenised here, once, so that bad data is refused before any process starts
         lm_data.load(config, lm_models.load_tokenizer(config.model))

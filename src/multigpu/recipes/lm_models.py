@@ -26,6 +26,7 @@ from multigpu.core.errors import UsageError
 from multigpu.core.precision import Precision
 from multigpu.core.pretrained import SafetensorsCheckpoint, give_usual_mode
 from multigpu.core.settings import Settings, setting
+from multigpu.recipes.lm_experts import expert_targets
 from multigpu.strategies.context import check_heads
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing file must fail here, never turn into a download
@@ -134,25 +135,6 @@ def check_context_heads(name: str, cp: int) -> None:
     from transformers import AutoConfig
 
     check_heads(AutoConfig.from_pretrained(model_dir(name)).num_attention_heads, cp)
-
-
-def check_experts(name: str, ep: int) -> None:
-    """Refuses, before any process starts, an ep degree for a model without experts, or one that does not divide
-    their number (the Engine refuses both too, in every worker, for a model of one's own)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir(name))
-    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-    if not experts:
-        raise UsageError(
-            f"--ep-size {ep} spreads a mixture-of-experts model's experts, and --model {name} has none; drop "
-            "--ep-size or choose a mixture (tiny-moe, or a Qwen3-MoE, Mixtral or OLMoE directory)."
-        )
-    if experts % ep:
-        raise UsageError(
-            f"--ep-size {ep} does not divide --model {name}'s {experts} experts per layer; choose an --ep-size that "
-            f"divides {experts}."
-        )
 
 
 def check_plain_head(name: str, loss: str) -> None:
@@ -449,24 +431,6 @@ def pass_document_bounds(decoder: torch.nn.Module, args: tuple, kwargs: dict[str
     if kwargs.get("attention_mask") is None and kwargs.get("use_cache") is False:
         kwargs.update(packed_attention_kwargs(decoder.config, kwargs.get("position_ids")))
     return args, kwargs
-
-
-def expert_targets(model: torch.nn.Module) -> list[str]:
-    """The parameters of every mixture layer's experts and router, as peft's target_parameters names them (the
-    end of their names); refuses a model without experts."""
-    from multigpu.strategies.experts import find_layers
-
-    layers = find_layers(model, default_top_k=0)
-    if not layers:
-        raise UsageError(
-            "--lora-experts adapts a mixture-of-experts model's experts, and this model has none; drop it."
-        )
-    prefix = layers[0].name.split(".")
-    names = [f"{layer.name}.{name}" for layer in layers for name, _ in layer.experts.named_parameters()]
-    names += [n for n, p in model.named_parameters() if any(p is layer.router.weight for layer in layers)]
-    # The names past the layer index: "mlp.experts.gate_up_proj", the same in every layer.
-    depth = next(i for i, part in enumerate(prefix) if part.isdigit()) + 1
-    return sorted({".".join(name.split(".")[depth:]) for name in names})
 
 
 def lora_targets(model: torch.nn.Module) -> list[str]:

@@ -307,3 +307,9 @@ def without_experts(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
         return any(regex.fullmatch(name) for name in among)
 
     return {p: style for p, style in plan.items() if not matches(p, names) and matches(p, modules)}
+
+
+def weigh_pipeline(experts: MixtureOfExperts | None, loss_fn: Any, targets: Any, window: Any) -> None:
+    """A pipeline step's `weigh`, before it runs (MixtureOfExperts.weigh_pipeline); nothing for a dense model."""
+    if experts is not None:
+        experts.weigh_pipeline(loss_fn, targets, window)
