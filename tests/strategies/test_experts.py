@@ -59,6 +59,18 @@ CELLS: dict[str, tuple[int, dict, str]] = {
     ),
     "zero3-x-ep-2": (4, {"multi_gpu": "zero3", "batch_size": 1, "ep_size": 2}, "single"),
     "zero3-x-tp-x-ep-2": (4, {"multi_gpu": "zero3", "batch_size": 2, "tp_size": 2, "ep_size": 2}, "single"),
+    # Pipelines of 2 stages, each stage's experts over 2 ranks: whole replicas (their experts averaged over the
+    # ranks that hold them), and zero3 inside each stage; two micro-batches, as one process's two halves.
+    "pp-x-ep-2": (
+        4,
+        {"multi_gpu": "pp", "pp_size": 2, "pp_schedule": "gpipe", "batch_size": 2, "ep_size": 2},
+        "single-halves",
+    ),
+    "zero3-x-pp-x-ep-2": (
+        4,
+        {"multi_gpu": "zero3", "pp_size": 2, "pp_schedule": "gpipe", "batch_size": 2, "ep_size": 2},
+        "single-halves",
+    ),
     "hsdp-x-ep-2-lora": (
         4,
         {"multi_gpu": "hsdp", "replicate": 2, "batch_size": 1, "ep_size": 2, **LORA},
@@ -171,7 +183,10 @@ def test_the_model_written_under_ep_loads_into_transformers_as_one_process_wrote
         (["--nproc", "3", "--multi-gpu", "ddp", "--ep-size", "3"], "--ep-size 3 does not divide --model tiny-moe's 8 "),
         (["--nproc", "2", "--multi-gpu", "tp", "--ep-size", "2"], "ep_size spreads experts over the data-parallel "),
         (["--nproc", "2", "--multi-gpu", "zero1", "--ep-size", "2"], "ep_size spreads experts over the data-parallel "),
-        (["--nproc", "4", "--multi-gpu", "zero3", "--pp-size", "2", "--ep-size", "2"], "ep_size 2 beside pp_size 2 "),
+        (
+            ["--nproc", "4", "--multi-gpu", "pp", "--pp-size", "2", "--ep-size", "4"],
+            "ep_size 4 spreads experts over the 2 ",
+        ),
     ],
 )
 def test_a_bad_expert_layout_is_refused_before_anything_starts(tmp_path: Path, args: list[str], sentence: str) -> None:

@@ -166,11 +166,6 @@ class ParallelDims:
                     f"The {item.name} degree must be a whole number of at least 1, not {degree!r}; "
                     f"set {item.name} to 1 or more."
                 )
-        if self.ep > 1 and self.pp > 1:
-            raise UsageError(
-                f"ep_size {self.ep} beside pp_size {self.pp} is not supported yet (a pipeline's stages would each need "
-                "their own expert groups); drop ep_size to run the experts whole in each stage, or drop pp_size."
-            )
         pool, named = self.expert_pool
         if pool % self.ep:
             raise UsageError(
@@ -255,7 +250,7 @@ SHARDS = Spread(("shard",), frozenset({"tp", "pp", "cp", "ep"}))  # zero2, zero3
 HYBRID = Spread(("shard",), frozenset({"replicate", "tp", "pp", "cp", "ep"}))
 TENSOR = Spread(("tp",), frozenset({"tp"}))  # tp: every process splits every planned layer
 #: pp: stages over the rest, or pp_size and replicas
-PIPELINE = Spread(("pp", "replicate"), frozenset({"pp", "tp", "cp"}))
+PIPELINE = Spread(("pp", "replicate"), frozenset({"pp", "tp", "cp", "ep"}))
 OWN_GROUPS = Spread(("shard",))  # deepspeed: every process a ZeRO partition, in groups DeepSpeed makes itself
 
 

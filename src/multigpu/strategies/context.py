@@ -32,19 +32,22 @@ TORCH_SDPA = F.scaled_dot_product_attention
 
 
 class _AllToAll(torch.autograd.Function):
-    """all_to_all_single over dim 0 with its backward: the same exchange with the sizes swapped."""
+    """all_to_all_single over dim 0 with its backward: the same exchange with the sizes swapped. `send` and
+    `receive` count units of `unit` rows (default: x's rows over what it sends; a rank may send nothing)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, send: list[int], receive: list[int], group: Any) -> torch.Tensor:
-        ctx.send, ctx.receive, ctx.group = send, receive, group
-        unit = x.shape[0] // sum(send)
+    def forward(
+        ctx: Any, x: torch.Tensor, send: list[int], receive: list[int], group: Any, unit: int | None = None
+    ) -> torch.Tensor:
+        unit = unit or x.shape[0] // sum(send)
+        ctx.send, ctx.receive, ctx.group, ctx.unit = send, receive, group, unit
         out = x.new_empty((sum(receive) * unit, *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), [n * unit for n in receive], [n * unit for n in send], group=group)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _AllToAll.apply(grad, ctx.receive, ctx.send, ctx.group), None, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        return _AllToAll.apply(grad, ctx.receive, ctx.send, ctx.group, ctx.unit), None, None, None, None
 
 
 def head_split(heads: int, cp: int) -> list[int]:

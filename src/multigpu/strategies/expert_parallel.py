@@ -39,19 +39,24 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-def parallelize(mixture: MixtureOfExperts, device: torch.device) -> None:
-    """Gives each rank of an ep group its 1/ep of every layer's experts (rank 0's values, made the same on every
-    rank first) as DTensors sharded by expert, and makes what the block calls with the tokens dispatch them."""
+def parallelize(mixture: MixtureOfExperts, device: torch.device, alike: bool = False) -> list[MoELayer]:
+    """Gives each rank of an ep group its 1/ep of every layer's experts that it holds (a pipeline stage holds
+    some; the others are on the meta device) as DTensors sharded by expert, and makes what the block calls with the
+    tokens dispatch them; returns those layers. The values are rank 0's, broadcast first unless the ranks start
+    `alike` already (the strategy broadcast the whole model)."""
     assert mixture.mesh is not None
     ep_mesh = mixture.mesh["ep"]
-    for layer in mixture.layers:
+    held = [layer for layer in mixture.layers if not any(p.is_meta for p in layer.experts.parameters())]
+    for layer in held:
         for name, param in list(layer.experts.named_parameters(recurse=False)):
             whole = param.data.to(device)
-            dist.broadcast(whole, src=0)
+            if not alike:
+                dist.broadcast(whole, src=0)
             local = whole.chunk(mixture.ep, dim=0)[ep_mesh.get_local_rank()].clone()
             sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
             layer.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         layer.entry.forward = _dispatching(mixture, layer, layer.entry.forward)
+    return held
 
 
 def _dispatching(
@@ -70,12 +75,12 @@ def _dispatching(
         dist.all_to_all_single(arriving, per_expert, group=group)  # [source rank, my expert]
         send = per_expert.view(ep, local).sum(1).tolist()
         receive = arriving.view(ep, local).sum(1).tolist()
-        inputs = _AllToAll.apply(hidden[token], send, receive, group)
-        weights = _AllToAll.apply(top_k_weights.reshape(-1)[order].unsqueeze(1), send, receive, group)
+        inputs = _AllToAll.apply(hidden[token], send, receive, group, 1)
+        weights = _AllToAll.apply(top_k_weights.reshape(-1)[order].unsqueeze(1), send, receive, group, 1)
         which = torch.arange(local, device=flat.device).repeat(ep).repeat_interleave(arriving).unsqueeze(1)
         with _local_view(layer, rank, ep):
             outputs = forward(inputs, which, weights.to(inputs.dtype))
-        back = _AllToAll.apply(outputs, receive, send, group)
+        back = _AllToAll.apply(outputs, receive, send, group, 1)
         return hidden.new_zeros(hidden.shape).index_add(0, token, back.to(hidden.dtype))
 
     return dispatched
@@ -159,9 +164,15 @@ def shard_experts(
     included) an FSDP unit of their own over the edp ranks, which hold the same experts. LoRA adapters on them are
     whole on every rank and averaged over all data-parallel ranks, so that unit leaves them out and a hook
     averages them (the unit's reduction would average them over the edp ranks only)."""
-    parallelize(mixture, device)
+    _shard_entries(mixture, parallelize(mixture, device, alike=True), policy, reshard_after_forward)
+
+
+def _shard_entries(
+    mixture: MixtureOfExperts, layers: list[MoELayer], policy: MixedPrecisionPolicy, reshard_after_forward: bool
+) -> None:
     held = {id(p) for p in mixture.expert_parameters()}
-    for layer in mixture.layers:
+    for layer in layers:
+        device = next(layer.experts.parameters()).device
         adapters = [p for p in layer.entry.parameters() if id(p) not in held]
         fully_shard(
             layer.entry,
@@ -173,3 +184,19 @@ def shard_experts(
         for adapter in adapters:
             adapter.data = adapter.data.to(device)
         _average_gradients(adapters, mixture.data_group())
+
+
+def spread_stage_experts(
+    mixture: MixtureOfExperts, device: torch.device, policy: MixedPrecisionPolicy | None, reshard_after_forward: bool
+) -> set[int]:
+    """Expert parallelism beside pp, for the layers of this rank's stages (the ranks start alike: pp broadcast the
+    whole model). With zero inside the stages (`policy`), each layer's experts an FSDP unit over the edp ranks, as
+    shard_experts makes them; with whole replicas of the pipeline (no policy), their gradients averaged over the
+    edp ranks by hook, and their ids returned: the replicas' own all-reduce (over every replica) leaves them out."""
+    layers = parallelize(mixture, device, alike=True)
+    if policy is not None:
+        _shard_entries(mixture, layers, policy, reshard_after_forward)
+        return set()
+    params = [p for layer in layers for p in layer.experts.parameters(recurse=False)]
+    _average_gradients(params, mixture.mesh["edp"].get_group())  # type: ignore[index]
+    return {id(p) for p in params}

@@ -76,6 +76,7 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
 
     data: FSDP | None = None
     _schedules: dict = field(default_factory=dict, repr=False)
+    _spread: set[int] = field(default_factory=set, repr=False)  # ep's experts' parameter ids: not the replicas'
 
     spread = PIPELINE
     pipelined = True
@@ -156,8 +157,15 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
         if optimizer is not None:
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) in held]
+        if self.layout.ep > 1:  # the stages' experts over the ep ranks, before zero shards the rest
+            from multigpu.strategies.expert_parallel import spread_stage_experts
+
+            policy = getattr(plan, "unit", None) if self.data is not None else None
+            reshard = getattr(self.data, "reshard_after_forward", True)
+            self._spread = spread_stage_experts(self.experts, env.device, policy, reshard)
         if self.data is not None:
             self._shard_stages(model, plan)
+        if self.data is not None or self.layout.ep > 1:
             repoint(optimizer, names, pipeline)
         current = dict(pipeline.named_parameters())  # sharding replaced the Parameters; the names stay
         self._ties = [(current[names[id(p)]], group, count) for p, group, count in ties]
@@ -300,7 +308,7 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
             for group in optimizer.param_groups:
                 for p in group["params"]:
-                    if p.grad is not None:
+                    if p.grad is not None and id(p) not in self._spread:  # ep's experts: averaged by hook
                         by_dtype.setdefault(p.grad.dtype, []).append(_local(p.grad))
             with torch.no_grad():
                 for same in by_dtype.values():  # one all-reduce per dtype, of every gradient laid end to end
