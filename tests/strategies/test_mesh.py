@@ -54,8 +54,12 @@ def test_degrees_below_one_are_refused(degrees: dict, shown: str) -> None:
     (name,) = degrees
     with pytest.raises(UsageError, match=rf"^The {name} degree must be a whole number of at least 1, not {shown}; "):
         ParallelDims(**degrees)
-    with pytest.raises(UsageError, match=r"^ep 3 spreads experts over the shard x cp processes, 4 here, and does not"):
+    with pytest.raises(UsageError, match=r"^ep_size 3 spreads experts over the 4 data-parallel processes \(shard 2 x "):
         ParallelDims(shard=2, cp=2, ep=3)
+    with pytest.raises(
+        UsageError, match=r"^ep_size 4 spreads experts over the 2 data-parallel processes \(replicate 2\)"
+    ):
+        ParallelDims(replicate=2, ep=4)
 
 
 @pytest.mark.parametrize(("world", "launched"), [(4, "4 were"), (1, "1 was")])
