@@ -39,6 +39,8 @@ CELLS: dict[str, tuple[int, dict, str]] = {
     "single-halves": (1, {"multi_gpu": "single", "batch_size": 2, "grad_accum_steps": 2}, ""),
     "ep-2": (2, {"multi_gpu": "ddp", "batch_size": 2, "ep_size": 2, "save_every": 2}, "single"),
     "zero3": (2, {"multi_gpu": "zero3", "batch_size": 2}, "single"),
+    # The README's: each sequence split over the 2 ranks, which are also the ep group (DDP's group, not its mesh).
+    "ep-2-x-cp-2": (2, {"multi_gpu": "ddp", "ep_size": 2, "cp_size": 2}, "single"),
     "zero3-resumes-ep-2": (
         2,
         {"multi_gpu": "zero3", "batch_size": 2, "resume": "ep-2/checkpoints/step-00000002"},

@@ -62,8 +62,10 @@ class DDP(CompressionOptions, DDPOptions, Strategy):
         wrapped = DistributedDataParallel(
             model,
             device_ids=device_ids,
-            # DDP takes a 1-D mesh only: the replicate dimension of the strategy's mesh (with cp's ranks).
-            device_mesh=with_cp(mesh, ("replicate",)),
+            # The replicate dimension of the strategy's mesh (with cp's ranks), as its group: given a mesh sliced
+            # from another, DDP would turn every DTensor parameter (ep's experts, which it leaves out) into a plain
+            # attribute around each forward, as it does for tp.
+            process_group=with_cp(mesh, ("replicate",)).get_group(),
             bucket_cap_mb=self.bucket_cap_mb,
             find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph,
