@@ -47,7 +47,6 @@ CELLS: dict[str, tuple[int, dict, str]] = {
         "single",
     ),
     "tp": (2, {"multi_gpu": "tp"}, "single"),
-    "pp": (2, {"multi_gpu": "pp", "pp_schedule": "gpipe", "pp_microbatches": 2}, "single-halves"),
     "zero2-x-ep-2-bf16-mixed": (
         2,
         {"multi_gpu": "zero2", "batch_size": 2, "ep_size": 2, "precision": "bf16-mixed"},
