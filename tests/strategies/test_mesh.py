@@ -138,8 +138,8 @@ def mesh_report(names: list[str], case: Case) -> dict:
         mesh = strategy.mesh
         model = TinyNet()
         model, optimizer = mg.Engine(strategy=strategy).setup(model, torch.optim.AdamW(model.parameters()))
-        if name in ("ddp", "zero1"):
-            wired = model.device_mesh is mesh
+        if name in ("ddp", "zero1"):  # DDP takes the mesh's group (given a mesh, it would rewrite DTensors)
+            wired = model.process_group is mesh.get_group()
             if name == "zero1":
                 wired = wired and optimizer.process_group is mesh.get_group()
         else:
