@@ -77,7 +77,7 @@ def find_layers(model: nn.Module, default_top_k: int | None = None) -> list[MoEL
             continue
         count, path = module.num_experts, name.split(".")
         for depth in range(len(path) - 1, -1, -1):  # up through any wrappers to the block
-            block, routers = model.get_submodule(".".join(path[:depth])), []
+            block = model.get_submodule(".".join(path[:depth]))
             routers = _router_of(block, module, count)
             if routers:
                 break
@@ -200,6 +200,8 @@ class MixtureOfExperts:
         loss's plus coefficient x this loss's: the main loss is averaged over the data_world ranks' gradients, and
         a summed one is divided by the step's token count after backward (its global count for this micro-step
         here: with accumulation, each micro-batch's load-balancing loss is weighted by its tokens)."""
+        if self.coefficient == 0:  # nothing to weigh: spare the count's all-reduce on every micro-step
+            return
         if count is None:
             self.backward_weight = weight * window.data_world
             return
