@@ -20,23 +20,64 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
 def default_units(model: nn.Module) -> list[nn.Module]:
     """One unit per block: the items of every ModuleList or ModuleDict that are not containers themselves
-    (transformer layers, however deeply nested), else each top-level child that has parameters.
+    (transformer layers, however deeply nested), else each top-level child; only blocks that hold parameters.
 
-    A unit is all-gathered as a whole, so its size sets the temporary memory and the overlap granularity. The
-    adapters of a LoRA wrapper around a parameter (peft's ParamWrapper, `parameter_name`: on a mixture's experts)
-    are not units: the wrapper reads their weights without calling them, which would leave them sharded.
+    A unit is all-gathered as a whole, so its size sets the temporary memory and the overlap granularity. Two rules
+    keep a unit from breaking the model:
+    - An adapter (peft's lora_A, lora_B, lora_dropout dicts inside a tuner layer) is never a unit: its base layer's
+      block holds it. As units of their own, an Identity dropout returned a view of its gathered input (FSDP warns of
+      wrong gradients), and a wrapper around a parameter (LoRA on experts) reads its adapters' weights without calling
+      them, which would leave them sharded.
+    - A block holding a parameter that a module outside it shares (nanoGPT's `transformer.wte`, tied to `lm_head`)
+      is no unit: FSDP manages a parameter in one unit only, so the tie goes to the unit (or root) holding both.
     """
-    read = {id(d) for m in model.modules() if hasattr(m, "parameter_name") for d in m.children()}
+    adapters = {id(d) for m in model.modules() if getattr(m, "adapter_layer_names", ()) for d in m.children()}
     blocks = [
         block
         for module in model.modules()
-        if isinstance(module, _CONTAINERS) and id(module) not in read
+        if isinstance(module, _CONTAINERS) and id(module) not in adapters
         for block in (module.values() if isinstance(module, nn.ModuleDict) else module)
         if not isinstance(block, _CONTAINERS)
-    ]
-    if blocks:
-        return blocks
-    return [child for child in model.children() if any(True for _ in child.parameters())]
+    ] or list(model.children())
+    owners = parameter_owners(model)
+    return [block for block in blocks if _holds_parameters(block) and not splits_ties(block, owners)]
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def parameter_owners(model: nn.Module) -> dict[int, list[nn.Module]]:
+    """Each parameter shared by several modules (tied weights), by id: the modules that register it."""
+    owners: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None:
+                owners.setdefault(id(param), []).append(module)
+    return {pid: modules for pid, modules in owners.items() if len(modules) > 1}
+
+
+def splits_ties(unit: nn.Module, owners: dict[int, list[nn.Module]]) -> bool:
+    """Whether `unit` holds a tied parameter that a module outside it also holds."""
+    inside = {id(module) for module in unit.modules()}
+    return any(
+        any(id(owner) not in inside for owner in owners[id(param)])
+        for param in unit.parameters()
+        if id(param) in owners
+    )
+
+
+def check_ties(model: nn.Module, units: list[nn.Module]) -> None:
+    """Refuses units (a unit selector's own) that would put one side of a tied parameter in a unit without the other."""
+    owners = parameter_owners(model)
+    names = {id(module): name for name, module in model.named_modules()}
+    for unit in units:
+        if splits_ties(unit, owners):
+            raise UsageError(
+                f"The unit {names.get(id(unit), type(unit).__name__)!r} holds a parameter tied to a module outside it "
+                "(shared weights, such as embeddings tied to the output head), which FSDP cannot shard in two units; "
+                "leave that module out of your units so the tie stays in the unit or root that holds both."
+            )
 
 
 def stop_caching(model: nn.Module) -> None:

@@ -45,6 +45,7 @@ from multigpu.strategies.context import ContextParallel
 from multigpu.strategies.context_attention import use_context_attention
 from multigpu.strategies.dp import DataParallel
 from multigpu.strategies.experts import mixture_of_experts
+from multigpu.strategies.fsdp import quantized_owners
 
 
 def resolve(given: str | Strategy, env: DistEnv, config: EngineConfig, say: Callable[[str], None]) -> Strategy:
@@ -242,10 +243,11 @@ def set_up(
     # The blocks a sharding strategy wraps, before it wraps them (its hooks then run around the recomputation).
     units = getattr(strategy, "units", default_units)(model)
     blocks = outermost(units)
-    if config.activation_checkpointing == "selective" and hasattr(strategy, "units") and len(blocks) < len(units):
+    sharded = [*units, *quantized_owners(model)] if hasattr(strategy, "units") else units
+    if config.activation_checkpointing == "selective" and len(outermost(sharded)) < len(sharded):
         raise UsageError(
             f"activation_checkpointing selective cannot run where {strategy.name} shards modules inside each block "
-            "(LoRA adapters, 4-bit layers): their FSDP hooks run other ops when a block is recomputed, which torch's "
+            "(4-bit layers, nested blocks): their FSDP hooks run other ops when a block is recomputed, which torch's "
             "selective checkpointing refuses; use full or offload."
         )
     recompute_blocks(model, blocks, config.activation_checkpointing)

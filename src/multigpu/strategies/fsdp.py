@@ -15,7 +15,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError, require
 from multigpu.core.layout import SHARDS, ShardingOptions, TensorParallelOptions
-from multigpu.core.modules import MetaValues, default_units, repoint
+from multigpu.core.modules import MetaValues, check_ties, default_units, repoint
 from multigpu.core.precision import Precision, PrecisionPlan
 from multigpu.strategies.base import Strategy, is_quantized
 from multigpu.strategies.compression import CompressionOptions, refuse_powersgd
@@ -152,11 +152,14 @@ class FSDP(CompressionOptions, ShardingOptions, TensorParallelOptions, Strategy)
         if optimizer is not None and optimizer.state:
             raise UsageError(f"{self.name} must shard a fresh optimizer; call engine.setup before the first step.")
         self.build_mesh(env)
-        return children_first(model, [*self.units(model), *quantized_owners(model)]), self.sharder(model, plan)
+        units = self.units(model)
+        check_ties(model, units)
+        return children_first(model, [*units, *quantized_owners(model)]), self.sharder(model, plan)
 
     def shard_stage(self, stage: nn.Module, units: list[nn.Module], plan: FSDPPrecision) -> None:
         """Shards one pipeline stage (pp.py): `units` (those of the whole model that the stage holds) and then the
         stage itself, the root whose pre-forward gathers what no unit holds (embeddings, norm, head)."""
+        check_ties(stage, units)
         shard = self.sharder(stage, plan)
         for unit in [*children_first(stage, [*units, *quantized_owners(stage)]), stage]:
             shard(unit)
