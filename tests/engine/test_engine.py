@@ -372,6 +372,15 @@ def test_one_process_misuse_and_batchnorm_in_one_process() -> None:
         assert batchnorm_warnings("single", sync_batchnorm=sync) == ([], ["BatchNorm1d", "BatchNorm1d"])
 
 
+def test_global_batch_size_becomes_the_accumulation_at_the_first_loader() -> None:
+    engine = mg.Engine(strategy="single", global_batch_size=12)
+    loader = engine.dataloader(torch.utils.data.TensorDataset(torch.zeros(24, 2)), batch_size=3, shuffle=False)
+    assert engine.config.grad_accum_steps == 4 and engine.config.global_batch_size is None
+    assert engine._window.grad_accum_steps == 4 and len(loader) == 8  # 24 samples: two windows of 4 batches
+    with pytest.raises(mg.UsageError, match=r"^global_batch_size derives grad_accum_steps .* give one of the two"):
+        mg.Engine(strategy="single", global_batch_size=12, grad_accum_steps=2)
+
+
 SYNC_ON_CPU = "sync_batchnorm synchronises BatchNorm between GPUs, and torch's SyncBatchNorm refuses to run on CPU"
 
 

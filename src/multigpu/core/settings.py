@@ -156,6 +156,11 @@ class TrainingSettings(Settings):
 
     precision: str = setting("32", "number format for training", choices=PRECISIONS)
     grad_accum_steps: int = setting(1, "micro-batches per optimizer step")
+    global_batch_size: int | None = setting(
+        None,
+        "samples per optimizer step over all processes, whatever their number: engine.dataloader derives "
+        "grad_accum_steps from it as global_batch_size / (batch_size x data-parallel processes)",
+    )
     max_grad_norm: float | None = setting(None, "clip the global gradient norm to this")
     seed: int = setting(0, "seed for model init, data order and sampling (the same on every rank)")
 
@@ -164,6 +169,15 @@ class TrainingSettings(Settings):
         Precision(self.precision)
         require(
             (self.grad_accum_steps >= 1, f"grad_accum_steps must be 1 or more (got {self.grad_accum_steps})."),
+            (
+                self.global_batch_size is None or self.global_batch_size >= 1,
+                f"global_batch_size must be 1 or more (got {self.global_batch_size}); leave it unset for none.",
+            ),
+            (
+                self.global_batch_size is None or self.grad_accum_steps == 1,
+                "global_batch_size derives grad_accum_steps from the number of processes; give one of the two, "
+                f"not both (got grad_accum_steps {self.grad_accum_steps}).",
+            ),
             (
                 self.max_grad_norm is None or 0 < self.max_grad_norm < math.inf,
                 f"max_grad_norm must be a positive finite number (got {self.max_grad_norm}); leave it unset for none.",

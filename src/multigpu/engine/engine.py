@@ -33,7 +33,7 @@ from multigpu.engine.across import AcrossRanks
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.observe import Reporting, StepObserver, StepStats, new_observers, watched, watching
 from multigpu.engine.saving import Saving
-from multigpu.engine.window import Window
+from multigpu.engine.window import Window, accumulation_for
 from multigpu.strategies import Strategy
 from multigpu.strategies.context import sliced
 from multigpu.strategies.experts import MixtureOfExperts, weigh_pipeline
@@ -189,6 +189,10 @@ class Engine(Saving, Reporting, AcrossRanks):
     ) -> Loader:
         """This rank's shard of `dataset`, `batch_size` samples per device, moved to `engine.device`; a
         WindowedStream's (multigpu.core.stream) is endless over epochs: the loop stops on a step budget."""
+        if self.config.global_batch_size is not None:  # resolved here, where the per-device batch size is known
+            steps = accumulation_for(self.config.global_batch_size, batch_size, self._data_world)
+            self.config = replace(self.config, global_batch_size=None, grad_accum_steps=steps)
+            self._window.grad_accum_steps = steps
         kind = StreamLoader if isinstance(dataset, WindowedStream) else DistributedLoader
         loader = kind(
             dataset,

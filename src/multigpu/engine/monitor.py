@@ -252,9 +252,14 @@ class Monitor(StepObserver):
         self._log: MetricsLog | None = None
         self._steps_seen = 0
 
+    def _step_scale(self) -> int:
+        """One micro-step's FLOPs -> the whole step's: read when counted, since engine.dataloader may derive the
+        accumulation from global_batch_size after attach."""
+        return self._engine.config.grad_accum_steps * self._engine.world_size
+
     def attach(self, engine: Any) -> None:
         config = engine.config
-        self._scale = config.grad_accum_steps * engine.world_size  # one micro-step's FLOPs -> the whole step's
+        self._engine = engine
         self._untimed = engine.mark_untimed
         if config.log_dir is not None and engine.is_main_process:
             self._log = MetricsLog(
@@ -285,7 +290,7 @@ class Monitor(StepObserver):
     def on_backward_end(self) -> None:
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
-            self.flops_per_step = self.reports.flops_per_step = self._counter.get_total_flops() * self._scale
+            self.flops_per_step = self.reports.flops_per_step = self._counter.get_total_flops() * self._step_scale()
             self._counter, self._counting = None, False
 
     def on_step_end(self, stats: StepStats) -> None:

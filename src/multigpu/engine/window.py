@@ -120,3 +120,16 @@ class Window:
         totals, self.totals = self.totals, Totals()
         self.backwards, self.done, self.batch = 0, False, None
         return totals
+
+
+def accumulation_for(global_batch_size: int, batch_size: int, data_world: int) -> int:
+    """The micro-batches per optimizer step that make `global_batch_size` samples from `batch_size` per device on
+    `data_world` data-parallel ranks."""
+    per_pass = batch_size * data_world
+    steps, rest = divmod(global_batch_size, per_pass)
+    if rest or not steps:
+        raise UsageError(
+            f"global_batch_size {global_batch_size} is not a multiple of batch_size {batch_size} x {data_world} "
+            f"data-parallel process(es) = {per_pass}; choose a batch size and process count whose product divides it."
+        )
+    return steps

@@ -95,6 +95,8 @@ class Recorder(StepObserver):
 
     def configure(self, config: EngineConfig) -> EngineConfig:
         """Bench and verify decide the strategy, precision and accumulation, whatever the script asks for."""
+        if config.global_batch_size is not None:  # the script fixed the global batch: its accumulation follows
+            return replace(config, **self.harness.engine)
         accumulation = config.grad_accum_steps * self.harness.grad_accum_factor
         return replace(config, **self.harness.engine, grad_accum_steps=accumulation)
 
