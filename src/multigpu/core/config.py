@@ -110,6 +110,16 @@ def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def long_names(action: argparse.Action) -> list[str]:
+    """The setting names an action's long flags spell (not a switch's --no- flag, which means the opposite)."""
+    negated = isinstance(action, argparse.BooleanOptionalAction)
+    return [
+        flag[2:].replace("-", "_")
+        for flag in action.option_strings
+        if flag.startswith("--") and not (negated and flag.startswith("--no-"))
+    ]
+
+
 def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
     """Builds `cls` from the parsed flags; its __post_init__ validates them."""
     names = {field.name for field in dataclasses.fields(cls)}

@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 import yaml
 
-from multigpu.core.config import check_path, finite_float, with_default
+from multigpu.core.config import check_path, finite_float, long_names, with_default
 from multigpu.core.errors import UsageError
 
 if sys.version_info >= (3, 11):
@@ -238,16 +238,6 @@ def read_mapping(path: str | Path, verb: str) -> dict[Any, Any]:
     return data
 
 
-def _long_names(action: argparse.Action) -> list[str]:
-    """The keys an action's long flags spell (not a switch's --no- flag, which means the opposite value)."""
-    negated = isinstance(action, argparse.BooleanOptionalAction)
-    return [
-        flag[2:].replace("-", "_")
-        for flag in action.option_strings
-        if flag.startswith("--") and not (negated and flag.startswith("--no-"))
-    ]
-
-
 def load_config(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """A config file's settings for `parser`'s verb, checked and converted: {dest: value}.
 
@@ -256,7 +246,7 @@ def load_config(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, 
     verb = parser.prog.split()[-1]
     data = read_mapping(path, verb)
     keys = settings(parser)
-    also = {name: dest for dest, action in keys.items() for name in _long_names(action)}
+    also = {name: dest for dest, action in keys.items() for name in long_names(action)}
     values: dict[str, Any] = {}
     spelled: dict[str, str] = {}
     for key, value in data.items():
