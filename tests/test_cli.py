@@ -285,3 +285,32 @@ def test_a_stop_that_something_swallowed_still_ends_the_process() -> None:
             process.kill()
     assert process.returncode == 143
     assert err.strip() == "multigpu: stopped by SIGTERM; no checkpoint was completed in this run."
+
+
+# The verbs that take a strategy, and the name of its setting on each.
+STRATEGY_DESTS = {
+    "train": "multi_gpu",
+    "finetune": "multi_gpu",
+    "demo": "strategy",
+    "verify": "strategy",
+    "simulate": "strategy",
+    "bench": "strategies",
+}
+
+
+@pytest.mark.parametrize("verb", STRATEGY_DESTS)
+@pytest.mark.parametrize("flag", ["--strategy", "--multi-gpu"])
+def test_every_verb_that_takes_a_strategy_takes_both_its_flags(verb: str, flag: str) -> None:
+    positionals = ["train.py"] if verb == "verify" else []
+    args = config_file.parse_args(build_parser(verb), [verb, flag, "zero3", *positionals])
+    assert getattr(args, STRATEGY_DESTS[verb]) == "zero3"
+
+
+def test_a_flag_no_verb_knows_points_at_that_verbs_help(capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse leaves a verb's unknown flags to the top-level parser; the verb's own help is what says its flags."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["finetune", "--stratgy", "zero3"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "multigpu finetune: error: unrecognized arguments: --stratgy zero3; see `multigpu finetune --help`.\n"
+    )

@@ -22,6 +22,7 @@ from tests.dist import ROOT, run_command
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 GPU_ONLY = re.compile(r"#\s*GPU only\b")  # a trailing comment that starts "GPU only"
+QUOTED = re.compile(r'"([^"]+)"')  # what a command's comment quotes, which the command must print
 COMMAND_TIMEOUT = 300
 
 
@@ -112,6 +113,9 @@ def test_each_readme_command_runs(index: int, session: ReadmeSession) -> None:
     result = session.result(index)
     if runs_here(command):
         assert result.returncode == 0, f"{command} exited {result.returncode}:\n{result.stdout}"
+        comment = command.partition("#")[2]
+        for promised in QUOTED.findall(comment):  # a comment says what the command prints, and it must
+            assert promised in result.stdout, f"{command} printed no {promised!r}:\n{result.stdout}"
     else:
         # The mark must be earned: a command marked "# GPU only" that runs without a GPU should lose the mark.
         assert result.returncode != 0, f"{command} is marked GPU only but ran without a GPU:\n{result.stdout}"

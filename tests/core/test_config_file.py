@@ -423,3 +423,11 @@ def test_bench_saves_its_settings_in_its_out_directory(tmp_path: Path, monkeypat
         "out": str(out),
         "strategies": "ddp,fsdp",
     }
+
+
+def test_a_key_may_be_spelled_as_another_flag_of_the_setting(tmp_path: Path) -> None:
+    """train's strategy is multi_gpu, and `strategy`, its flag on the other verbs, is one of its names too."""
+    assert load_config(write(tmp_path / "a.yaml", "strategy: zero3\n"), verb("train")) == {"multi_gpu": "zero3"}
+    assert load_config(write(tmp_path / "b.yaml", "multi-gpu: ddp\n"), verb("demo")) == {"strategy": "ddp"}
+    path = write(tmp_path / "c.yaml", "strategy: ddp\nmulti_gpu: zero3\n")
+    assert "multi_gpu is given twice (as 'strategy' and 'multi_gpu')" in refusal(load_config, path, verb("finetune"))

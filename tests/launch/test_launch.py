@@ -471,6 +471,18 @@ def test_gpu_ids_index_the_gpus_cuda_visible_devices_already_exposes() -> None:
         launching.select_gpus(LaunchConfig(gpu_ids="2"), 2, "2,3")
 
 
+def test_more_processes_than_cpu_cores_without_gpus_is_one_warning_line() -> None:
+    """16 processes on 2 cores run (a CPU test of a multi-process run is legitimate) but not without a word: the
+    line names both numbers and that the global batch grows with the processes. More than the GPUs is refused."""
+    warning = launching.crowding_warning(16, gpus=0, cores=2)
+    assert warning is not None and "\n" not in warning
+    assert warning.startswith("multigpu: warning: --nproc 16 starts 16 processes on 2 CPU cores and no GPU")
+    assert "the global batch is 16x the per-process batch; pass --nproc 2 or fewer" in warning
+    assert launching.crowding_warning(2, gpus=0, cores=2) is None
+    assert launching.crowding_warning(8, gpus=8, cores=2) is None  # one GPU each: the cores only feed them
+    assert launching.usable_cores() >= 1
+
+
 def test_more_processes_than_gpus_is_refused_but_not_on_cpu() -> None:
     with pytest.raises(UsageError, match=r"^--nproc 4 .* 2 GPUs .*; pass --nproc 2 or fewer"):
         launching.select_gpus(LaunchConfig(nproc=4), 2, None)

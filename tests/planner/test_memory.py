@@ -49,6 +49,21 @@ def test_the_recommendation_agrees_with_the_fits_column_when_only_offload_fits()
     assert "--cpu-offload" not in nothing.reason
 
 
+def test_where_nothing_fits_the_advice_leaves_out_what_the_command_has_already() -> None:
+    """A plan given --activation-checkpointing full, a tp degree and LoRA is not told to add them."""
+    settings = {"gpus": 2, "gpu_memory": "24GB", "batch_size": 8, "seq_len": 8192}
+    plain = plan("llama-3.1-70b", **settings).reason
+    assert plain.endswith(
+        "lower --batch-size or --seq-len, add --activation-checkpointing full, more GPUs or "
+        "--tp-size/--pp-size/--cp-size, LoRA/QLoRA"
+    ), plain
+    given = plan("llama-3.1-70b", **settings, activation_checkpointing="full", tp_size=2, lora_r=16).reason
+    assert given.startswith("nothing fits") and "--activation-checkpointing" not in given, given
+    assert given.endswith("more GPUs or --pp-size/--cp-size, a larger --tp-size, QLoRA (--qlora)"), given
+    single = plan("llama-3.1-70b", **{**settings, "batch_size": 1}, activation_checkpointing="offload").reason
+    assert "lower --seq-len, more GPUs" in single and "--batch-size" not in single, single
+
+
 def test_smollm2_config_gives_its_published_parameter_count() -> None:
     assert from_transformer(BUILTIN["smollm2-135m"], "smollm2").params == 134_515_008
 

@@ -4,8 +4,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from multigpu.tools.verify import Verdict, print_verdict
+from multigpu.tools.verify import TOLERANCES, Verdict, param_differences, print_verdict
 from tests.dist import multigpu, refusal
 
 SCRIPT = "tests/scripts/next_token.py"
@@ -116,6 +117,23 @@ def test_one_process_under_a_strategy_against_the_plain_run() -> None:
     """What one GPU can check: the strategy's wrapping and precision path in a group of one."""
     code, report = verify("--nproc", "1", "--strategy", "zero3")
     assert code == 0 and report["passed"] and report["strategy"] == "zero3", report
+
+
+def test_a_warm_up_sized_update_is_compared_beyond_the_parameters_rounding() -> None:
+    """An lr warm-up's step moves parameters of about 1 by 1e-6: the N-process run rounding some of them one unit
+    in the last place (1.2e-7) the other way is 0.12 of that update, far past fp32's 1e-3 of it, though nothing is
+    wrong. A bug's difference, a share of the update itself, still fails."""
+    start = torch.linspace(-1, 1, 1001)
+    update = torch.full_like(start, 1e-6)
+    final = start + update
+    rounded = final.clone()
+    rounded[::50] = torch.nextafter(final[::50], torch.full_like(final[::50], 2.0))  # one ulp up
+    assert float((rounded - final).abs().max() / update.max()) > 100 * TOLERANCES["32"][1]  # the bound alone failed
+    initial, diffs = param_differences(({"w": start}, {"w": final}), ({"w": start}, {"w": rounded}), "32")
+    assert initial == 0 and diffs["w"] == 0
+    buggy = final + 0.5 * update  # e.g. one process's gradient counted 1.5 times
+    _, diffs = param_differences(({"w": start}, {"w": final}), ({"w": start}, {"w": buggy}), "32")
+    assert diffs["w"] > 0.4
 
 
 def verdict_of(losses: list[tuple[float, float]]) -> Verdict:

@@ -16,7 +16,9 @@ INTRO = """\
 
 `multigpu VERB [options]`; `multigpu --help` and `multigpu VERB --help` print the same from the parser. `multigpu`
 itself takes one flag, `--version`, which prints the version. Every mistake in the input is one sentence on
-stderr, `multigpu: error: ...`, and exit code 2.
+stderr, `multigpu: error: ...` (a flag a verb does not know or a value it does not take: `multigpu VERB: error:
+...`, pointing at `multigpu VERB --help`), and exit code 2. A flag listed with two names takes either: the strategy
+is `--multi-gpu` on train and finetune and `--strategy` elsewhere (bench's `--strategies`), and each takes both.
 
 This file is generated from `multigpu.cli.build_parser()` by `python scripts/cli_reference.py`, and
 `tests/test_docs.py` fails while it differs from what the parser says: each setting's help, choices and default are

@@ -16,11 +16,42 @@ from multigpu.core.errors import UsageError, shown_path
 T = TypeVar("T")
 
 
+class Formatter(argparse.HelpFormatter):
+    """argparse's help, a flag's values shown once after all its names (`--multi-gpu, --strategy {auto,...}`), not
+    after each of them."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if not action.option_strings or action.nargs == 0:
+            return super()._format_action_invocation(action)
+        values = self._format_args(action, self._get_default_metavar_for_optional(action))
+        return f"{', '.join(action.option_strings)} {values}"
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: what was wrong and where the help is, exit code 2."""
+    """argparse with one-line errors: what was wrong and where the help is (the verb's own, for a verb's flags),
+    exit code 2."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", Formatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`.\n")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        """argparse's, except that arguments no verb knows are refused by the verb's parser: argparse leaves them
+        to the top-level one, whose error would point at `multigpu --help` rather than the verb's."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._verb(parsed).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def _verb(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+        """The parser of the verb `parsed` was parsed by (this one, where it has no verbs)."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return action.choices.get(getattr(parsed, action.dest, None), self)
+        return self
 
 
 def _base_type(annotation: Any) -> type:
@@ -50,26 +81,43 @@ def with_default(help_text: str, default: Any) -> str:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """One `--field-name` flag per dataclass field of `cls`; a float field's flag takes finite numbers only."""
+    """One `--field-name` flag per dataclass field of `cls` (and one per alias the setting has); a float field's flag
+    takes finite numbers only."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__)
     for field in dataclasses.fields(cls):
         if field.name in skip:
             continue
-        flag = "--" + field.name.replace("_", "-")
+        flags = [flag_of(name) for name in (field.name, *field.metadata.get("aliases", ()))]
         kind = _base_type(hints[field.name])
         help_text = field.metadata.get("help", "")
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
             continue
         group.add_argument(
-            flag,
+            *flags,
+            dest=field.name,
             type=finite_float if kind is float else kind,
             default=field.default,
             choices=field.metadata.get("choices"),
             metavar=field.metadata.get("metavar"),
             help=with_default(help_text, field.default),
         )
+
+
+def flag_of(name: str) -> str:
+    """A setting's flag: grad_accum_steps -> --grad-accum-steps."""
+    return "--" + name.replace("_", "-")
+
+
+def long_names(action: argparse.Action) -> list[str]:
+    """The setting names an action's long flags spell (not a switch's --no- flag, which means the opposite)."""
+    negated = isinstance(action, argparse.BooleanOptionalAction)
+    return [
+        flag[2:].replace("-", "_")
+        for flag in action.option_strings
+        if flag.startswith("--") and not (negated and flag.startswith("--no-"))
+    ]
 
 
 def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
@@ -85,7 +133,7 @@ def config_to_argv(config: Any, skip: tuple[str, ...] = ()) -> list[str]:
         value = getattr(config, field.name)
         if field.name in skip or value is None:
             continue
-        flag = "--" + field.name.replace("_", "-")
+        flag = flag_of(field.name)
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
         else:

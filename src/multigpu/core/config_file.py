@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 import yaml
 
-from multigpu.core.config import check_path, finite_float, with_default
+from multigpu.core.config import check_path, finite_float, long_names, with_default
 from multigpu.core.errors import UsageError
 
 if sys.version_info >= (3, 11):
@@ -241,14 +241,17 @@ def read_mapping(path: str | Path, verb: str) -> dict[Any, Any]:
 def load_config(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """A config file's settings for `parser`'s verb, checked and converted: {dest: value}.
 
-    A key may be spelled as the flag is (grad-accum-steps) or as its dest (grad_accum_steps), not both."""
+    A key may be spelled as the flag is (grad-accum-steps) or as its dest (grad_accum_steps), or as another long
+    flag of the setting (strategy for train's multi_gpu), once."""
     verb = parser.prog.split()[-1]
     data = read_mapping(path, verb)
     keys = settings(parser)
+    also = {name: dest for dest, action in keys.items() for name in long_names(action)}
     values: dict[str, Any] = {}
     spelled: dict[str, str] = {}
     for key, value in data.items():
         name = key.replace("-", "_") if isinstance(key, str) else key
+        name = also.get(name, name)
         if name not in keys:
             close = difflib.get_close_matches(str(key).replace("-", "_"), list(keys), n=1)
             hint = f"did you mean {close[0]!r}?" if close else f"see `{parser.prog} --help` for its flags."

@@ -24,14 +24,29 @@ from multigpu.core.precision import PRECISIONS, Precision
 from multigpu.core.recompute import MODES as RECOMPUTE_MODES
 
 
-def setting(default: Any, help: str, *, choices: Iterable[Any] | None = None, metavar: str | None = None) -> Any:
-    """A setting's definition as a dataclass field: its default, its help text and its choices."""
+def setting(
+    default: Any,
+    help: str,
+    *,
+    choices: Iterable[Any] | None = None,
+    metavar: str | None = None,
+    aliases: Iterable[str] = (),
+) -> Any:
+    """A setting's definition as a dataclass field: its default, its help text and its choices; `aliases` are other
+    names its flag and config key also take (the strategy is --strategy on some verbs and --multi-gpu on others)."""
     metadata: dict[str, Any] = {"help": help}
     if choices is not None:
         metadata["choices"] = tuple(choices)
     if metavar is not None:
         metadata["metavar"] = metavar
+    if aliases:
+        metadata["aliases"] = tuple(aliases)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def aliases(field: dataclasses.Field) -> tuple[str, ...]:
+    """The other names a setting's flag and config key take."""
+    return field.metadata.get("aliases", ())
 
 
 class Settings:
@@ -105,13 +120,14 @@ def derive(
     """A group named `name` made of the settings of `sources` (all of them, or those named in `only`), each keeping
     its source's type, help text, choices and checks.
 
-    `rename` shows a setting under another name (and so another flag and config key), `defaults` gives it another
-    default. With `overrides` every default is None, meaning "not set": a tool's override of what a script asks for;
-    `note` (one text, or one per setting) is added to the help to say what the setting means here, and `choices`
-    narrows a setting's choices to those a tool handles (simulate models the data-parallel strategies). `unset` says
-    what a setting's None default means here, in place of the "(default: ...)" its help ends with (a recipe launches
-    one process unless told, `multigpu run` one per GPU). `base`, a
-    subclass of Derived, may add values the sources take from elsewhere (a recipe's log_dir is its save_dir).
+    `rename` shows a setting under another name (and so another flag and config key; the source's name stays an
+    alias, so both flags work), `defaults` gives it another default. With `overrides` every default is None,
+    meaning "not set": a tool's override of what a script asks for; `note` (one text, or one per setting) is added
+    to the help to say what the setting means here, and `choices` narrows a setting's choices to those a tool
+    handles (simulate models the data-parallel strategies). `unset` says what a setting's None default means here,
+    in place of the "(default: ...)" its help ends with (a recipe launches one process unless told, `multigpu run`
+    one per GPU). `base`, a subclass of Derived, may add values the sources take from elsewhere (a recipe's log_dir
+    is its save_dir).
     """
     rename, defaults, narrowed, unset = dict(rename or {}), dict(defaults or {}), dict(choices or {}), dict(unset or {})
     fields, mapping = [], []
@@ -126,15 +142,16 @@ def derive(
             else:
                 help_text += added
             metadata = {**field.metadata, "help": help_text}
+            shown = rename.get(field.name, field.name)
+            if shown != field.name:  # the source's name stays a name of the setting: a flag it may be known by
+                metadata["aliases"] = tuple(a for a in (field.name, *aliases(field)) if a != shown)
             if field.name in narrowed:
                 if not set(narrowed[field.name]) <= set(metadata.get("choices", ())):
                     raise TypeError(f"derive({name!r}): {narrowed[field.name]} are not choices of {field.name}")
                 metadata["choices"] = tuple(narrowed[field.name])
             default = None if overrides else defaults.get(field.name, field.default)
             kind = hints[field.name] | None if overrides else hints[field.name]
-            fields.append(
-                (rename.get(field.name, field.name), kind, dataclasses.field(default=default, metadata=metadata))
-            )
+            fields.append((shown, kind, dataclasses.field(default=default, metadata=metadata)))
         mapping.append((source, {rename.get(field.name, field.name): field.name for field in chosen}))
     found = {theirs for _, names in mapping for theirs in names.values()}
     unknown = (set(only or ()) | set(rename) | set(defaults) | set(narrowed) | set(unset)) - found

@@ -29,7 +29,8 @@ MAX_TIMEOUT_S = 1e9
 class StrategyChoice(Settings):
     """Which strategy runs: a name of the registry (strategies/__init__.py), or auto."""
 
-    strategy: str = setting("auto", "how to spread training over processes", choices=STRATEGIES)
+    # train and finetune show it as --multi-gpu (recipes/common.py); each verb takes both names.
+    strategy: str = setting("auto", "how to spread training over processes", choices=STRATEGIES, aliases=("multi_gpu",))
 
 
 # The fields come in the order of the groups from the last base to the first, then the Engine's own: so --help

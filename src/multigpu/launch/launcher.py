@@ -192,6 +192,27 @@ def torchrun_argv(
     return [*argv, "--module", *worker, *(["-m"] if module else []), *target]
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity, which a container or taskset narrows), else all."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def crowding_warning(nproc: int, gpus: int, cores: int) -> str | None:
+    """One line when this node's processes outnumber its CPU cores on a machine without GPUs (more processes than
+    GPUs is refused in select_gpus): they take turns on the cores, and each reads its own batch, so the global batch
+    grows with them while the run slows down. None where there are enough cores."""
+    if gpus or nproc <= cores:
+        return None
+    return (
+        f"multigpu: warning: --nproc {nproc} starts {nproc} processes on {cores} CPU core{'s' if cores != 1 else ''} "
+        f"and no GPU: they share the cores, and the global batch is {nproc}x the per-process batch; pass --nproc "
+        f"{cores} or fewer unless that is meant."
+    )
+
+
 def launch(config: LaunchConfig, target: list[str], module: bool = False, worker: Sequence[str] = WORKER) -> int:
     """Runs `target` (a script and its arguments, or a module with `module=True`) in N processes.
 
@@ -208,6 +229,9 @@ def launch(config: LaunchConfig, target: list[str], module: bool = False, worker
     nproc, visible_devices = select_gpus(config, present, os.environ.get("CUDA_VISIBLE_DEVICES"))
     if visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+    warning = crowding_warning(nproc, present, usable_cores())
+    if warning:
+        print(warning, file=sys.stderr)
     if present == 0 and nproc * config.nnodes > 1:
         use_cpu_for_accelerate(nproc * config.nnodes)
     # The workers' rank 0 serves their store, not this process. Measured: with the rendezvous store shared,

@@ -68,11 +68,7 @@ def plan_shape(shape: ModelShape, config: PlanConfig, per: str = "GPU") -> Plan:
         # config's, and the warning says how to build it when it matters.
         plan.setup_warning = setup_warning(best, config.gpu_bytes, config.precision, per)
         return plan
-    more = "GPUs" if per == "GPU" else "machines"
-    instead = (
-        f"lower --batch-size or --seq-len, add --activation-checkpointing full, more {more} or "
-        "--tp-size/--pp-size/--cp-size, LoRA/QLoRA"
-    )
+    instead = what_else(config, per)
     if fitting:  # zero3+offload alone, which the config does not allow: the table says it fits, and so must this
         plan.reason = (
             f"only zero3+offload fits {memory} at batch size {config.batch_size}, and it keeps the model states "
@@ -82,6 +78,27 @@ def plan_shape(shape: ModelShape, config: PlanConfig, per: str = "GPU") -> Plan:
     else:
         plan.reason = f"nothing fits {memory} at batch size {config.batch_size}: {instead}"
     return plan
+
+
+def what_else(config: PlanConfig, per: str) -> str:
+    """What may make a run fit that nothing fits: each change the command has not made already (a plan that has
+    --activation-checkpointing full is not told to add it)."""
+    lower = " or ".join(
+        f"--{flag}" for flag, value in (("batch-size", config.batch_size), ("seq-len", config.seq_len)) if value > 1
+    )
+    changes = [f"lower {lower}"] if lower else []
+    if config.activation_checkpointing not in ("full", "offload"):  # offload keeps less on the GPU than full
+        changes.append("add --activation-checkpointing full")
+    splits = [("tp", config.tp_size), ("pp", config.pp_size), ("cp", config.cp_size)]
+    added = "/".join(f"--{name}-size" for name, size in splits if size == 1)
+    raised = "/".join(f"--{name}-size" for name, size in splits if size > 1)
+    changes.append(f"more {'GPUs' if per == 'GPU' else 'machines'}" + (f" or {added}" if added else ""))
+    changes += [f"a larger {raised}"] if raised else []
+    if config.lora_r is None:
+        changes.append("LoRA/QLoRA")
+    elif not config.qlora:
+        changes.append("QLoRA (--qlora)")
+    return ", ".join(changes)
 
 
 def ep_degrees(shape: ModelShape, config: PlanConfig, name: str) -> list[int]:

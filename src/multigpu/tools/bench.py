@@ -66,7 +66,10 @@ class BenchConfig(
     )
 ):
     nproc: str = setting("1,2", "comma-separated process counts, e.g. 1,2,4")
-    strategies: str = setting("ddp", "comma-separated strategies, e.g. ddp,zero2,zero3")
+    # --strategy and --multi-gpu as well: the strategy's flags on the other verbs, here taking a list.
+    strategies: str = setting(
+        "ddp", "comma-separated strategies, e.g. ddp,zero2,zero3", aliases=("strategy", "multi_gpu")
+    )
     grad_compressions: str = setting(
         "none", "comma-separated grad_compression values to run each strategy with, e.g. none,bf16,powersgd"
     )
