@@ -110,5 +110,7 @@ class GPT(nn.Module):
         """nanoGPT's estimate: 6N + 12 L H Q T FLOPs per token, against a peak (an A100's bf16 by default)."""
         config = self.config
         params = sum(p.numel() for p in self.parameters())
-        per_token = 6 * params + 12 * config.n_layer * config.n_head * (config.n_embd // config.n_head) * config.block_size
+        per_token = (
+            6 * params + 12 * config.n_layer * config.n_head * (config.n_embd // config.n_head) * config.block_size
+        )
         return per_token * tokens_per_iter / dt / peak_flops

@@ -157,6 +157,13 @@ class Engine(Saving, Reporting, AcrossRanks):
         self._window.mark = self._step_end = time.perf_counter()
         return model, optimizer
 
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The model engine.setup was given, from the one it returned, for the model's own methods and attributes
+        (nanoGPT's estimate_mfu, a Hugging Face model's config): ddp, dp, deepspeed and pp return a wrapper around
+        it, the sharding strategies and tp the model itself, changed in place."""
+        returned = {id(out): given for given, out in zip(self._set_up[::2], self._set_up[1::2], strict=True)}
+        return returned.get(id(model), model)
+
     @contextlib.contextmanager
     def init_module(self, meta: bool | None = None) -> Iterator[None]:
         """Builds the model made inside it with parameters on the meta device where the strategy shards (zero2,
