@@ -92,10 +92,11 @@ CELLS: dict[str, tuple[int, dict]] = {
     "tp-selective": (2, {"multi_gpu": "tp", "activation_checkpointing": "selective"}),
     "pp-compile-offload": (2, {"multi_gpu": "pp", **AOT, "activation_checkpointing": "offload"}),
     "pp-selective": (2, {"multi_gpu": "pp", "activation_checkpointing": "selective"}),
-    # zero3 shards each LoRA adapter as a unit of its own inside its layer: recomputed inside the layer's backward.
-    "zero3-lora-full": (
+    # zero3 keeps each LoRA adapter inside its layer's unit (never a unit of its own), so selective recomputation,
+    # which refused FSDP hooks inside a recomputed block, runs there.
+    "zero3-lora-selective": (
         2,
-        {"batch_size": 2, "multi_gpu": "zero3", "method": "lora", "activation_checkpointing": "full"},
+        {"batch_size": 2, "multi_gpu": "zero3", "method": "lora", "activation_checkpointing": "selective"},
     ),
     "hsdp-2x2-compile-selective": (
         4,
@@ -264,7 +265,7 @@ def test_each_layout_reaches_the_one_process_validation_loss(results: dict, name
     split = {"tp-32": 32, "tp-bf16-mixed": 32, "tp-accumulate-2": 32, "replicas-x-tp": 32, "hsdp-2x2": 32}
     split |= {"tp-selective": 32, "hsdp-2x2-compile-selective": 32, "zero2-compile-selective": 32}
     split |= {"zero3-compile-full": 32, "ddp-compile-full": 64, "zero1-compile-offload": 64}
-    split |= {"zero3-lora-full": 32}
+    split |= {"zero3-lora-selective": 32}
     # cp ranks hold what their data-parallel rank holds: zero shards over shard x cp.
     split |= {
         "cp-2": 64,
