@@ -20,7 +20,7 @@ from multigpu.core.stream import WindowedStream
 
 
 def loaders(samples: int, world: int, batch: int, accum: int = 1, **kwargs) -> list[DistributedLoader]:
-    data = kwargs.get("data", TensorDataset(torch.arange(samples)))
+    data = kwargs["data"] if "data" in kwargs else TensorDataset(torch.arange(samples))
     return [
         DistributedLoader(
             data,

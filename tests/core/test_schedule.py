@@ -50,7 +50,8 @@ def test_a_resume_mid_epoch_sets_the_lr_of_the_next_update() -> None:
     data = loader(2)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     schedule = SampleSchedule(optimizer, data, warmup_samples=5, total_samples=30)
-    data.load_state_dict({"epoch": 1, "position": 8, "seed": 0, "shuffle": 1, "order": 2})  # 18 samples in; 2 left this epoch
+    # 18 samples in; 2 left this epoch
+    data.load_state_dict({"epoch": 1, "position": 8, "seed": 0, "shuffle": 1, "order": 2})
     schedule.load_state_dict(schedule.state_dict())
     assert optimizer.param_groups[0]["lr"] == 0.1 * warmup_cosine(20, 5, 30) == schedule.get_last_lr()[0]
 
