@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -141,7 +142,7 @@ def train_reference(case: Case, world_size: int) -> Outcome:
     autocast = torch.autocast("cpu", dtype=compute) if compute else contextlib.nullcontext()
     norms = []
     for epoch in range(case.epochs):
-        order = Permutation(case.samples, seed=0, epoch=epoch)(torch.arange(case.samples))  # the loader's order
+        order = torch.from_numpy(Permutation(case.samples, seed=0, epoch=epoch)(np.arange(case.samples)))
         for start in range(0, case.samples, step_size):
             index = order[start : start + step_size]
             with autocast:

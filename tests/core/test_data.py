@@ -145,7 +145,7 @@ def test_rejects_a_zero_batch_size() -> None:
 @pytest.mark.parametrize("samples", [1, 2, 3, 4, 7, 16, 31, 64, 97, 127, 128, 1000])
 def test_each_epoch_order_is_a_permutation(samples: int) -> None:
     for epoch in range(2):
-        order = Permutation(samples, seed=3, epoch=epoch)(torch.arange(samples))
+        order = Permutation(samples, seed=3, epoch=epoch)(np.arange(samples))
         assert sorted(order.tolist()) == list(range(samples))
     if samples > 3:  # two epochs, or two seeds, shuffle differently
         assert not torch.equal(Permutation(samples, 3, 0)(torch.arange(samples)), torch.arange(samples))

@@ -88,9 +88,9 @@ class EpochPlan(Sequence[Batch]):
         first = self.start + k * self.global_batch
         size = min(self.global_batch, self.stop - first)
         if size >= self.world_size:
-            positions, real = torch.arange(first + self.rank, first + size, self.world_size), None
+            positions, real = np.arange(first + self.rank, first + size, self.world_size), None
         else:  # fewer samples than ranks: one each, and the ranks left over repeat the first as padding
-            positions, real = torch.tensor([first + self.rank if self.rank < size else first]), int(self.rank < size)
+            positions, real = np.array([first + self.rank if self.rank < size else first]), int(self.rank < size)
         window_first = self.start + k // self.grad_accum_steps * self.grad_accum_steps * self.global_batch
         window = min(window_first + self.grad_accum_steps * self.global_batch, self.stop) - window_first
         real = len(positions) if real is None else real

@@ -7,12 +7,13 @@ rank and for every world size.
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 _MASK64 = (1 << 64) - 1
 _MASK32 = (1 << 32) - 1
 _ROUNDS = 6  # four suffice for a keyed Feistel network with random round functions; two more for margin
 _MIX = 0x45D9F3B  # below 2**31: a 32-bit value times it stays under 2**63, so int64 never overflows
+# numpy, not torch: a batch is a few hundred indices at most, and numpy's per-operation cost is a tenth of torch's.
 
 
 def mix64(value: int) -> int:
@@ -28,7 +29,7 @@ def counter_hash(seed: int, counter: int) -> int:
     return mix64(mix64(seed & _MASK64) ^ (counter & _MASK64))
 
 
-def _mix32(values: torch.Tensor) -> torch.Tensor:
+def _mix32(values: np.ndarray) -> np.ndarray:
     values = ((values ^ (values >> 16)) * _MIX) & _MASK32
     values = ((values ^ (values >> 16)) * _MIX) & _MASK32
     return values ^ (values >> 16)
@@ -49,16 +50,16 @@ class Permutation:
         self.half = max(1, ((n - 1).bit_length() + 1) // 2)
         self._keys = [counter_hash(counter_hash(seed, epoch), r) & _MASK32 for r in range(_ROUNDS)]
 
-    def _network(self, values: torch.Tensor) -> torch.Tensor:
+    def _network(self, values: np.ndarray) -> np.ndarray:
         mask = (1 << self.half) - 1
         left, right = values >> self.half, values & mask
         for key in self._keys:
             left, right = right, left ^ (_mix32(right ^ key) & mask)
         return (left << self.half) | right
 
-    def __call__(self, positions: torch.Tensor) -> torch.Tensor:
-        """The elements at `positions` (an int64 tensor of values in [0, n)) of the permuted order."""
-        values = self._network(positions)
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        """The elements at `positions` (an int64 array of values in [0, n)) of the permuted order."""
+        values = self._network(np.asarray(positions, dtype=np.int64))
         outside = values >= self.n
         while outside.any():
             values[outside] = self._network(values[outside])
