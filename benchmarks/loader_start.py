@@ -3,12 +3,12 @@
     python benchmarks/loader_start.py [--sizes 1000000,10000000,1000000000] [--old-up-to 10000000] [--steps 200]
 
 The dataset is indices only (sample i is i), so what is timed is the loader: its order, its split among ranks and
-its batches, not reading data. Each size runs rank 0 of 2 processes (batch 12 per device, the rank's loader built
-as `engine.dataloader` builds it) and reports the seconds from `iter(loader)` to the first batch, then the mean
+its batches, not reading data. Each size times rank 0's loader of a 2-process run (batch 12 per device, built in
+this one process as `engine.dataloader` builds it) and reports the seconds from `iter(loader)` to the first batch, then the mean
 seconds per batch over `--steps` more. "before" is the algorithm this loader replaced (multigpu up to order
 version 1): a torch.randperm of the whole epoch, then every batch of the epoch planned as Python lists before the
-first one; it is reimplemented here, plan and batches, and timed up to `--old-up-to` samples (at 10^9 it needs
-tens of GB).
+first one; plan_epoch is reimplemented here, and timed up to `--old-up-to` samples (at 10^9 it needs tens of
+GB). "len() s" is the time `len(loader)` takes (the old one planned the epoch again).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from multigpu.core.data import DistributedLoader
+from multigpu.core.data import Batch, DistributedLoader
 
 BATCH, WORLD, RANK = 12, 2, 0
 
@@ -37,10 +37,16 @@ class Indices(Dataset):
 
 
 def old_batches(size: int) -> list[list[int]]:
-    """Order version 1's plan: the epoch's permutation as a list, cut into this rank's batches up front."""
+    """Order version 1's plan, as multigpu's plan_epoch made it: the epoch's permutation as a list, then every
+    global batch cut, split among the ranks and weighted, as Batch records, before the first batch."""
     order = torch.randperm(size, generator=torch.Generator().manual_seed(0)).tolist()
     global_batch = BATCH * WORLD
-    return [order[pos : pos + global_batch][RANK::WORLD] for pos in range(0, size, global_batch)]
+    slices = [order[pos : pos + global_batch] for pos in range(0, size, global_batch)]
+    plan = []
+    for chunk in slices:  # one accumulation step per window: every batch ends its window
+        indices = chunk[RANK::WORLD]
+        plan.append(Batch(indices, len(indices), len(chunk), len(indices) * WORLD / len(chunk), True))
+    return [batch.indices for batch in plan]
 
 
 def timed(make: Callable[[], Iterable], steps: int) -> tuple[float, float]:

@@ -88,17 +88,18 @@ class EpochPlan(Sequence[Batch]):
         first = self.start + k * self.global_batch
         size = min(self.global_batch, self.stop - first)
         if size >= self.world_size:
-            positions, real = np.arange(first + self.rank, first + size, self.world_size), None
+            positions = np.arange(first + self.rank, first + size, self.world_size)
+            real = len(positions)
         else:  # fewer samples than ranks: one each, and the ranks left over repeat the first as padding
-            positions, real = np.array([first + self.rank if self.rank < size else first]), int(self.rank < size)
+            positions = np.array([first + self.rank if self.rank < size else first])
+            real = int(self.rank < size)
         window_first = self.start + k // self.grad_accum_steps * self.grad_accum_steps * self.global_batch
-        window = min(window_first + self.grad_accum_steps * self.global_batch, self.stop) - window_first
-        real = len(positions) if real is None else real
+        window_samples = min(window_first + self.grad_accum_steps * self.global_batch, self.stop) - window_first
         return Batch(
             indices=(positions if self.order is None else self.order(positions)).tolist(),
             real=real,
             global_size=size,
-            weight=real * self.world_size / window,
+            weight=real * self.world_size / window_samples,
             ends_window=k % self.grad_accum_steps == self.grad_accum_steps - 1 or k == count - 1,
         )
 
