@@ -4,11 +4,11 @@
 
 The dataset is indices only (sample i is i), so what is timed is the loader: its order, its split among ranks and
 its batches, not reading data. Each size times rank 0's loader of a 2-process run (batch 12 per device, built in
-this one process as `engine.dataloader` builds it) and reports the seconds from `iter(loader)` to the first batch, then the mean
-seconds per batch over `--steps` more. "before" is the algorithm this loader replaced (multigpu up to order
-version 1): a torch.randperm of the whole epoch, then every batch of the epoch planned as Python lists before the
-first one; plan_epoch is reimplemented here, and timed up to `--old-up-to` samples (at 10^9 it needs tens of
-GB). "len() s" is the time `len(loader)` takes (the old one planned the epoch again).
+this one process as `engine.dataloader` builds it) and reports the seconds from `iter(loader)` to the first batch,
+then the mean seconds per batch over `--steps` more. "before" is the algorithm this loader replaced (multigpu up to
+order version 1): a torch.randperm of the whole epoch, then every batch of the epoch planned as Batch records
+before the first one; plan_epoch is reimplemented here, and timed up to `--old-up-to` samples (at 10^9 it needs
+tens of GB). "len() s" is the time `len(loader)` takes (the old one planned the epoch again).
 """
 
 from __future__ import annotations
