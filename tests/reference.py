@@ -1,6 +1,7 @@
 """A tiny model, its data, and the plain one-process loop that every strategy must reproduce.
 
-The reference knows nothing of the Engine: it draws each epoch's permutation from (seed + epoch), takes
+The reference knows nothing of the Engine: it takes each epoch's permutation of (seed, epoch) (the order the loader
+documents, `multigpu.core.shuffle.Permutation`), takes
 consecutive slices of `batch_size * world_size * grad_accum_steps` samples as optimizer steps, and averages the
 loss over each slice. That is the contract of the Engine's loader and backward.
 """
@@ -10,11 +11,13 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
 import multigpu as mg
+from multigpu.core.shuffle import Permutation
 from multigpu.strategies.base import is_dtensor
 
 
@@ -139,7 +142,7 @@ def train_reference(case: Case, world_size: int) -> Outcome:
     autocast = torch.autocast("cpu", dtype=compute) if compute else contextlib.nullcontext()
     norms = []
     for epoch in range(case.epochs):
-        order = torch.randperm(case.samples, generator=torch.Generator().manual_seed(epoch))
+        order = torch.from_numpy(Permutation(case.samples, seed=0, epoch=epoch)(np.arange(case.samples)))
         for start in range(0, case.samples, step_size):
             index = order[start : start + step_size]
             with autocast:

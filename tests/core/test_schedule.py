@@ -50,7 +50,8 @@ def test_a_resume_mid_epoch_sets_the_lr_of_the_next_update() -> None:
     data = loader(2)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     schedule = SampleSchedule(optimizer, data, warmup_samples=5, total_samples=30)
-    data.load_state_dict({"epoch": 1, "position": 8, "seed": 0, "shuffle": 1})  # 18 samples in; 2 left this epoch
+    # 18 samples in; 2 left this epoch
+    data.load_state_dict({"epoch": 1, "position": 8, "seed": 0, "shuffle": 1, "order": 2})
     schedule.load_state_dict(schedule.state_dict())
     assert optimizer.param_groups[0]["lr"] == 0.1 * warmup_cosine(20, 5, 30) == schedule.get_last_lr()[0]
 
@@ -59,13 +60,13 @@ def test_a_resumed_schedule_keeps_the_plan_it_was_saved_with() -> None:
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     saved = SampleSchedule(optimizer, loader(2), warmup_samples=5, total_samples=30).state_dict()
     data = loader(3)
-    data.load_state_dict({"epoch": 0, "position": 8, "seed": 0, "shuffle": 1})
+    data.load_state_dict({"epoch": 0, "position": 8, "seed": 0, "shuffle": 1, "order": 2})
     resumed = SampleSchedule(optimizer, data, warmup_samples=99, total_samples=999)
     resumed.load_state_dict(saved)
     assert (resumed.warmup_samples, resumed.total_samples) == (5, 30)
     assert optimizer.param_groups[0]["lr"] == 0.1 * warmup_cosine(8 + 2, 5, 30)  # the epoch's last 2 samples
     assert not resumed.done
-    data.load_state_dict({"epoch": 3, "position": 0, "seed": 0, "shuffle": 1})
+    data.load_state_dict({"epoch": 3, "position": 0, "seed": 0, "shuffle": 1, "order": 2})
     assert resumed.done
 
 
@@ -90,7 +91,7 @@ def test_an_update_fp16_skipped_leaves_the_lr_where_it_was_and_is_saved() -> Non
     data = loader(2)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     schedule = SampleSchedule(optimizer, data, warmup_samples=5, total_samples=20)
-    data.load_state_dict({"epoch": 1, "position": 0, "seed": 0, "shuffle": 1})  # 10 samples handed out
+    data.load_state_dict({"epoch": 1, "position": 0, "seed": 0, "shuffle": 1, "order": 2})  # 10 samples handed out
     schedule.skip(4)  # of which one update's 4 were skipped
     optimizer.step()
     schedule.step()
@@ -98,5 +99,5 @@ def test_an_update_fp16_skipped_leaves_the_lr_where_it_was_and_is_saved() -> Non
     resumed = SampleSchedule(optimizer, data, warmup_samples=5, total_samples=20)
     resumed.load_state_dict(schedule.state_dict())
     assert resumed.samples == 6 and optimizer.param_groups[0]["lr"] == schedule.get_last_lr()[0]
-    data.load_state_dict({"epoch": 2, "position": 0, "seed": 0, "shuffle": 1})
+    data.load_state_dict({"epoch": 2, "position": 0, "seed": 0, "shuffle": 1, "order": 2})
     assert resumed.done  # all 20 planned samples handed out, skipped ones included

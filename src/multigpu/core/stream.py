@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from multigpu.core.data import Batch, DistributedLoader, batch_size_line, move_to
+from multigpu.core.data import Batch, DistributedLoader, LoaderBase, move_to
 from multigpu.core.errors import UsageError
 
 
@@ -52,7 +52,7 @@ class Cursor:
     samples_seen: int = 0
 
 
-class StreamLoader:
+class StreamLoader(LoaderBase):
     """Iterates this rank's share of each global batch of a WindowedStream, on the engine's device, epoch after
     epoch without end: the training loop stops it (a step budget, SampleSchedule.done)."""
 
@@ -73,26 +73,27 @@ class StreamLoader:
         on_batch: Callable[[StreamLoader, Batch], None] = lambda loader, batch: None,
     ) -> None:
         # drop_last changes nothing: a stream without end has no short last batch to drop.
-        if batch_size < 1:
-            raise UsageError(f"batch_size must be at least 1 (got {batch_size}); it is the per-device batch size.")
+        super().__init__(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            num_workers=num_workers,
+            collate_fn=collate_fn if collate_fn is not None else default_collate,
+            rank=rank,
+            world_size=world_size,
+            grad_accum_steps=grad_accum_steps,
+            seed=seed,
+            device=device,
+            on_batch=on_batch,
+        )
         if num_workers != 0:
             raise UsageError(
                 f"A streamed dataset is read in the training process, so num_workers must be 0 (got {num_workers}); "
                 "do the expensive work (tokenising, packing) inside its windows()."
             )
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.collate_fn = collate_fn if collate_fn is not None else default_collate
-        self.rank = rank
-        self.world_size = world_size
-        self.grad_accum_steps = grad_accum_steps
-        self.seed = seed
-        self.device = device
-        self._on_batch = on_batch
         self._cursor = Cursor()
         self._micro_batches = 0  # since the start or the last load_state_dict, to know which one ends a window
-        self.yielded: list[Batch] = []  # the last batch only, for Engine.gather and per-batch `.real`
+        # self.yielded holds the last batch only (for Engine.gather and per-batch `.real`): a stream keeps no epoch.
 
     @property
     def epoch(self) -> int:
@@ -115,7 +116,7 @@ class StreamLoader:
         )
 
     def batch_size_line(self) -> str:
-        return batch_size_line(self.batch_size, self.grad_accum_steps, self.world_size) + " (streamed)"
+        return super().batch_size_line() + " (streamed)"
 
     def next_step_samples(self) -> int:
         """The samples (all ranks) of every optimizer step: a stream's global batches are always full."""
@@ -219,11 +220,7 @@ class StreamLoader:
                 "The saved loader state is an in-memory loader's, not a stream's; resume a streamed run from a "
                 "checkpoint of a streamed run (or load the data in memory as it was)."
             )
-        if bool(state["shuffle"]) != self.shuffle or state["seed"] != self.seed:
-            raise UsageError(
-                "The saved loader used another shuffle or seed, so its sample order cannot be continued; "
-                "keep shuffle and seed as they were when resuming."
-            )
+        self._check_order(state)
         names = ("epoch", "window", "offset", "position", "samples_seen")
         self._cursor = Cursor(*(int(state[name]) for name in names))
         self._micro_batches = 0
