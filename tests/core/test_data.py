@@ -152,6 +152,18 @@ def test_each_epoch_order_is_a_permutation(samples: int) -> None:
         assert (orders[0] != orders[1]).any() and (orders[0] != orders[2]).any()
 
 
+def test_a_batch_read_from_the_cached_chunk_is_what_the_network_gives() -> None:
+    """Batches are read from a chunk of 4,096 positions computed at once; the whole order (wider than a chunk) is
+    computed directly: the two must agree, across chunk boundaries and at the epoch's end."""
+    samples = 10_000
+    whole = Permutation(samples, 5, 2)(np.arange(samples))
+    assert sorted(whole.tolist()) == list(range(samples))
+    chunked = Permutation(samples, 5, 2)
+    for first in [0, 12, 4090, 4096, 9990, 3, 8190, 0]:
+        positions = np.arange(first, min(first + 12, samples), 2)
+        assert chunked(positions).tolist() == whole[positions].tolist(), first
+
+
 def global_batches(samples: int, world: int, batch: int, epochs: int = 2, **kwargs) -> list[list[int]]:
     """Each global batch as one process sees it: rank r's j-th real sample is the batch's (j*world + r)-th."""
     group = loaders(samples, world, batch, **kwargs)
