@@ -92,15 +92,15 @@ NANOGPT = "docs/examples/nanogpt_train.py"
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_passes_the_nanogpt_shaped_example_that_fixes_the_global_batch(strategy: str, tmp_path: Path) -> None:
     """The porting guide's example: a tied GPT-2-shaped model, random windows, global_batch_size=16 of 4 per device,
-    so the one-process reference accumulates 4 micro-batches where each of 2 processes accumulates 2; evaluation and
-    checkpoints run on every rank (every 2 steps here) inside the verified steps."""
+    so the one-process reference accumulates 4 micro-batches where each of 2 processes accumulates 2 (2x theirs, by
+    the Engine's own derivation, not verify's); evaluation and checkpoints run on every rank inside the steps."""
     result = multigpu(
         "verify", "--json", "--steps", "3", "--strategy", strategy, NANOGPT, "--max-iters", "3",
         "--eval-interval", "2", "--out-dir", str(tmp_path), timeout=240,
     )  # fmt: skip
     report = json.loads(result.stdout[result.stdout.index("{\n") :])
     assert result.returncode == 0 and report["passed"], report
-    assert report["samples_per_step"] == 16 and report["reference_grad_accum"] == 4
+    assert report["samples_per_step"] == 16 and report["reference_grad_accum"] == 2
     assert report["strategy"] == strategy and [s["step"] for s in report["steps"]] == [1, 2, 3]
 
 

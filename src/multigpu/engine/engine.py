@@ -18,6 +18,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset
 
+from multigpu.core import faults
 from multigpu.core.data import Batch, DistributedLoader
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
@@ -396,6 +397,7 @@ class Engine(Saving, Reporting, AcrossRanks):
         )
         for observer in self.observers:
             observer.on_step_end(stats)
+        faults.inject("step", self._steps, self.rank)  # tests' MULTIGPU_FAULT, in any script's loop
         self._window.mark = time.perf_counter()
 
     def mark_untimed(self) -> None:

@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from multigpu.core import faults
 from multigpu.core.config import Parser, add_config_arguments, config_from_args
 from multigpu.core.errors import exit_on_usage_error, require
 from multigpu.core.schedule import SampleSchedule
@@ -211,7 +210,6 @@ def train(config: TrainConfig) -> dict:
             if engine.step(optimizer, scheduler):
                 state["step"] += 1
                 progress.advance(state["step"], f"epoch {epoch + 1} loss {loss.item():.3f}")
-                faults.inject("step", state["step"], engine.rank)
                 if config.save_every and state["step"] % config.save_every == 0:
                     save()
         totals = engine.reduce(epoch_loss, "sum")
