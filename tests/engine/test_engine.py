@@ -55,13 +55,17 @@ def test_gather_and_reduce_over_three_ranks_with_an_uneven_dataset() -> None:
         assert result["max"] == 5.0
 
 
-def lone_ddp() -> tuple[str, int, float]:
+def lone_ddp() -> tuple[str, int, float, bool, bool]:
     engine = mg.Engine(strategy="ddp")
-    return engine.strategy, engine.world_size, engine.reduce(4.0)
+    plain = nn.Linear(2, 2)
+    model, _ = engine.setup(plain)
+    # setup's DDP wrapper gives back the model it was given; a model it never saw comes back as it is
+    unwrapped = engine.unwrap(model) is plain and engine.unwrap(plain) is plain and model is not plain
+    return engine.strategy, engine.world_size, engine.reduce(4.0), unwrapped, isinstance(model, nn.Module)
 
 
-def test_ddp_in_one_process_builds_a_group_of_one() -> None:
-    assert run_in_processes("tests.engine.test_engine:lone_ddp", 1, timeout=60) == [("ddp", 1, 4.0)]
+def test_ddp_in_one_process_builds_a_group_of_one_and_unwraps_its_model() -> None:
+    assert run_in_processes("tests.engine.test_engine:lone_ddp", 1, timeout=60) == [("ddp", 1, 4.0, True, True)]
 
 
 def test_auto_is_single_in_one_process(capsys) -> None:
