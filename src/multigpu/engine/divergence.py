@@ -119,8 +119,8 @@ def parted(posts: Mapping[int, Any]) -> int | None:
 
 
 def _made(rank: int, where: Any, call: int) -> str:
-    if where.calls < call:  # its post is older than the call, or it never made it
-        return f"rank {rank} had not posted it"
+    if where.calls < call:  # it never made it, or its post is older than the call
+        return f"rank {rank} {'never made it' if where.finished else 'had not posted it'}"
     if where.calls - len(where.history) >= call:
         return f"rank {rank} made a call no longer in its post"
     op, site = where.history[call - where.calls - 1]
@@ -164,5 +164,6 @@ def sentence(posts: Mapping[int, Any]) -> str:
         went = f" at call {call} (Engine calls and model forwards counted), where {made}"
     return (
         f"The ranks went different ways{went}, so the collectives they wait in never pair up: {now}; every rank "
-        "must make the same Engine calls and model forwards in the same order, so evaluate and save on every rank."
+        "must make the same Engine calls and model forwards in the same order: evaluate and save on every rank, "
+        "and give every rank as many batches (engine.dataloader does)."
     )

@@ -220,7 +220,13 @@ class Progress:
         self._the_store()
         if self.timeout_s < 2 * BEAT_S:
             time.sleep(BEAT_S)  # a wait this short may have begun after the other waiting ranks last posted
-        return self._verdict(op, self._read_posts())
+        try:
+            return self._verdict(op, self._read_posts())
+        except (RuntimeError, ValueError):  # the store went away: the launcher is already tearing the run down
+            return (
+                f"A collective in {op} on rank {self.rank} timed out after {self.timeout_s:g}s, and the other ranks "
+                "can no longer be asked where they are (the run is ending): look for the first error above."
+            )
 
     def _verdict(self, op: str, posts: dict[int, Where | None]) -> str:
         """The message; and, where it names ranks, the verdict that makes them print their stacks."""
