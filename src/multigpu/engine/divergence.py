@@ -12,6 +12,10 @@ launcher prints its one sentence, and every rank ends quietly with exit code DIV
 collective timeout (30 min by default). A rank that is computing (its clock advances: a slow data path, a long
 evaluation) or ranks blocked at the same call (one rank still writing its part of a checkpoint, a network fault)
 are never a divergence: those wait for the timeout, as before.
+
+A collective that fails instead (gloo raises when a peer left, and aborts a rank whose data has another size: its
+own two C++ lines are then all that rank prints) gives the same sentence, from the posts as they stand, in place of
+the traceback (`from_a_collective`). gloo only: under NCCL the heartbeat acts on nothing (multigpu.engine.progress).
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 BLOCKED_S = 3.0  # a main thread whose CPU clock stood still this long inside a call is waiting, not working:
 # longer than any stall of a working collective on a loaded machine, short enough to answer within seconds
@@ -167,3 +173,33 @@ def sentence(posts: Mapping[int, Any]) -> str:
         "must make the same Engine calls and model forwards in the same order: evaluate and save on every rank, "
         "and give every rank as many batches (engine.dataloader does)."
     )
+
+
+def watch_forwards(model: nn.Module, enter: Callable[[str], Any], leave: Callable[[Any], None]) -> None:
+    """Makes every forward of the set-up `model` a call, whoever makes it (under zero3 an evaluation on one rank
+    all-gathers): its pre-hook goes first, before FSDP's, whose all-gather would otherwise run outside it."""
+    outer: list[Any] = []
+
+    @torch.compiler.disable  # a script's own torch.compile(model) traces hooks: these stay out of its graph
+    def entered(module: nn.Module, args: Any) -> None:
+        outer.append(enter("model forward" if torch.is_grad_enabled() else EVALUATION))
+
+    @torch.compiler.disable
+    def left(module: nn.Module, args: Any, output: Any) -> None:
+        if outer:
+            leave(outer.pop())
+
+    model.register_forward_pre_hook(entered, prepend=True)
+    model.register_forward_hook(left, always_call=True)
+
+
+def from_a_collective(error: BaseException) -> bool:
+    """Whether `error` is a collective's failure: gloo's (raised from DDP's C++ reducer too) or torch.distributed's."""
+    if not isinstance(error, RuntimeError):
+        return False
+    if "gloo" in str(error).lower() or isinstance(error, dist.DistError):
+        return True
+    traceback_ = error.__traceback__
+    while traceback_ is not None and f"torch{os.sep}distributed" not in traceback_.tb_frame.f_code.co_filename:
+        traceback_ = traceback_.tb_next
+    return traceback_ is not None

@@ -9,11 +9,12 @@ names prints the rank's Python stack, and ends the process a few seconds later i
 SIGTERM handler and a main thread stuck in C++ otherwise cost torchrun's 30 s before SIGKILL). A wait in a collective
 that outlives its timeout without raising is reported by the waiting rank's heartbeat in the same words.
 
-NCCL: collectives are queued on the GPU and the Python call returns at once, so a waiting rank never raises where
-the heartbeat could see it. NCCL's watchdog thread sees the timeout instead: `multigpu run` has it record every
-rank's collectives (torch's flight recorder) and dump them when it fires, and reads the dumps to name the rank that
-never reached the collective the others waited in. The heartbeat only posts there: ending a rank could cut short
-its flight-recorder dump.
+Ranks that went different ways (one evaluates or saves alone, one leaves the loop a batch early) are named within
+seconds instead, whatever the timeout: each post also holds the rank's last Engine calls and model forwards, the
+user's line that made each, and whether its main thread is blocked; see multigpu.engine.divergence.
+
+NCCL: the heartbeat only posts (multigpu.engine.flight_recorder names the stuck rank): ending a rank could cut
+short its flight-recorder dump, so neither the timeout's verdict nor a divergence is acted on there.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import weakref
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-import torch
 import torch.distributed as dist
 
 from multigpu.core.notes import DIVERGED, ScriptEnd, attempt, launched, note_for_launcher
@@ -310,7 +310,7 @@ class Progress:
         if self._ending:  # the peers this process let go first broke the collective: its heartbeat ends it
             time.sleep(5 * ACK_S)
             _end_process()
-        if not self._following or not self._watch or self._store is None or not _from_a_collective(error):
+        if not self._following or not self._watch or self._store is None or not divergence.from_a_collective(error):
             return
         with contextlib.suppress(RuntimeError, ValueError):
             self._end_if_diverged()
@@ -387,18 +387,6 @@ def _end_process(code: int = divergence.DIVERGED_EXIT) -> None:
     os._exit(code)
 
 
-def _from_a_collective(error: BaseException) -> bool:
-    """Whether `error` is a collective's failure: gloo's (raised from DDP's C++ reducer too) or torch.distributed's."""
-    if not isinstance(error, RuntimeError):
-        return False
-    if "gloo" in str(error).lower() or isinstance(error, dist.DistError):
-        return True
-    traceback_ = error.__traceback__
-    while traceback_ is not None and f"torch{os.sep}distributed" not in traceback_.tb_frame.f_code.co_filename:
-        traceback_ = traceback_.tb_next
-    return traceback_ is not None
-
-
 def script_ended(error: BaseException | None) -> None:
     """The worker's word that the script ended (None: without an error), for the newest Engine's heartbeat."""
     progress = _target() if _target is not None else None
@@ -443,21 +431,9 @@ class Heartbeat(StepObserver):
 
     def attach(self, engine: Any) -> None:
         self.progress = Progress(engine.rank, engine.world_size, engine.config.timeout_s)
-        self._outer: list[str | None] = []
 
     def on_setup(self, model: Any) -> None:
-        # Every forward of the set-up model is a call, whoever makes it: under zero3 an evaluation on one rank
-        # all-gathers. Its pre-hook goes first, before FSDP's, whose all-gather would otherwise run outside it.
-        def entered(module: Any, args: Any) -> None:
-            op = "model forward" if torch.is_grad_enabled() else divergence.EVALUATION
-            self._outer.append(self.progress.enter(op))
-
-        def left(module: Any, args: Any, output: Any) -> None:
-            if self._outer:
-                self.progress.leave(self._outer.pop())
-
-        model.register_forward_pre_hook(entered, prepend=True)
-        model.register_forward_hook(left, always_call=True)
+        divergence.watch_forwards(model, self.progress.enter, self.progress.leave)
         self.progress.follow()
 
     def watch(self, op: str) -> contextlib.AbstractContextManager[None]:
