@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from multigpu.engine import progress
+from multigpu.engine import divergence, progress
+from multigpu.engine.divergence import BLOCKED_S, EVALUATION, diverged
 from multigpu.engine.progress import CollectiveTimeout, Progress, Where, describe
 from tests.dist import multigpu
 
@@ -37,6 +38,12 @@ class FakeStore:
     def multi_get(self, keys: list[str]) -> list[bytes]:
         with self.lock:
             return [self.values[key] for key in keys]
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        with self.lock:
+            if self.values.get(key, b"") == expected.encode():
+                self.values[key] = desired.encode()
+            return self.values[key]
 
     def wait(self, keys: list[str], timeout: timedelta) -> None:
         raise AssertionError("Progress polls instead: the store's wait logs a C++ warning when it expires")
@@ -198,3 +205,144 @@ def test_a_stuck_rank_that_ignores_sigterm_is_named_at_the_timeout_and_the_run_e
     )
     stack = result.stdout.split("multigpu: rank 1 is the rank that rank 0 waited for in backward")[1]
     assert "time.sleep(60)  # stuck here" in stack
+
+
+TRAIN = (("model forward", "train.py:20"), ("backward", "train.py:21"), ("optimizer step", "train.py:22"))
+
+
+def post(op: str | None, calls: tuple, blocked_s: float = BLOCKED_S, step: int = 1, finished: bool = False) -> Where:
+    return Where(step, step, op, blocked_s, len(calls), calls[-divergence.HISTORY :], blocked_s, finished)
+
+
+def test_ranks_blocked_at_different_calls_or_beside_a_finished_one_diverged_and_nothing_else_did() -> None:
+    evaluating = post(EVALUATION, (*TRAIN, (EVALUATION, "train.py:30")))
+    training = post("backward", (*TRAIN, TRAIN[0], TRAIN[1]))
+    text = diverged({0: evaluating, 1: training})
+    assert text == (
+        "The ranks went different ways at call 4 (Engine calls and model forwards counted), where rank 0 made a "
+        "model forward without gradients (evaluation?) at train.py:30, rank 1 made a model forward at train.py:20, "
+        "so the collectives they wait in never pair up: rank 0 waits in a model forward without gradients "
+        "(evaluation?) at train.py:30 (optimizer step 1, micro-step 1), rank 1 waits in engine.backward at "
+        "train.py:21 (optimizer step 1, micro-step 1); every rank must make the same Engine calls and model forwards "
+        "in the same order: evaluate and save on every rank, and give every rank as many batches (engine.dataloader "
+        "does)."
+    )
+    busy = post(EVALUATION, evaluating.history, blocked_s=0.4)  # computing: a long evaluation, a slow data path
+    assert diverged({0: busy, 1: training}) is None
+    assert diverged({0: busy, 1: training}, after_error=True) is not None  # a collective already failed
+    assert diverged({0: training, 1: training}) is None  # the same call: a network fault, or a slow save
+    assert diverged({0: evaluating, 1: None}) is None  # a rank that never posted: nothing to compare
+    finished = post(None, TRAIN, blocked_s=0.0, finished=True)
+    assert "rank 0 never made it" in diverged({0: finished, 1: training})
+    assert "rank 0 has finished its script" in diverged({0: finished, 1: training})
+    assert diverged({0: finished, 1: finished}) is None
+
+
+def test_a_rank_that_sees_a_divergence_twice_says_it_once_and_ends_every_rank(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    ended = []
+    monkeypatch.setattr(progress, "_end_process", lambda code=2: ended.append(code))
+    monkeypatch.setattr(progress, "ACK_S", 0.05)
+    monkeypatch.setattr(divergence, "CONFIRM_S", 0.0)
+    first, second = ranks(2)
+    with first.diagnose("save"), second.diagnose("backward"):
+        for rank in (first, second):
+            rank._clock.blocked_s = lambda call: BLOCKED_S  # the test's own main thread is busy
+            rank._post()
+        first._check_divergence()  # seen once: a post may lag a beat
+        assert ended == []
+        first._check_divergence()
+        second.beat()  # sees the verdict: acknowledges it and ends without a word
+    assert ended == [2, 2]
+    printed = capsys.readouterr().err
+    assert printed.count("multigpu: error: The ranks went different ways") == 1
+    assert "rank 0 waits in engine.save at test_progress.py:" in printed
+
+
+EVALUATE_ON_RANK_0 = """
+import sys, torch
+from torch import nn
+import multigpu as mg
+
+engine = mg.Engine(strategy=sys.argv[1])  # the default timeout: 30 minutes
+model, _ = engine.setup(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+@torch.no_grad()
+def estimate_loss():  # nanoGPT's, called on the master process only
+    model.eval()
+    loss = model(torch.ones(4, 8)).sum()  # evaluation forward
+    model.train()
+    return loss
+
+for step in range(1, 50):
+    loss = model(torch.ones(4, 8)).sum()  # training forward
+    engine.backward(loss)
+    engine.step(optimizer)
+    if step == 3 and engine.rank == 0:
+        estimate_loss()
+    if step == 3 and engine.rank == 1 and sys.argv[1] == "ddp":
+        engine.save(sys.argv[2], {"model": model})  # save alone
+"""
+
+
+def line_of(script: str, text: str) -> int:
+    return next(number for number, line in enumerate(script.splitlines(), 1) if text in line)
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "ddp"])
+def test_ranks_that_go_different_ways_are_named_in_seconds_in_one_sentence(strategy: str, tmp_path: Path) -> None:
+    # zero3: rank 0 evaluates alone (FSDP all-gathers in forward); ddp: rank 0 evaluates alone (no collective, legit)
+    # and rank 1 saves alone. Before: a hang until the 30-minute timeout, or gloo's traces and Python's.
+    script = tmp_path / "train.py"
+    script.write_text(EVALUATE_ON_RANK_0)
+    started = time.monotonic()
+    # Without the suite's PYTHONFAULTHANDLER, as a user runs it: gloo's abort of a rank would print every stack.
+    quiet = {"PYTHONFAULTHANDLER": ""}
+    result = multigpu("run", "-n", "2", str(script), strategy, str(tmp_path / "ckpt"), timeout=90, env=quiet)
+    seconds = time.monotonic() - started
+    print(f"{strategy}: the run ended {seconds:.1f}s after it started")  # the figure reported (-s)
+    output = result.stdout
+    assert result.returncode == 2, output
+    assert seconds < 60, output  # a hang guard: the collective timeout is 1800 s
+    assert output.count("multigpu: error: The ranks went different ways") == 1, output
+    assert "Traceback" not in output and "[rank" not in output, output
+    if strategy == "zero3":
+        evaluation = f"train.py:{line_of(EVALUATE_ON_RANK_0, '# evaluation forward')}"
+        assert f"rank 0 made a model forward without gradients (evaluation?) at {evaluation}" in output, output
+        # gloo itself may abort the rank whose all-gather got the wrong size: its two C++ lines are all it prints
+        assert len(output.strip().splitlines()) <= 3, output
+    else:
+        save = f"train.py:{line_of(EVALUATE_ON_RANK_0, '# save alone')}"
+        assert f"rank 1 waits in engine.save at {save}" in output, output
+        backward = f"train.py:{line_of(EVALUATE_ON_RANK_0, 'engine.backward(loss)')}"
+        assert f"rank 0 waits in engine.backward at {backward}" in output, output
+        assert len(output.strip().splitlines()) == 1, output
+
+
+UNEVEN_BATCHES = """
+import torch
+from torch import nn
+import multigpu as mg
+
+engine = mg.Engine(strategy="pp")
+model, _ = engine.setup(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1)))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3 + engine.rank):  # rank 1 has one batch more
+    engine.forward_backward(model, torch.ones(4, 8), torch.zeros(4, 1), lambda out, t: ((out - t) ** 2).mean())
+    engine.step(optimizer)
+"""
+
+
+def test_a_rank_left_in_the_loop_after_the_others_finished_is_named(tmp_path: Path) -> None:
+    # pp: rank 1's extra schedule step waits for activations from rank 0, which has finished its script.
+    script = tmp_path / "train.py"
+    script.write_text(UNEVEN_BATCHES)
+    started = time.monotonic()
+    result = multigpu("run", "-n", "2", str(script), timeout=90)
+    print(f"uneven batches: the run ended {time.monotonic() - started:.1f}s after it started")
+    assert result.returncode == 2, result.stdout
+    assert result.stdout.startswith("multigpu: error: The ranks went different ways at call 7"), result.stdout
+    assert "rank 0 has finished its script, rank 1 waits in engine.forward_backward at train.py:10" in result.stdout
+    assert len(result.stdout.strip().splitlines()) == 1, result.stdout

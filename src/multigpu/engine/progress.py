@@ -9,11 +9,12 @@ names prints the rank's Python stack, and ends the process a few seconds later i
 SIGTERM handler and a main thread stuck in C++ otherwise cost torchrun's 30 s before SIGKILL). A wait in a collective
 that outlives its timeout without raising is reported by the waiting rank's heartbeat in the same words.
 
-NCCL: collectives are queued on the GPU and the Python call returns at once, so a waiting rank never raises where
-the heartbeat could see it. NCCL's watchdog thread sees the timeout instead: `multigpu run` has it record every
-rank's collectives (torch's flight recorder) and dump them when it fires, and reads the dumps to name the rank that
-never reached the collective the others waited in. The heartbeat only posts there: ending a rank could cut short
-its flight-recorder dump.
+Ranks that went different ways (one evaluates or saves alone, one leaves the loop a batch early) are named within
+seconds instead, whatever the timeout: each post also holds the rank's last Engine calls and model forwards, the
+user's line that made each, and whether its main thread is blocked; see multigpu.engine.divergence.
+
+NCCL: the heartbeat only posts (multigpu.engine.flight_recorder names the stuck rank): ending a rank could cut
+short its flight-recorder dump, so neither the timeout's verdict nor a divergence is acted on there.
 """
 
 from __future__ import annotations
@@ -22,19 +23,18 @@ import atexit
 import contextlib
 import json
 import os
-import pickle
 import sys
 import threading
 import time
 import traceback
 import weakref
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-from multigpu.core.notes import attempt
+from multigpu.core.notes import DIVERGED, ScriptEnd, attempt, launched, note_for_launcher
+from multigpu.engine import divergence
 from multigpu.engine.observe import StepObserver, StepStats
 
 BEAT_S = 0.5  # how often each rank posts where it is: the most a post can lag behind
@@ -54,6 +54,10 @@ class Where(NamedTuple):
     micro_step: int  # micro-steps begun (backward calls)
     op: str | None  # the collective it is inside; None outside any
     for_s: float  # how long it had been there (its own clock: machines' clocks differ)
+    calls: int = 0  # Engine calls and model forwards begun (not those inside another)
+    history: tuple = ()  # the last of them: (op, the user's file:line that made it)
+    blocked_s: float = 0.0  # how long its main thread has waited inside the current call (divergence.MainClock)
+    finished: bool = False  # its script has ended
 
     def __str__(self) -> str:
         return f"optimizer step {self.step} (micro-step {self.micro_step})"
@@ -110,6 +114,12 @@ class Progress:
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         # (step, micro-step, op, since): replaced whole, never changed in place, so the heartbeat reads it whole.
         self._at: tuple[int, int, str | None, float] = (0, 0, None, time.monotonic())
+        self._calls: tuple[int, tuple] = (0, ())  # (calls begun, the last HISTORY of them), replaced whole too
+        self._clock = divergence.MainClock()
+        self._blocked_s = 0.0
+        self._finished = False
+        self._ending = False  # this process has seen the ranks go different ways: it ends, and says nothing more
+        self._suspect: tuple[str, float] | None = None  # a divergence seen, and when first: confirmed a beat later
         self._store = store
         self._watch = True  # False under NCCL: see the module's doc
         self._following = False
@@ -139,6 +149,10 @@ class Progress:
         """A micro-step begins (before its backward)."""
         step, micro_step, op, _ = self._at
         self._at = (step, micro_step + 1, op, time.monotonic())
+        self.follow()
+
+    def follow(self) -> None:
+        """Starts posting where this rank is (at setup, or at the first backward of a model set up elsewhere)."""
         if not self._following:
             self._following = True
             if dist.is_available() and dist.is_initialized() and self._the_store() is not None:
@@ -154,10 +168,23 @@ class Progress:
         step, micro_step, op, _ = self._at
         self._at = (step + 1, micro_step, op, time.monotonic())
 
+    def enter(self, op: str) -> str | None:
+        """The main thread enters `op`; returns the op it was in, for `leave`. A call made outside any other is
+        counted, with the user's line that made it."""
+        step, micro_step, outer, _ = self._at
+        if outer is None:
+            calls, history = self._calls
+            self._calls = (calls + 1, (*history[1 - divergence.HISTORY :], (op, divergence.call_site())))
+        self._at = (step, micro_step, op, time.monotonic())
+        return outer
+
+    def leave(self, outer: str | None) -> None:
+        step, micro_step, _, _ = self._at
+        self._at = (step, micro_step, outer, time.monotonic())
+
     @contextlib.contextmanager
     def diagnose(self, op: str) -> Iterator[None]:
-        step, micro_step, outer, _ = self._at
-        self._at = (step, micro_step, op, time.monotonic())
+        outer = self.enter(op)
         try:
             yield
         except CollectiveTimeout:
@@ -167,14 +194,16 @@ class Progress:
                 raise
             raise CollectiveTimeout(self.explain(op)) from error
         finally:
-            step, micro_step, _, _ = self._at
-            self._at = (step, micro_step, outer, time.monotonic())
+            self.leave(outer)
 
     def _where(self) -> Where:
         step, micro_step, op, since = self._at
-        return Where(step, micro_step, op, round(time.monotonic() - since, 2))
+        calls, history = self._calls
+        blocked = round(self._blocked_s, 2)
+        return Where(step, micro_step, op, round(time.monotonic() - since, 2), calls, history, blocked, self._finished)
 
     def _post(self) -> None:
+        self._blocked_s = self._clock.blocked_s(self._calls[0] if self._at[2] is not None else None)
         self._store.set(self._key(self.rank), json.dumps(self._where()))
 
     def _read_posts(self) -> dict[int, Where | None]:
@@ -183,7 +212,7 @@ class Progress:
             values = self._store.multi_get(keys)  # one round trip, however many ranks
         else:
             values = [self._store.get(key) if self._store.check([key]) else None for key in keys]
-        return {rank: None if value is None else Where(*json.loads(value)) for rank, value in enumerate(values)}
+        return {rank: None if value is None else _where_of(value) for rank, value in enumerate(values)}
 
     def explain(self, op: str) -> str:
         """Names the ranks that are not in the collective `op` this rank timed out in, and where they stopped."""
@@ -191,7 +220,13 @@ class Progress:
         self._the_store()
         if self.timeout_s < 2 * BEAT_S:
             time.sleep(BEAT_S)  # a wait this short may have begun after the other waiting ranks last posted
-        return self._verdict(op, self._read_posts())
+        try:
+            return self._verdict(op, self._read_posts())
+        except (RuntimeError, ValueError):  # the store went away: the launcher is already tearing the run down
+            return (
+                f"A collective in {op} on rank {self.rank} timed out after {self.timeout_s:g}s, and the other ranks "
+                "can no longer be asked where they are (the run is ending): look for the first error above."
+            )
 
     def _verdict(self, op: str, posts: dict[int, Where | None]) -> str:
         """The message; and, where it names ranks, the verdict that makes them print their stacks."""
@@ -203,8 +238,8 @@ class Progress:
                 text, _ = describe(self.rank, self.timeout_s, posts, printed_stacks=True)
         return text
 
-    def _acknowledged(self, ranks: list[int]) -> bool:
-        keys = [self._key(f"ack/{rank}") for rank in ranks]
+    def _acknowledged(self, ranks: list[int], kind: str = "ack") -> bool:
+        keys = [self._key(f"{kind}/{rank}") for rank in ranks]
         deadline = time.monotonic() + ACK_S
         # Polled: the store's own wait with a timeout logs a C++ warning each time it expires.
         while not self._store.check(keys):
@@ -213,12 +248,85 @@ class Progress:
             time.sleep(0.05)
         return True
 
+    def _check_divergence(self, after_error: bool = False) -> None:
+        """Says that the ranks went different ways, once, and ends this process, where every rank's post shows it
+        (see multigpu.engine.divergence) twice in a row, CONFIRM_S apart; at once `after_error`."""
+        posts = self._read_posts()
+        posts[self.rank] = self._where()
+        text = divergence.diverged(posts, after_error)
+        now = time.monotonic()
+        if text is not None and not after_error and (self._suspect is None or self._suspect[0] != text):
+            self._suspect = (text, now)
+        elif text is not None and (after_error or now - self._suspect[1] >= divergence.CONFIRM_S):
+            self._declare(text)
+        elif text is None:
+            self._suspect = None
+
+    def _declare(self, text: str) -> None:
+        self._ending = True
+        try:
+            # compare_set: of the ranks that see it at once, exactly one says it.
+            if self._store.compare_set(self._key("diverged/by"), "", str(self.rank)) != str(self.rank).encode():
+                self._end_if_diverged(said=True)
+            if launched():  # the launcher prints it, once, and no line of torchrun's about the failed workers
+                note_for_launcher(DIVERGED, text)
+                ScriptEnd.now(divergence.DIVERGED_EXIT).note()
+            else:
+                print(f"multigpu: error: {text}", file=sys.stderr, flush=True)
+            self._store.set(self._key("diverged"), text)
+            # The others end first, a moment after they saw it: this rank may host the store they read it from.
+            self._acknowledged([rank for rank in range(self.world_size) if rank != self.rank], "diverged/ack")
+        finally:
+            _end_process()
+
+    def _end_if_diverged(self, said: bool = False) -> None:
+        """Ends this process, once it has acknowledged it, where a rank has said that the ranks went different ways
+        (`said`: the rank that claims it will say so)."""
+        if said or self._store.check([self._key("diverged")]):
+            self._ending = True
+            with contextlib.suppress(RuntimeError, ValueError):
+                self._store.set(self._key(f"diverged/ack/{self.rank}"), "1")
+                time.sleep(ACK_S / 2)  # while the rank that said it sees the acknowledgement in the store
+            _end_process()
+
+    def finish(self) -> None:
+        """The script has ended: posts it, and waits (up to the timeout) until every rank's script has, so that a
+        rank left waiting in a call this one never made is told apart from one that is still working."""
+        self._finished = True
+        if not self._following or not self._watch or self._store is None:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        with contextlib.suppress(RuntimeError, ValueError):  # the store went away: the run is over
+            self._post()
+            while time.monotonic() < deadline:
+                self._end_if_diverged()
+                if all(where is None or where.finished for where in self._read_posts().values()):
+                    return
+                time.sleep(BEAT_S / 2)
+
+    def after_error(self, error: BaseException) -> None:
+        """The script raised `error`: where a collective failed because the ranks went different ways (gloo raises
+        on a peer that left, or data of another size), says that sentence and ends the process instead."""
+        if self._ending:  # the peers this process let go first broke the collective: its heartbeat ends it
+            time.sleep(5 * ACK_S)
+            _end_process()
+        if not self._following or not self._watch or self._store is None or not divergence.from_a_collective(error):
+            return
+        with contextlib.suppress(RuntimeError, ValueError):
+            self._end_if_diverged()
+            self._check_divergence(after_error=True)
+
     def beat(self) -> bool:
         """One heartbeat: posts where this rank is; reports a wait that outlived its timeout without raising;
         prints this rank's stack if a waiting rank named it. Returns True in that last case."""
         self._post()
         _, _, op, since = self._at
-        if self._reported or not self._watch:
+        if not self._watch:
+            return False
+        self._end_if_diverged()
+        if self._blocked_s >= divergence.BLOCKED_S or self._finished:
+            self._check_divergence()
+        if self._reported:
             return False
         if op is not None and time.monotonic() - since > self.timeout_s + WATCH_GRACE_S:
             posts = self._read_posts()
@@ -248,6 +356,13 @@ class Progress:
         return True
 
 
+def _where_of(value: bytes) -> Where:
+    fields = json.loads(value)
+    if len(fields) > 5:
+        fields[5] = tuple(tuple(call) for call in fields[5])  # JSON gives lists back
+    return Where(*fields)
+
+
 # One heartbeat thread per process, posting for the newest Progress (an Engine made later replaces the first).
 _target: weakref.ref[Progress] | None = None
 _thread: threading.Thread | None = None
@@ -264,6 +379,21 @@ def _follow(progress: Progress) -> None:
         atexit.register(_stop_heartbeat)
 
 
+def _end_process(code: int = divergence.DIVERGED_EXIT) -> None:
+    """Ends this process at once (a main thread stuck in a collective would never return), its output flushed."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
+def script_ended(error: BaseException | None) -> None:
+    """The worker's word that the script ended (None: without an error), for the newest Engine's heartbeat."""
+    progress = _target() if _target is not None else None
+    if progress is not None:
+        progress.finish() if error is None else progress.after_error(error)
+
+
 def _stop_heartbeat() -> None:
     _stop.set()
     if _thread is not None:
@@ -271,94 +401,28 @@ def _stop_heartbeat() -> None:
 
 
 def _beat_until_exit() -> None:
-    while not _stop.wait(BEAT_S):
-        progress = _target() if _target is not None else None
-        if progress is None or not dist.is_initialized():
-            continue
-        try:
-            named = progress.beat()
-        except (RuntimeError, ValueError):
-            continue  # the store went away with the run (rank 0 or the launcher hosted it): nothing to post to
-        del progress
-        if named:
-            # The peers have raised and the launcher is stopping every process; if its SIGTERM did not end this
-            # one (a handler waits for a main thread stuck in C++), end it here rather than after torchrun's 30 s.
-            if _stop.wait(STOP_GRACE_S):
-                return  # the process is exiting on its own
-            with contextlib.suppress(OSError, ValueError):
-                sys.stdout.flush()
-                sys.stderr.flush()
-            os._exit(1)
+    # The first post at once: a rank may part from the others before its first beat (nanoGPT evaluates at step 0).
+    while not _beat_once() and not _stop.wait(BEAT_S):
+        pass
 
 
-#: The file name each worker's flight recorder dumps to, in the launcher's directory; torch appends the rank.
-NCCL_TRACE_PREFIX = "nccl-trace-rank"
-
-
-def nccl_watchdog_environment(directory: Path) -> dict[str, str]:
-    """torch's settings that make the NCCL watchdog record collectives and dump them into `directory` on a
-    timeout (each under its current and its older name; torch reads one or the other)."""
-    prefix = str(directory / NCCL_TRACE_PREFIX)
-    return {
-        "TORCH_FR_BUFFER_SIZE": "2000",
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-        "TORCH_FR_DUMP_TEMP_FILE": prefix,
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-    }
-
-
-def read_nccl_traces(directory: Path) -> dict[int, list[dict[str, Any]]]:
-    """Each rank's recorded collectives, from the dumps our own workers wrote into our own temporary directory."""
-    traces = {}
-    for path in directory.glob(f"{NCCL_TRACE_PREFIX}*"):
-        suffix = path.name[len(NCCL_TRACE_PREFIX) :]
-        if suffix.isdigit():
-            with path.open("rb") as file:
-                traces[int(suffix)] = pickle.load(file).get("entries", [])
-    return traces
-
-
-def explain_nccl_timeout(traces: dict[int, list[dict[str, Any]]]) -> str | None:
-    """The rank that never reached the collective its peers waited in, from the flight recorder's entries of this
-    node's ranks; None when there is nothing to compare."""
-    if len(traces) < 2:
-        return None
-    groups = sorted({entry["process_group"][0] for entries in traces.values() for entry in entries})
-    for group in groups:
-        last = {rank: _last_collective(entries, group) for rank, entries in traces.items()}
-        reached = {rank: entry["collective_seq_id"] if entry else 0 for rank, entry in last.items()}
-        behind = sorted(rank for rank, seq in reached.items() if seq < max(reached.values()))
-        if behind:
-            waiting = sorted(set(reached) - set(behind))
-            awaited = _entry(traces[waiting[0]], group, min(reached[r] for r in behind) + 1)
-            stopped = last[behind[0]]
-            return (
-                f"NCCL timed out: rank(s) {', '.join(map(str, behind))} never reached collective "
-                f"{awaited['collective_seq_id']} ({awaited['profiling_name']}) of process group {group}, in which "
-                f"rank(s) {', '.join(map(str, waiting))} waited; the last one they reached was "
-                + (f"{stopped['collective_seq_id']} ({stopped['profiling_name']})" if stopped else "none")
-                + ". Look at what those ranks did after it (a hang, a deadlock, a rank-only branch)."
-            )
-        unfinished = [entry for entry in last.values() if entry and entry.get("state") != "completed"]
-        if unfinished:
-            entry = unfinished[0]
-            return (
-                f"NCCL timed out: every rank entered collective {entry['collective_seq_id']} "
-                f"({entry['profiling_name']}) of process group {group} and it never completed: a network, "
-                "driver or GPU fault rather than a rank that stopped; run `multigpu env` to test the interconnect."
-            )
-    return None
-
-
-def _last_collective(entries: list[dict[str, Any]], group: str) -> dict[str, Any] | None:
-    mine = [e for e in entries if e["process_group"][0] == group and e.get("collective_seq_id", 0) > 0]
-    return max(mine, key=lambda e: e["collective_seq_id"], default=None)
-
-
-def _entry(entries: list[dict[str, Any]], group: str, seq: int) -> dict[str, Any]:
-    found = [e for e in entries if e["process_group"][0] == group and e.get("collective_seq_id") == seq]
-    return found[0] if found else {"collective_seq_id": seq, "profiling_name": "unknown"}
+def _beat_once() -> bool:
+    """One beat for the newest Progress; True when the process is exiting and the thread should stop."""
+    progress = _target() if _target is not None else None
+    if progress is None or not dist.is_initialized():
+        return False
+    try:
+        named = progress.beat()
+    except (RuntimeError, ValueError):
+        return False  # the store went away with the run (rank 0 or the launcher hosted it): nothing to post to
+    del progress
+    if named:
+        # The peers have raised and the launcher is stopping every process; if its SIGTERM did not end this
+        # one (a handler waits for a main thread stuck in C++), end it here rather than after torchrun's 30 s.
+        if _stop.wait(STOP_GRACE_S):
+            return True  # the process is exiting on its own
+        _end_process(1)
+    return False
 
 
 class Heartbeat(StepObserver):
@@ -367,6 +431,10 @@ class Heartbeat(StepObserver):
 
     def attach(self, engine: Any) -> None:
         self.progress = Progress(engine.rank, engine.world_size, engine.config.timeout_s)
+
+    def on_setup(self, model: Any) -> None:
+        divergence.watch_forwards(model, self.progress.enter, self.progress.leave)
+        self.progress.follow()
 
     def watch(self, op: str) -> contextlib.AbstractContextManager[None]:
         return self.progress.diagnose(op)

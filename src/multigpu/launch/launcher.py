@@ -24,9 +24,9 @@ from torch.distributed.run import run as torch_run
 
 from multigpu.core.env import free_port
 from multigpu.core.errors import UsageError
-from multigpu.core.notes import LAUNCHER_DIR, USAGE_ERROR, ScriptEnd, launcher_note, usage_error_noted
+from multigpu.core.notes import DIVERGED, LAUNCHER_DIR, USAGE_ERROR, ScriptEnd, launcher_note, usage_error_noted
 from multigpu.core.settings import Settings, setting
-from multigpu.engine.progress import explain_nccl_timeout, nccl_watchdog_environment, read_nccl_traces
+from multigpu.engine.flight_recorder import explain_nccl_timeout, nccl_watchdog_environment, read_nccl_traces
 from multigpu.launch.exit_watch import STUCK, ended_after_script, ending_stuck_workers, stuck_lines
 from multigpu.launch.stop import LAUNCHER_PID, checkpoint_note, raising_on_stop, report_stop
 
@@ -323,7 +323,12 @@ def quiet_after_usage_error(exits: Path) -> contextlib.AbstractContextManager[No
     """Keeps torchrun's own lines about failed and stopped workers out of a run that a UsageError ended, or whose
     launcher ended a worker stuck after its script: the launcher says what happened in one sentence, and those lines
     would bury it (a crash still gets them)."""
-    return filtering(ELASTIC_WORKERS_LOG, lambda record: not (usage_error_noted(exits) or any(exits.glob(f"{STUCK}*"))))
+    return filtering(
+        ELASTIC_WORKERS_LOG,
+        lambda record: (
+            not (usage_error_noted(exits) or any(exits.glob(f"{STUCK}*")) or launcher_note(exits, DIVERGED) is not None)
+        ),
+    )
 
 
 @contextlib.contextmanager
@@ -355,6 +360,9 @@ def report_failure(error: ChildFailedError, exits: Path) -> int:
     """
     for line in stuck_lines(exits):
         print(line, file=sys.stderr)
+    diverged = launcher_note(exits, DIVERGED)
+    if diverged is not None:  # the ranks went different ways: that sentence, said once (multigpu.engine.divergence)
+        raise UsageError(diverged)
     stuck = {rank for rank in error.failures if ended_after_script(exits, rank)}
     if stuck == set(error.failures):
         return 0  # every script finished; the launcher ended the workers that then did not exit, and said so

@@ -180,6 +180,13 @@ def _is_launching(frame: FrameType) -> bool:
     return frame.f_code.co_filename in (__file__, runpy.__file__, "<frozen runpy>")
 
 
+def _tell_the_heartbeat(error: BaseException | None) -> None:
+    """Hands the script's end to the Engine's heartbeat, if an Engine was built (the worker imports no Engine)."""
+    progress = sys.modules.get("multigpu.engine.progress")
+    if progress is not None:
+        progress.script_ended(error)
+
+
 def main(argv: list[str] | None = None, after: Callable[[], None] | None = None) -> None:
     """Runs the script or module `argv` names (default: this process's arguments), then `after`, if given."""
     if finished_already():
@@ -202,6 +209,7 @@ def main(argv: list[str] | None = None, after: Callable[[], None] | None = None)
             runpy.run_path(args[0], run_name="__main__")
         if after is not None:
             after()
+        _tell_the_heartbeat(None)
     except UsageError as error:  # one sentence, printed once by the launcher: no traceback from every rank
         report_usage_error(error)
         record_exit(2)
@@ -211,6 +219,7 @@ def main(argv: list[str] | None = None, after: Callable[[], None] | None = None)
         record_exit(code if isinstance(code, int) else (0 if code is None else 1))
         raise
     except BaseException as error:
+        _tell_the_heartbeat(error)  # ends the process where the ranks went different ways, in one sentence
         record_exit(1)
         if not usage_error_noted():
             # (A peer that lost the rank which raised a UsageError prints nothing: it would only bury that sentence.)
