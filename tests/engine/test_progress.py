@@ -231,6 +231,13 @@ def test_ranks_blocked_at_different_calls_or_beside_a_finished_one_diverged_and_
     assert diverged({0: busy, 1: training}) is None
     assert diverged({0: busy, 1: training}, after_error=True) is not None  # a collective already failed
     assert diverged({0: training, 1: training}) is None  # the same call: a network fault, or a slow save
+    # Rank 0 still inside the save rank 1 finished (syncing to a slow disk stands as still as a wait): behind, not
+    # apart; the same one call ahead, past a rank that finished before making it, is a divergence.
+    saving = post("save", (*TRAIN, ("save", "train.py:40")))
+    ahead = post("model forward", (*TRAIN, ("save", "train.py:40"), TRAIN[0]))
+    assert diverged({0: saving, 1: ahead}) is None
+    assert diverged({0: post(None, saving.history, 0.0, finished=True), 1: ahead}) is not None
+    assert diverged({0: post(None, saving.history, 0.0, finished=True), 1: saving}) is None  # its last call
     assert diverged({0: evaluating, 1: None}) is None  # a rank that never posted: nothing to compare
     finished = post(None, TRAIN, blocked_s=0.0, finished=True)
     assert "rank 0 never made it" in diverged({0: finished, 1: training})

@@ -111,7 +111,18 @@ def diverged(posts: Mapping[int, Any], after_error: bool = False) -> str | None:
         return None
     if len({_place(where) for where in posts.values()}) < 2:
         return None
+    if not after_error and parted(posts) is None and not _past_the_finished(posts):
+        # Only some ranks ahead, over the same calls: the ones behind are still inside a call the others finished,
+        # doing their own part of it (rank 0 syncing a checkpoint to a slow disk stands as still as a wait). Ranks
+        # that went different ways made different calls, or wait in a call a finished rank will never make.
+        return None
     return sentence(posts)
+
+
+def _past_the_finished(posts: Mapping[int, Any]) -> bool:
+    """Whether a rank waits in a call beyond the last call of a rank that has finished its script."""
+    ended = [where.calls for where in posts.values() if where.finished]
+    return bool(ended) and any(w.op is not None and w.calls > min(ended) for w in posts.values() if not w.finished)
 
 
 def parted(posts: Mapping[int, Any]) -> int | None:
