@@ -22,7 +22,7 @@ import collections
 import copy
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -66,40 +66,43 @@ class EpochPlan(Sequence[Batch]):
     grad_accum_steps: int
     drop_last: bool
     order: Permutation | None  # None: the dataset's own order
+    global_batch: int = field(init=False)
+    stop: int = field(init=False)
+    _count: int = field(init=False, repr=False)
 
-    @property
-    def global_batch(self) -> int:
-        return self.batch_size * self.world_size
-
-    @property
-    def stop(self) -> int:
-        """The position where the epoch's batches end: the dataset's end, or before a dropped short batch."""
-        short = (self.samples - self.start) % self.global_batch
-        return self.samples - short if self.drop_last else self.samples
+    def __post_init__(self) -> None:
+        # Fixed for the plan's life and read at every batch: computed once (a batch's cost is a step's).
+        global_batch = self.batch_size * self.world_size
+        short = (self.samples - self.start) % global_batch
+        stop = self.samples - short if self.drop_last else self.samples
+        object.__setattr__(self, "global_batch", global_batch)
+        object.__setattr__(self, "stop", stop)  # where the batches end: the end, or before a dropped short batch
+        object.__setattr__(self, "_count", max(0, -(-(stop - self.start) // global_batch)))
 
     def __len__(self) -> int:
-        return max(0, -(-(self.stop - self.start) // self.global_batch))
+        return self._count
 
     def __getitem__(self, k: int) -> Batch:  # type: ignore[override]
-        count = len(self)
+        count, global_batch, world = self._count, self.global_batch, self.world_size
         k = k + count if k < 0 else k
         if not 0 <= k < count:
             raise IndexError(f"batch {k} of {count}")
-        first = self.start + k * self.global_batch
-        size = min(self.global_batch, self.stop - first)
-        if size >= self.world_size:
-            positions = np.arange(first + self.rank, first + size, self.world_size)
+        first = self.start + k * global_batch
+        size = min(global_batch, self.stop - first)
+        if size >= world:
+            positions = range(first + self.rank, first + size, world)
             real = len(positions)
         else:  # fewer samples than ranks: one each, and the ranks left over repeat the first as padding
-            positions = np.array([first + self.rank if self.rank < size else first])
+            positions = range(first + self.rank, first + self.rank + 1) if self.rank < size else range(first, first + 1)
             real = int(self.rank < size)
-        window_first = self.start + k // self.grad_accum_steps * self.grad_accum_steps * self.global_batch
-        window_samples = min(window_first + self.grad_accum_steps * self.global_batch, self.stop) - window_first
+        window_first = self.start + k // self.grad_accum_steps * self.grad_accum_steps * global_batch
+        window_samples = min(window_first + self.grad_accum_steps * global_batch, self.stop) - window_first
+        indices = list(positions) if self.order is None else self.order(positions).tolist()
         return Batch(
-            indices=(positions if self.order is None else self.order(positions)).tolist(),
+            indices=indices,
             real=real,
             global_size=size,
-            weight=real * self.world_size / window_samples,
+            weight=real * world / window_samples,
             ends_window=k % self.grad_accum_steps == self.grad_accum_steps - 1 or k == count - 1,
         )
 

@@ -61,19 +61,21 @@ class Permutation:
             left, right = right, left ^ (_mix32(right ^ key) & mask)
         return (left << self.half) | right
 
-    def __call__(self, positions: np.ndarray) -> np.ndarray:
-        """The elements at `positions` (an int64 array of values in [0, n), ascending) of the permuted order."""
-        positions = np.asarray(positions, dtype=np.int64)
+    def __call__(self, positions: np.ndarray | range) -> np.ndarray:
+        """The elements at `positions` (ascending values in [0, n): an int64 array or a range) of the permuted
+        order."""
         if not len(positions):
-            return positions
+            return np.asarray(positions, dtype=np.int64)
         low, high = int(positions[0]), int(positions[-1])
         start, chunk = self._chunk
         if not start <= low <= high < start + len(chunk):
             start = low - low % _CHUNK
             if high >= start + _CHUNK:  # wider than a chunk: computed as it is
-                return self._elements(positions)
+                return self._elements(np.asarray(positions, dtype=np.int64))
             self._chunk = start, chunk = start, self._elements(np.arange(start, min(start + _CHUNK, self.n)))
-        return chunk[positions - start]
+        if isinstance(positions, range):  # a batch's positions: a slice of the chunk, no index array to build
+            return chunk[positions.start - start : positions.stop - start : positions.step]
+        return chunk[np.asarray(positions, dtype=np.int64) - start]
 
     def _elements(self, positions: np.ndarray) -> np.ndarray:
         values = self._network(positions)

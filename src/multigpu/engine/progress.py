@@ -172,7 +172,7 @@ class Progress:
         """The main thread enters `op`; returns the op it was in, for `leave`. A call made outside any other is
         counted, with the user's line that made it."""
         step, micro_step, outer, _ = self._at
-        if outer is None:
+        if outer is None and self.world_size > 1:
             calls, history = self._calls
             self._calls = (calls + 1, (*history[1 - divergence.HISTORY :], (op, divergence.call_site())))
         self._at = (step, micro_step, op, time.monotonic())
@@ -433,7 +433,8 @@ class Heartbeat(StepObserver):
         self.progress = Progress(engine.rank, engine.world_size, engine.config.timeout_s)
 
     def on_setup(self, model: Any) -> None:
-        divergence.watch_forwards(model, self.progress.enter, self.progress.leave)
+        if self.progress.world_size > 1:  # one process cannot go its own way
+            divergence.watch_forwards(model, self.progress.enter, self.progress.leave)
         self.progress.follow()
 
     def watch(self, op: str) -> contextlib.AbstractContextManager[None]:
