@@ -168,14 +168,14 @@ class LoaderBase:
         *,
         batch_size: int,
         shuffle: bool,
-        num_workers: int,
-        collate_fn: Callable[[list[Any]], Any] | None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
         rank: int,
         world_size: int,
         grad_accum_steps: int,
         seed: int,
         device: torch.device,
-        on_batch: Callable[[Any, Batch], None],
+        on_batch: Callable[[Any, Batch], None] = lambda loader, batch: None,
     ) -> None:
         if batch_size < 1:
             raise UsageError(f"batch_size must be at least 1 (got {batch_size}); it is the per-device batch size.")
@@ -208,35 +208,9 @@ class LoaderBase:
 class DistributedLoader(LoaderBase):
     """Iterates this rank's shard of each epoch, on the engine's device; reshuffles every epoch by itself."""
 
-    def __init__(
-        self,
-        dataset: Dataset,
-        *,
-        batch_size: int,
-        shuffle: bool,
-        drop_last: bool,
-        num_workers: int,
-        collate_fn: Callable[[list[Any]], Any] | None,
-        rank: int,
-        world_size: int,
-        grad_accum_steps: int,
-        seed: int,
-        device: torch.device,
-        on_batch: Callable[[DistributedLoader, Batch], None] = lambda loader, batch: None,
-    ) -> None:
-        super().__init__(
-            dataset,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            num_workers=num_workers,
-            collate_fn=collate_fn,
-            rank=rank,
-            world_size=world_size,
-            grad_accum_steps=grad_accum_steps,
-            seed=seed,
-            device=device,
-            on_batch=on_batch,
-        )
+    def __init__(self, dataset: Dataset, *, drop_last: bool, **settings: Any) -> None:
+        """`settings`: LoaderBase's (batch_size, shuffle, num_workers, collate_fn, rank, world_size, ...)."""
+        super().__init__(dataset, **settings)
         self.drop_last = drop_last
         self.epoch = 0
         self.position = 0  # real samples of this epoch already handed out, counted over all ranks

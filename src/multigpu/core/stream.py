@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
-import torch
 from torch.utils.data import default_collate
 
 from multigpu.core.data import Batch, DistributedLoader, LoaderBase, move_to
@@ -60,36 +59,17 @@ class StreamLoader(LoaderBase):
         self,
         dataset: WindowedStream,
         *,
-        batch_size: int,
-        shuffle: bool,
         drop_last: bool = False,
-        num_workers: int = 0,
-        collate_fn: Callable[[list[Any]], Any] | None,
-        rank: int,
-        world_size: int,
-        grad_accum_steps: int,
-        seed: int,
-        device: torch.device,
-        on_batch: Callable[[StreamLoader, Batch], None] = lambda loader, batch: None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        **settings: Any,
     ) -> None:
+        """`settings`: LoaderBase's (batch_size, shuffle, num_workers, rank, world_size, ...)."""
         # drop_last changes nothing: a stream without end has no short last batch to drop.
-        super().__init__(
-            dataset,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            num_workers=num_workers,
-            collate_fn=collate_fn if collate_fn is not None else default_collate,
-            rank=rank,
-            world_size=world_size,
-            grad_accum_steps=grad_accum_steps,
-            seed=seed,
-            device=device,
-            on_batch=on_batch,
-        )
-        if num_workers != 0:
+        super().__init__(dataset, collate_fn=collate_fn if collate_fn is not None else default_collate, **settings)
+        if self.num_workers != 0:
             raise UsageError(
-                f"A streamed dataset is read in the training process, so num_workers must be 0 (got {num_workers}); "
-                "do the expensive work (tokenising, packing) inside its windows()."
+                "A streamed dataset is read in the training process, so num_workers must be 0 (got "
+                f"{self.num_workers}); do the expensive work (tokenising, packing) inside its windows()."
             )
         self._cursor = Cursor()
         self._micro_batches = 0  # since the start or the last load_state_dict, to know which one ends a window
