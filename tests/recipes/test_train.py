@@ -312,8 +312,9 @@ def test_the_default_run_reaches_the_accuracy_the_readme_states(tmp_path: Path) 
     """`./scripts/train.sh` as shipped: the CNN, 20 epochs under ddp on 2 processes, seglearn's watch data.
 
     The run is deterministic on one machine, but floating-point kernels differ between CPUs (0.878 on the machine
-    this project is developed on, 0.876 on an AVX512-BF16 one, in the loader's earlier order; 0.882 here now): so the README's figure is held within 0.01, the
-    spread seen across machines, and not to the digit. A broken loss, schedule or data split costs far more.
+    this project is developed on, 0.876 on an AVX512-BF16 one, in the loader's earlier order; 0.882 here now): so
+    the README's figure is held within 0.01, the spread seen across machines, and not to the digit. A broken loss,
+    schedule or data split costs far more.
     """
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     stated = float(re.search(r"It reaches about \*\*(0\.\d+)\s+validation accuracy", readme).group(1))
