@@ -85,7 +85,7 @@ def test_describe_names_the_rank_that_stopped_with_its_exact_step_and_the_collec
         "collective for 3.4s, while ranks 0, 2 waited in backward (micro-step 3) past the 3s timeout:"
     )
     assert "printed its stack" not in text
-    assert "it printed its stack" in describe(0, 3.0, posts, printed_stacks=True)[0]
+    assert "it printed its stack" in describe(0, 3.0, posts, "it printed its stack")[0]
 
 
 def test_describe_names_a_rank_in_a_different_collective_one_that_never_posted_and_a_shared_wait() -> None:
@@ -128,7 +128,7 @@ def test_a_timeout_reads_fresh_posts_at_once_and_waits_only_for_the_named_rank_t
         text,
     )
     printed = capsys.readouterr().err
-    assert "multigpu: rank 1 is the rank that rank 0 waited for in backward; after optimizer step 2" in printed
+    assert "multigpu: rank 1 is the rank that rank 0 waited for in backward, after optimizer step 2" in printed
     assert "in time_out_in" in printed  # the stack of the main thread (here the test's own)
     assert (waiting.step, waiting.micro_step) == (2, 3)
 
@@ -197,12 +197,13 @@ def test_a_stuck_rank_that_ignores_sigterm_is_named_at_the_timeout_and_the_run_e
     assert raised - hang < timeout_s + 1.9, result.stdout
     assert ended - hang < timeout_s + 25, result.stdout
     assert result.returncode == 1, result.stdout
-    assert "multigpu run: worker rank 0 (pid" in result.stdout
+    assert "Traceback" not in result.stdout, result.stdout  # the sentence, said once by the launcher
     assert re.search(
-        r"Rank 1 stopped reaching collectives after optimizer step 2 \(micro-step 2\) .*, while rank 0 waited in "
-        r"backward \(micro-step 3\) past the 3s timeout",
+        r"multigpu run: Rank 1 stopped reaching collectives after optimizer step 2 \(micro-step 2\) .*, while rank 0 "
+        r"waited in backward \(micro-step 3\) past the 3s timeout: .*; it printed its stack\)",
         result.stdout,
     )
+    # Without a log folder (a script's Engine may have none), the stuck rank prints its stack.
     stack = result.stdout.split("multigpu: rank 1 is the rank that rank 0 waited for in backward")[1]
     assert "time.sleep(60)  # stuck here" in stack
 

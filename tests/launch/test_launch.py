@@ -22,7 +22,7 @@ import multigpu.launch.launcher as launching
 from multigpu.core.env import free_port
 from multigpu.core.errors import UsageError
 from multigpu.core.notes import LAST_CHECKPOINT, LAUNCHER_DIR, ScriptEnd, note_for_launcher
-from multigpu.launch import exit_watch
+from multigpu.launch import exit_watch, failures
 from multigpu.launch.launcher import LaunchConfig
 from multigpu.launch.stop import report_stop
 from tests.dist import ROOT, descendants, multigpu, refusal
@@ -70,6 +70,7 @@ def test_a_failing_worker_fails_the_run_with_its_traceback(tmp_path: Path) -> No
     assert "RuntimeError: rank one broke on purpose" in result.stdout
     assert result.stdout.count("RuntimeError: rank one broke on purpose") == 1
     assert "multigpu run: worker rank 1 " in result.stdout  # the originator, not the peer that failed after it
+    assert "GLHF" not in result.stdout and "[rank0]" not in result.stdout  # nor the peer's echo, gloo's lost peer
     # The traceback starts at the script: the worker's and runpy's frames above it are not the user's business.
     # (torch's excepthook prefixes each line with the rank once the process group exists.)
     lines = result.stdout.splitlines()
@@ -213,7 +214,12 @@ def test_a_worker_killed_from_outside_is_named_not_its_peer(tmp_path: Path) -> N
     script.write_text(KILLED)
     result = multigpu("run", "-n", "2", str(script), timeout=90)
     assert result.returncode == 128 + 9, result.stdout
-    assert "multigpu run: worker rank 1 " in result.stdout and "killed by SIGKILL" in result.stdout
+    # One sentence: neither the survivor's gloo error ("Connection closed by peer ... GLHF!") nor torchrun's lines.
+    assert re.fullmatch(
+        r"multigpu run: worker rank 1 \(pid \d+\) was killed by SIGKILL from outside its script \(.*\), so every "
+        r"worker was stopped\.\n",
+        result.stdout,
+    ), result.stdout
 
 
 # A launcher in the background, stopped or killed while its workers run.
@@ -353,9 +359,9 @@ def test_a_signal_stops_every_worker_in_one_line_naming_the_last_checkpoint(
 
 def test_only_a_stop_keeps_torch_elastics_lines_about_signalling_the_workers(caplog: pytest.LogCaptureFixture) -> None:
     """After a crash torchrun's lines name the survivors it sends SIGTERM: those stay."""
-    agent = logging.getLogger(launching.ELASTIC_AGENT_LOG)
-    workers = logging.getLogger(launching.ELASTIC_WORKERS_LOG)
-    with caplog.at_level(logging.WARNING), launching.quiet_when_stopped():
+    agent = logging.getLogger(failures.ELASTIC_AGENT_LOG)
+    workers = logging.getLogger(failures.ELASTIC_WORKERS_LOG)
+    with caplog.at_level(logging.WARNING), failures.quiet_when_stopped():
         workers.warning("Sending process %s closing signal %s", 41, "SIGTERM")  # a crash's survivor
         workers.error("failed (exitcode: %s) local_rank: %s", 1, 1)
         agent.warning("Received %s death signal, shutting down workers", "SIGINT")
@@ -372,14 +378,14 @@ def test_the_failure_and_stop_lines_name_the_last_complete_checkpoint_if_any(
     failure = ProcessFailure(local_rank=1, pid=42, exitcode=3, error_file=str(tmp_path / "absent.json"))
     error = ChildFailedError("multigpu.launch.worker", {1: failure})
     line = "multigpu run: worker rank 1 (pid 42) exited with code 3; errors are printed above"
-    assert launching.report_failure(error, tmp_path) == 3
+    assert failures.report_failure(error, tmp_path) == 3
     assert capsys.readouterr().err == f"{line}.\n"
     assert report_stop(signal.SIGTERM, tmp_path) == 143
     stopped = "multigpu run: stopped by SIGTERM; every worker was stopped"
     assert capsys.readouterr().err == f"{stopped}.\n"  # a script's own saves are not known: nothing said of them
     monkeypatch.setenv(LAUNCHER_DIR, str(tmp_path))
     note_for_launcher(LAST_CHECKPOINT, "/checkpoints/step-7")
-    assert launching.report_failure(error, tmp_path) == 3
+    assert failures.report_failure(error, tmp_path) == 3
     assert capsys.readouterr().err == f"{line}; the last complete checkpoint is /checkpoints/step-7.\n"
 
 

@@ -7,10 +7,14 @@ token cache goes to a temporary directory through MULTIGPU_TOKEN_CACHE.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +25,7 @@ import torch
 from multigpu.core.errors import UsageError
 from multigpu.recipes import data_files, lm_data, lm_tokens
 from multigpu.recipes.lm_models import load_tokenizer
-from tests.dist import run_in_processes
+from tests.dist import ROOT, run_in_processes
 from tests.recipes.test_data_files import one_sentence
 
 SEQ_LEN = 256
@@ -425,4 +429,36 @@ def test_concurrent_processes_tokenise_once(tmp_path: Path) -> None:
     results = run_in_processes(target, 2, timeout=180, spec=str(text), cache=str(cache), ready=str(ready), processes=2)
     assert sorted(r["from_cache"] for r in results) == [False, True]
     assert results[0]["digest"] == results[1]["digest"] and results[0]["blocks"] > 100
-    assert [p.suffix for p in sorted(cache.iterdir())] == [".lock", ".pt"]  # no partial file left behind
+    assert [p.suffix for p in sorted(cache.iterdir())] == [".pt"]  # no partial file, no lock left behind
+
+
+def test_ctrl_c_while_tokenising_is_one_line_and_leaves_no_lock(tmp_path: Path) -> None:
+    """Ctrl-C reaches every process of the terminal's group, the tokenising pool's workers too: only the run's own
+    line is printed, and the cache holds neither a lock nor a partial file, so the next run starts cleanly."""
+    data = tmp_path / "many.jsonl"
+    turns = ({"messages": [{"role": "user", "content": f"{i}+{i}?"}, {"role": "assistant", "content": f"{2 * i}."}]}
+             for i in range(4 * lm_tokens.PARALLEL_FROM))  # fmt: skip
+    data.write_text("".join(json.dumps(turn) + "\n" for turn in turns))
+    cache, output = tmp_path / "cache", tmp_path / "output.txt"
+    env = {**os.environ, "MULTIGPU_TOKEN_CACHE": str(cache), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    argv = [sys.executable, "-m", "multigpu", "finetune", "--model", "tiny", "--data", str(data), "--seq-len", "32"]
+    with output.open("w") as log:
+        run = subprocess.Popen([*argv, "--save-dir", str(tmp_path / "run")], cwd=ROOT, env=env, stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while "tokenising" not in output.read_text() and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the pool's workers are at work
+        os.killpg(run.pid, signal.SIGINT)  # as a terminal's Ctrl-C: to every process of the group
+        run.wait(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
+        run.wait()
+    printed = output.read_text()
+    assert run.returncode == 130, printed
+    assert "Traceback" not in printed and "ForkPoolWorker" not in printed, printed
+    lines = [line for line in printed.split("\n") if line.strip()]  # a progress bar's \r updates: one line on screen
+    assert len(lines) <= 3 and lines[-1].startswith("multigpu: stopped by SIGINT; "), printed
+    assert list(cache.iterdir()) == [], printed

@@ -17,6 +17,11 @@ class UsageError(ValueError):
     on_every_rank: bool = False
 
 
+class Explained(RuntimeError):
+    """A fault whose message is the whole story (which rank, where, what to do): said in one sentence, without a
+    traceback; under `multigpu run` the launcher says it once for every rank that raised it."""
+
+
 def shown_path(path: object) -> str:
     """A path as a message shows it: whole, or its start and length where it is too long to read."""
     text = str(path)

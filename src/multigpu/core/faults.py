@@ -2,6 +2,7 @@
 
     MULTIGPU_FAULT="crash,step=5,rank=1"   rank 1 raises after optimizer step 5 (first attempt only)
     MULTIGPU_FAULT="hang,step=3,rank=1"    rank 1 stops reaching collectives after step 3
+    MULTIGPU_FAULT="stop,step=3,rank=1"    rank 1 stops itself with SIGSTOP after step 3 (a Ctrl-Z of that process)
     MULTIGPU_FAULT="kill-in-save,step=4"   rank 0 is SIGKILLed while the checkpoint of step 4 is being written
     MULTIGPU_FAULT="disk-full,step=4,rank=1"   rank 1's disk fills as it writes the checkpoint of step 4: from
                                                then on, no file it writes can pass 1 KiB (bytes=N: N bytes)
@@ -39,6 +40,8 @@ def inject(point: str, step: int, rank: int) -> None:
     if point == "step" and kind == "hang":
         while True:
             time.sleep(60)
+    if point == "step" and kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
     if point == "write" and kind == "disk-full":
         # The default leaves room for the launcher's notes (a sentence each), not for a checkpoint's files.
         limit_file_size(where.get("bytes", 1024))

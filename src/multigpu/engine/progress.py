@@ -26,15 +26,15 @@ import os
 import sys
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
+from multigpu.core.errors import Explained
 from multigpu.core.notes import DIVERGED, ScriptEnd, attempt, launched, note_for_launcher
-from multigpu.engine import divergence
+from multigpu.engine import divergence, stuck_stack
 from multigpu.engine.observe import StepObserver, StepStats
 
 BEAT_S = 0.5  # how often each rank posts where it is: the most a post can lag behind
@@ -43,7 +43,7 @@ WATCH_GRACE_S = 1.0  # a wait this long past the timeout did not raise by itself
 STOP_GRACE_S = 5.0  # a named rank still alive this long after printing its stack ends itself
 
 
-class CollectiveTimeout(RuntimeError):
+class CollectiveTimeout(Explained):
     """A collective waited past the process-group timeout; the message names the ranks that never came."""
 
 
@@ -58,6 +58,7 @@ class Where(NamedTuple):
     history: tuple = ()  # the last of them: (op, the user's file:line that made it)
     blocked_s: float = 0.0  # how long its main thread has waited inside the current call (divergence.MainClock)
     finished: bool = False  # its script has ended
+    process: str = ""  # host:pid (stuck_stack.continue_stopped)
 
     def __str__(self) -> str:
         return f"optimizer step {self.step} (micro-step {self.micro_step})"
@@ -84,10 +85,10 @@ def _whereabouts(rank: int, where: Where | None) -> str:
 
 
 def describe(
-    me: int, timeout_s: float, posts: dict[int, Where | None], printed_stacks: bool = False
+    me: int, timeout_s: float, posts: dict[int, Where | None], stacks: str | None = None
 ) -> tuple[str, list[int]]:
     """What rank `me`, timed out in a collective, tells the user from every rank's post; and the ranks it names.
-    `printed_stacks`: the ranks named have printed their stacks."""
+    `stacks`: where the ranks named have shown their stacks (stuck_stack.where_written)."""
     mine = posts[me]
     waiting = [rank for rank, where in posts.items() if where is not None and where[:3] == mine[:3]]
     absent = [rank for rank in posts if rank not in waiting]
@@ -100,18 +101,19 @@ def describe(
         )
     whereabouts = "; ".join(_whereabouts(rank, posts[rank]) for rank in absent)
     who = "that rank does" if len(absent) == 1 else "those ranks do"
-    printed = f"; {'it' if len(absent) == 1 else 'they'} printed {'its' if len(absent) == 1 else 'their'} stack"
     return (
         f"{whereabouts[0].upper()}{whereabouts[1:]}, while {_ranks(waiting)} waited in {mine.op} (micro-step "
         f"{mine.micro_step}) past the {timeout_s:g}s timeout: look at what {who} from there (a hang, a deadlock, "
-        f"a much slower data path{printed if printed_stacks else ''}). The launcher stops every process.",
+        f"a much slower data path{f'; {stacks}' if stacks else ''}). The launcher stops every process.",
         absent,
     )
 
 
 class Progress:
-    def __init__(self, rank: int, world_size: int, timeout_s: float, store: dist.Store | None = None) -> None:
-        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+    def __init__(
+        self, rank: int, world_size: int, timeout_s: float, store: dist.Store | None = None, log_dir: str | None = None
+    ) -> None:
+        self.rank, self.world_size, self.timeout_s, self.log_dir = rank, world_size, timeout_s, log_dir
         # (step, micro-step, op, since): replaced whole, never changed in place, so the heartbeat reads it whole.
         self._at: tuple[int, int, str | None, float] = (0, 0, None, time.monotonic())
         self._calls: tuple[int, tuple] = (0, ())  # (calls begun, the last HISTORY of them), replaced whole too
@@ -200,7 +202,8 @@ class Progress:
         step, micro_step, op, since = self._at
         calls, history = self._calls
         blocked = round(self._blocked_s, 2)
-        return Where(step, micro_step, op, round(time.monotonic() - since, 2), calls, history, blocked, self._finished)
+        at = (step, micro_step, op, round(time.monotonic() - since, 2), calls, history, blocked, self._finished)
+        return Where(*at, stuck_stack.this_process())
 
     def _post(self) -> None:
         self._blocked_s = self._clock.blocked_s(self._calls[0] if self._at[2] is not None else None)
@@ -234,8 +237,10 @@ class Progress:
         text, absent = describe(self.rank, self.timeout_s, posts)
         if absent and self._watch:
             self._store.set(self._key("verdict"), json.dumps({"stuck": absent, "by": self.rank, "op": op}))
+            stuck_stack.continue_stopped([posts[rank].process for rank in absent if posts[rank] is not None])
             if self._acknowledged(absent):
-                text, _ = describe(self.rank, self.timeout_s, posts, printed_stacks=True)
+                stacks = stuck_stack.where_written(self.log_dir, absent)
+                text, _ = describe(self.rank, self.timeout_s, posts, stacks)
         return text
 
     def _acknowledged(self, ranks: list[int], kind: str = "ack") -> bool:
@@ -343,15 +348,10 @@ class Progress:
         if self.rank not in verdict["stuck"]:
             return False
         self._reported = True
-        frame = sys._current_frames().get(threading.main_thread().ident)
-        stack = "".join(traceback.format_stack(frame)) if frame is not None else "  (not found)\n"
-        print(
-            f"multigpu: rank {self.rank} is the rank that rank {verdict['by']} waited for in {verdict['op']}; "
-            f"after {self._where()} its main thread is here:\n{stack}",
-            end="",
-            file=sys.stderr,
-            flush=True,
-        )
+        stuck_stack.write_stack(
+            self.log_dir, self.rank, f"rank {self.rank} is the rank that rank {verdict['by']} waited for in "
+            f"{verdict['op']}, after {self._where()}"
+        )  # fmt: skip
         self._store.set(self._key(f"ack/{self.rank}"), "1")
         return True
 
@@ -430,7 +430,7 @@ class Heartbeat(StepObserver):
     counted, and a resumed run's count of steps carried on."""
 
     def attach(self, engine: Any) -> None:
-        self.progress = Progress(engine.rank, engine.world_size, engine.config.timeout_s)
+        self.progress = Progress(engine.rank, engine.world_size, engine.config.timeout_s, log_dir=engine.config.log_dir)
 
     def on_setup(self, model: Any) -> None:
         if self.progress.world_size > 1:  # one process cannot go its own way

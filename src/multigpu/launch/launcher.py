@@ -8,11 +8,10 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
-import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,11 +23,18 @@ from torch.distributed.run import run as torch_run
 
 from multigpu.core.env import free_port
 from multigpu.core.errors import UsageError
-from multigpu.core.notes import DIVERGED, LAUNCHER_DIR, USAGE_ERROR, ScriptEnd, launcher_note, usage_error_noted
+from multigpu.core.notes import LAUNCHER_DIR
 from multigpu.core.settings import Settings, setting
-from multigpu.engine.flight_recorder import explain_nccl_timeout, nccl_watchdog_environment, read_nccl_traces
-from multigpu.launch.exit_watch import STUCK, ended_after_script, ending_stuck_workers, stuck_lines
-from multigpu.launch.stop import LAUNCHER_PID, checkpoint_note, raising_on_stop, report_stop
+from multigpu.engine.flight_recorder import nccl_watchdog_environment
+from multigpu.launch.exit_watch import ending_stuck_workers, stuck_lines
+from multigpu.launch.failures import (
+    holding_failure_lines,
+    quiet_after_usage_error,
+    quiet_when_stopped,
+    release,
+    report_failure,
+)
+from multigpu.launch.stop import LAUNCHER_PID, raising_on_stop, report_stop
 
 WORKER = ("multigpu.launch.worker",)  # what each process runs: see its module doc
 
@@ -248,19 +254,23 @@ def launch(config: LaunchConfig, target: list[str], module: bool = False, worker
             for name, value in nccl_watchdog_environment(Path(exits)).items():
                 os.environ.setdefault(name, value)
         ranks = range(config.node_rank * nproc, (config.node_rank + 1) * nproc)
+        held: list[logging.LogRecord] = []
         try:
             with (
                 lightning_defaults(nproc, config.nnodes),
                 raising_on_stop(),
                 quiet_after_usage_error(Path(exits)),
                 quiet_when_stopped(),
+                holding_failure_lines(held),  # the last filter: it holds only what the others let through
                 ending_stuck_workers(Path(exits), ranks),
             ):
                 torch_run(args)
         except ChildFailedError as error:
-            return report_failure(error, Path(exits))
+            return report_failure(error, Path(exits), held)
         except SignalException as stopped:
+            release(held)
             raise SystemExit(report_stop(stopped.sigval, Path(exits))) from None
+        release(held)  # a failure that a restart made good
         for line in stuck_lines(Path(exits)):
             print(line, file=sys.stderr)
     return 0
@@ -302,111 +312,3 @@ def lightning_defaults(nproc: int, nnodes: int) -> Iterator[None]:
     finally:
         for name in unset:
             os.environ.pop(name, None)
-
-
-@contextlib.contextmanager
-def filtering(logger_name: str, keep: Callable[[logging.LogRecord], bool]) -> Iterator[None]:
-    """Within it, the records of the logger `logger_name` that `keep` refuses are dropped."""
-    logger = logging.getLogger(logger_name)
-    logger.addFilter(keep)
-    try:
-        yield
-    finally:
-        logger.removeFilter(keep)
-
-
-ELASTIC_WORKERS_LOG = "torch.distributed.elastic.multiprocessing.api"  # torchrun's lines about each worker
-ELASTIC_AGENT_LOG = "torch.distributed.elastic.agent.server.api"
-
-
-def quiet_after_usage_error(exits: Path) -> contextlib.AbstractContextManager[None]:
-    """Keeps torchrun's own lines about failed and stopped workers out of a run that a UsageError ended, or whose
-    launcher ended a worker stuck after its script: the launcher says what happened in one sentence, and those lines
-    would bury it (a crash still gets them)."""
-    return filtering(
-        ELASTIC_WORKERS_LOG,
-        lambda record: (
-            not (usage_error_noted(exits) or any(exits.glob(f"{STUCK}*")) or launcher_note(exits, DIVERGED) is not None)
-        ),
-    )
-
-
-@contextlib.contextmanager
-def quiet_when_stopped() -> Iterator[None]:
-    """Keeps torchrun's warnings about a SIGINT or SIGTERM (the signal received, then each worker sent it) out of
-    the run that it stopped: report_stop says it in one line. A crash's lines, which name the survivors it sent
-    SIGTERM, stay: they only go once the agent has said that it received a stop signal."""
-    stopping = False
-
-    def not_the_signal(record: logging.LogRecord) -> bool:
-        nonlocal stopping
-        signal_line = str(record.msg).startswith("Received %s death signal")
-        stopping = stopping or signal_line
-        return not signal_line
-
-    def not_its_forwarding(record: logging.LogRecord) -> bool:
-        return not (stopping and str(record.msg).startswith("Sending process %s closing signal"))
-
-    with filtering(ELASTIC_AGENT_LOG, not_the_signal), filtering(ELASTIC_WORKERS_LOG, not_its_forwarding):
-        yield
-
-
-def report_failure(error: ChildFailedError, exits: Path) -> int:
-    """Prints which worker failed first and returns its exit code; raises the UsageError that ended it, if one
-    did, so that its sentence is printed once (rather than by every rank) and the run ends with exit code 2.
-
-    A crash makes its peers fail too, blocked in collectives, often within the same second; torchrun's own
-    timestamps cannot order them, so each worker records the nanosecond its script ended (multigpu.launch.worker).
-    """
-    for line in stuck_lines(exits):
-        print(line, file=sys.stderr)
-    diverged = launcher_note(exits, DIVERGED)
-    if diverged is not None:  # the ranks went different ways: that sentence, said once (multigpu.engine.divergence)
-        raise UsageError(diverged)
-    stuck = {rank for rank in error.failures if ended_after_script(exits, rank)}
-    if stuck == set(error.failures):
-        return 0  # every script finished; the launcher ended the workers that then did not exit, and said so
-    ended: dict[int, tuple[int, int]] = {}  # rank -> (nanosecond its script ended, the script's exit code)
-    for rank in error.failures:
-        end = ScriptEnd.read(exits, rank)
-        if end is not None and end.code != 0:
-            ended[rank] = (end.stamp_ns, end.code)
-    # Killed from outside (SIGKILL, the OOM killer, a segfault) before its script could end: that one came first.
-    # torchrun itself only sends SIGTERM, to the survivors.
-    killed = [
-        r
-        for r, f in error.failures.items()
-        if r not in ended and r not in stuck and f.exitcode < 0 and -f.exitcode != signal.SIGTERM
-    ]
-    if killed:
-        rank = min(killed, key=lambda r: error.failures[r].timestamp)
-        failure = error.failures[rank]
-        code, how = 128 - failure.exitcode, f"was killed by {signal.Signals(-failure.exitcode).name}"
-    elif ended:
-        # The script's own code: torchrun may SIGTERM the originator while it is still shutting down.
-        rank = min(ended, key=lambda r: ended[r][0])
-        failure, code = error.failures[rank], ended[rank][1]
-        how = f"exited with code {code}"
-        usage = launcher_note(exits, f"{USAGE_ERROR}{rank}")
-        if usage is not None:
-            raise UsageError(usage.split(" ", 1)[1])
-    else:
-        rank, failure = error.get_first_failure()
-        code = failure.exitcode if failure.exitcode > 0 else 128 + abs(failure.exitcode)
-        how = (
-            f"was killed by {signal.Signals(-failure.exitcode).name}"
-            if failure.exitcode < 0
-            else f"exited with code {failure.exitcode}"
-        )
-    others = len(error.failures) - 1
-    also = f" ({others} more worker{'s' if others > 1 else ''} failed after it)" if others else ""
-    checkpoint = checkpoint_note(exits)
-    print(
-        f"multigpu run: worker rank {rank} (pid {failure.pid}) {how}{also}; errors are printed above"
-        f"{f'; {checkpoint}' if checkpoint else ''}.",
-        file=sys.stderr,
-    )
-    stuck = explain_nccl_timeout(read_nccl_traces(exits))
-    if stuck is not None:
-        print(f"multigpu run: {stuck}", file=sys.stderr)
-    return code

@@ -41,6 +41,7 @@ import importlib.abc
 import importlib.machinery
 import io
 import os
+import re
 import runpy
 import signal
 import sys
@@ -53,8 +54,17 @@ import torch.multiprocessing
 from torch.distributed import distributed_c10d
 
 from multigpu.core.env import destroy_process_groups
-from multigpu.core.errors import UsageError, report_usage_error
-from multigpu.core.notes import LAUNCHER_DIR, STACKS, ScriptEnd, launched, usage_error_noted
+from multigpu.core.errors import Explained, UsageError, report_usage_error
+from multigpu.core.notes import (
+    LAUNCHER_DIR,
+    LOST_PEER,
+    SAID,
+    STACKS,
+    ScriptEnd,
+    launched,
+    note_for_launcher,
+    usage_error_noted,
+)
 from multigpu.launch import stop
 from multigpu.launch.exit_watch import finished_already
 
@@ -175,6 +185,36 @@ def print_from_the_script(error: BaseException) -> None:
     sys.excepthook(type(error), error, traceback)
 
 
+# How gloo says that the other end of a connection went away: a peer died (SIGKILL, the OOM killer) or was ended.
+_LOST_PEER = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe")
+
+
+def lost_a_peer(error: BaseException) -> bool:
+    """Whether `error` (or an error it wraps) is a collective's transport failing because a peer went away."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, RuntimeError) and _LOST_PEER.search(str(error)):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def said_for_the_launcher(error: BaseException) -> bool:
+    """Leaves the launcher what `error` means instead of printing its traceback, where it has nothing to add: a
+    sentence that says it all (Explained), said once by the launcher for every rank that raised it; or a lost peer,
+    an echo of another worker's end that the launcher names (multigpu.launch.launcher.report_failure)."""
+    if not launched():
+        return False
+    if isinstance(error, Explained):
+        note_for_launcher(f"{SAID}{os.environ['RANK']}", str(error))
+    elif lost_a_peer(error):
+        note_for_launcher(f"{LOST_PEER}{os.environ['RANK']}", "")
+    else:
+        return False
+    return True
+
+
 def _is_launching(frame: FrameType) -> bool:
     """Whether `frame` is this module's or runpy's: the frames between the worker's main and the script."""
     return frame.f_code.co_filename in (__file__, runpy.__file__, "<frozen runpy>")
@@ -221,7 +261,7 @@ def main(argv: list[str] | None = None, after: Callable[[], None] | None = None)
     except BaseException as error:
         _tell_the_heartbeat(error)  # ends the process where the ranks went different ways, in one sentence
         record_exit(1)
-        if not usage_error_noted():
+        if not usage_error_noted() and not said_for_the_launcher(error):
             # (A peer that lost the rank which raised a UsageError prints nothing: it would only bury that sentence.)
             print_from_the_script(error)
         raise SystemExit(1) from None

@@ -11,6 +11,7 @@ one with no answer token left.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from multigpu.core.errors import UsageError
+from multigpu.launch import stop
 from multigpu.recipes import data_readers
 from multigpu.recipes.lm_models import cache_root
 
@@ -137,15 +139,16 @@ def tokenise_records(records: Any, tokenizer: Any, settings: Any, parallel: bool
     if not parallel or len(items) < PARALLEL_FROM:
         return payload_of(datasets.Dataset.from_dict(tokenise_batch(columns, **cutting)), records)
     table = datasets.Dataset.from_dict(columns)
-    documents = table.map(
-        tokenise_batch,
-        batched=True,
-        num_proc=min(os.cpu_count() or 1, 8),
-        remove_columns=table.column_names,
-        fn_kwargs=cutting,
-        desc=f"tokenising {records.source}",
-        keep_in_memory=True,
-    )
+    with stop.children_leave_stops_to_parent():  # Ctrl-C: one line from this process, none from its pool
+        documents = table.map(
+            tokenise_batch,
+            batched=True,
+            num_proc=min(os.cpu_count() or 1, 8),
+            remove_columns=table.column_names,
+            fn_kwargs=cutting,
+            desc=f"tokenising {records.source}",
+            keep_in_memory=True,
+        )
     return payload_of(documents, records)
 
 
@@ -195,8 +198,7 @@ def _cached(path: Path, build: Callable[[], dict[str, Any]]) -> tuple[dict[str, 
     if payload is not None:
         return payload, True
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    with _locked(path.with_suffix(".lock")):
         payload = _read(path)  # built by another process while this one waited
         if payload is not None:
             return payload, True
@@ -208,6 +210,34 @@ def _cached(path: Path, build: Callable[[], dict[str, Any]]) -> tuple[dict[str, 
         finally:
             partial.unlink(missing_ok=True)
     return payload, False
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Within it, this process holds the exclusive flock of the file `path`, which it removes on the way out (a stop
+    or an error included), so that no lock file stays behind.
+
+    The file is removed before the lock is released: a process that waited on it then holds a lock on a file no
+    longer at `path`, sees that, and locks the file there now instead.
+    """
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            here = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:  # removed by the holder this process waited for
+            here = False
+        except BaseException:
+            os.close(fd)
+            raise
+        if here:
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)  # releases the lock
 
 
 def _read(path: Path) -> dict[str, Any] | None:
