@@ -3,6 +3,7 @@ and demo verbs), and the training-loop pieces that train and finetune both use."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -14,7 +15,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from multigpu.core import atomic
+from multigpu.core import atomic, run_lock
 from multigpu.core.config import config_to_argv
 from multigpu.core.config_file import RUN_CONFIG, save_run_config
 from multigpu.core.errors import UsageError, require
@@ -113,13 +114,20 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
     if config.gpu_ids is not None:  # GPUs that are not there, before the strategies count them
         select_gpus(launch_config, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
     start.check(EngineConfig(**engine_settings(config)), nproc)
-    check(config)
-    if nproc == 1 and config.gpu_ids is None and restarts == 0:
-        run(config)
-        return 0
-    # torchrun would take --nproc and --max-restarts for its own; the workers read them from it (as_launched).
-    argv = config_to_argv(config, skip=("nproc", "max_restarts"))
-    return launch(launch_config, [module, *argv], module=True)
+    with contextlib.ExitStack() as held:
+        # One run per --save-dir, held by this process for the run's life (its workers inherit it). Taken before
+        # `check` where the directory exists, since check reads its checkpoints (and moves damaged ones aside);
+        # a new directory is made only once the run is known good.
+        if os.access(config.save_dir, os.W_OK) and Path(config.save_dir).is_dir():
+            held.enter_context(run_lock.holding(config.save_dir))
+        check(config)
+        held.enter_context(run_lock.holding(config.save_dir))  # nothing more where held already
+        if nproc == 1 and config.gpu_ids is None and restarts == 0:
+            run(config)
+            return 0
+        # torchrun would take --nproc and --max-restarts for its own; the workers read them from it (as_launched).
+        argv = config_to_argv(config, skip=("nproc", "max_restarts"))
+        return launch(launch_config, [module, *argv], module=True)
 
 
 def as_launched(config: Any) -> Any:
