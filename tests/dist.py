@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -89,6 +90,22 @@ def descendants(pid: int) -> list[int]:
 def multigpu(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`multigpu ARGS` as a user types it."""
     return run_command([sys.executable, "-m", "multigpu", *args], timeout=timeout, env=env)
+
+
+@contextlib.contextmanager
+def running(*args: str) -> Iterator[subprocess.Popen]:
+    """`multigpu ARGS` started in the background (its output discarded) for the block; killed, with everything it
+    started, as the block ends."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    argv = [sys.executable, "-m", "multigpu", *args]
+    process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield process
+    finally:
+        for pid in [process.pid, *descendants(process.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.wait()
 
 
 def run_in_processes(target: str, nproc: int, timeout: float = 120, **kwargs: Any) -> list[Any]:

@@ -58,11 +58,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from multigpu.recipes import common, finetune
+    from multigpu.recipes import adapter_export, common
 
     checkpoint, out = Path(args.checkpoint), Path(args.out)
-    if finetune.holds_adapter(checkpoint, args.key):  # a lora or qlora finetune's: a peft adapter directory
-        finetune.export_adapter(checkpoint, out, args.key)
+    if adapter_export.holds_adapter(checkpoint, args.key):  # a lora or qlora finetune's: a peft adapter directory
+        adapter_export.export_adapter(checkpoint, out, args.key)
     else:
         common.export_checkpoint(checkpoint, out, key=args.key)
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,3 +62,24 @@ def test_a_restart_resumes_from_the_runs_newest_checkpoint_whatever_the_start_wa
     # Under another launcher (no notes), the newest whole checkpoint in the save dir.
     as_worker(monkeypatch, None, restart=1)
     assert resolve_resume(Run(str(save_dir), str(elsewhere))) == newest
+
+
+def test_a_second_run_on_a_live_save_dir_is_refused_and_a_killed_ones_is_free(tmp_path: Path) -> None:
+    """The lock is the first run's process's flock: named in the refusal while it lives, gone once it is killed."""
+    from tests.dist import multigpu, refusal, running
+    from tests.recipes.test_finetune import write_text
+
+    args = ["finetune", "--model", "tiny", "--data", write_text(tmp_path / "text.txt"), "--seq-len", "32"]
+    args += ["--batch-size", "2", "--log-every", "0", "--save-dir", str(tmp_path / "run")]
+    lock = tmp_path / "run" / ".run.lock"
+    with running(*args, "--max-steps", "100000") as first:
+        deadline = time.monotonic() + 60
+        while not (lock.is_file() and lock.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        printed = refusal(*args, "--max-steps", "2")
+        assert printed.count("\n") == 1 and f"is in use by another run (pid {first.pid} on host" in printed, printed
+        first.kill()  # kill -9: no clean-up of its own
+        first.wait()
+    second = multigpu(*args, "--max-steps", "2", timeout=180)
+    assert second.returncode == 0 and "step 2: validation loss" in second.stdout, second.stdout
+    assert not lock.exists()

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from multigpu.recipes.common import RUN_RESULT
 from tests.dist import multigpu, refusal, run_each_in_processes, run_in_processes
 
 
@@ -322,3 +323,29 @@ def test_fused_loss_and_liger_are_refused_on_cpu_before_any_worker_starts() -> N
     for flag in (["--loss", "fused"], ["--liger"]):
         printed = refusal("finetune", "--model", "tiny", "--nproc", "2", *flag)
         assert "use loss chunked on CPU (--loss chunked) and drop liger." in printed
+
+
+def test_a_full_disk_while_the_adapter_or_its_export_is_written_is_one_sentence_and_a_rerun_writes_it(
+    tmp_path: Path,
+) -> None:
+    """The disk fills (RLIMIT_FSIZE: no file past 64 KiB) as the adapter is written after the last checkpoint: exit 2,
+    one sentence, nothing under the adapter's name; the same command then writes it from that checkpoint."""
+    run = tmp_path / "run"
+    args = ["finetune", "--model", "tiny", "--data", write_text(tmp_path / "text.txt"), "--seq-len", "32"]
+    args += ["--batch-size", "2", "--max-steps", "2", "--log-every", "0", "--save-dir", str(run)]
+    full = {"MULTIGPU_FAULT": "disk-full-result,bytes=65536"}
+    failed = multigpu(*args, env=full, timeout=180)
+    errors = [line for line in failed.stdout.splitlines() if line.startswith("multigpu: error:")]
+    assert failed.returncode == 2 and "Traceback" not in failed.stdout, failed.stdout
+    assert errors == [f"multigpu: error: Could not write {run / 'adapter'}: File too large; " + RUN_RESULT], errors
+    assert not (run / "adapter").exists() and not (run / ".adapter.partial").exists()
+    rerun = multigpu(*args, timeout=180)
+    assert rerun.returncode == 0 and "writing it from the last checkpoint, without training" in rerun.stdout
+    assert "step 1" not in rerun.stdout and load_file(run / "adapter" / "adapter_model.safetensors")
+    out, checkpoint = tmp_path / "exported", str(run / "checkpoints" / "step-00000002")
+    refused = multigpu("export", checkpoint, str(out), env=full, timeout=120)
+    assert refused.returncode == 2 and refused.stdout.count("multigpu: error: Could not write") == 1, refused.stdout
+    assert "Traceback" not in refused.stdout and not out.exists() and not (tmp_path / ".exported.partial").exists()
+    assert multigpu("export", checkpoint, str(out), timeout=120).returncode == 0
+    written = load_file(run / "adapter" / "adapter_model.safetensors")
+    assert load_file(out / "adapter_model.safetensors").keys() == written.keys()

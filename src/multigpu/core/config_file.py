@@ -24,6 +24,7 @@ from typing import Any, TextIO
 
 import yaml
 
+from multigpu.core.atomic import write_file
 from multigpu.core.config import check_path, finite_float, long_names, with_default
 from multigpu.core.errors import UsageError
 
@@ -362,9 +363,9 @@ def output(out: str | None, fmt: str | None, verb: str) -> tuple[Path | None, st
 
 
 def write_text(path: Path, text: str, flag: str) -> None:
+    """`text` at `path`, whole or not at all (a run's config.yaml is rewritten as the run goes)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, "utf-8")
+        write_file(path, lambda partial: partial.write_text(text, "utf-8"), result=False)
     except OSError as error:
         raise UsageError(f"{flag} {path} cannot be written ({error.strerror}); choose another path.") from None
 

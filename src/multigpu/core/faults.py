@@ -6,6 +6,8 @@
     MULTIGPU_FAULT="kill-in-save,step=4"   rank 0 is SIGKILLed while the checkpoint of step 4 is being written
     MULTIGPU_FAULT="disk-full,step=4,rank=1"   rank 1's disk fills as it writes the checkpoint of step 4: from
                                                then on, no file it writes can pass 1 KiB (bytes=N: N bytes)
+    MULTIGPU_FAULT="disk-full-result"      the disk fills as a result is written (a run's final model, adapter or
+                                           merged model, an export): from then on, as disk-full (bytes=N)
 Faults fire only on a job's first attempt, so that a restarted job can show that it recovers.
 """
 
@@ -28,11 +30,15 @@ def _spec() -> tuple[str, dict[str, int]] | None:
 
 
 def inject(point: str, step: int, rank: int) -> None:
-    """Called at `point` ("step" or "save"); fires the configured fault if it matches."""
+    """Called at `point` ("step", "write", "save" or "result"); fires the configured fault if it matches."""
     spec = _spec()
     if spec is None:
         return
     kind, where = spec
+    if point == "result":  # written once, by one process: no step or rank to match
+        if kind == "disk-full-result":
+            limit_file_size(where.get("bytes", 1024))
+        return
     if where.get("step") != step or where.get("rank", 0) != rank:
         return
     if point == "step" and kind == "crash":

@@ -21,7 +21,7 @@ import re
 import shutil
 import tempfile
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from multigpu.core import faults
+from multigpu.core.atomic import causes, disk_error, disk_errors_raised, partial_path, publish
 from multigpu.core.errors import UsageError
 from multigpu.core.modules import instance_of
 from multigpu.core.notes import LAST_CHECKPOINT, note_for_launcher
@@ -57,45 +58,10 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def partial_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.partial")
-
-
-def _replaced_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.replaced")
-
-
-def _fsync(path: Path) -> None:
-    """Forces `path` to disk: a file's bytes, or a directory's entries (the files created and renamed in it)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def _disk_errors_raised() -> Iterator[None]:
-    """Raises a failed write as the OSError the kernel gave (a full disk, a file too large, a read-only directory).
-
-    torch.save into a file object fails on its way out: its zip writer raises a RuntimeError ("unexpected pos")
-    while the OSError that stopped it is only that RuntimeError's __context__. DCP then pickles each rank's failure
-    to share it with every rank, which drops the context, so the OSError must be raised here, in the process whose
-    write failed. The OSError is found by its type and errno, never by its text.
-    """
-    try:
-        yield
-    except Exception as error:
-        cause = disk_error(error)
-        if cause is None or cause is error:
-            raise
-        raise OSError(cause.errno, cause.strerror, cause.filename) from error
-
-
 def _save_synced(obj: Any, file: Path) -> None:
     # Through a file object of ours: given a path, torch.save writes with C++ streams, whose failure says only
     # "basic_ios::clear: iostream error", without the OS's reason.
-    with _disk_errors_raised(), open(file, "wb") as stream:
+    with disk_errors_raised(), open(file, "wb") as stream:
         torch.save(obj, stream)
         stream.flush()
         os.fsync(stream.fileno())
@@ -110,11 +76,11 @@ def _writer() -> type:
 
     class Writer(dcp.FileSystemWriter):
         def write_data(self, plan: Any, planner: Any) -> Future:
-            with _disk_errors_raised():
+            with disk_errors_raised():
                 return super().write_data(plan, planner)
 
         def finish(self, metadata: Any, results: list) -> None:
-            with _disk_errors_raised():  # .metadata, written by rank 0 alone
+            with disk_errors_raised():  # .metadata, written by rank 0 alone
                 super().finish(metadata, results)
 
     return Writer
@@ -242,26 +208,6 @@ def _agree(path: Path, failure: OSError | None) -> None:
             raise write_failed(path, error, rank if _grouped() else None) from error
 
 
-def causes(error: BaseException) -> Iterator[BaseException]:
-    """`error` and everything behind it: its cause and context, and inside DCP's CheckpointException, each failed
-    rank's exception (and theirs)."""
-    pending, seen = [error], set()
-    while pending:
-        current = pending.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        yield current
-        pending += [current.__cause__, current.__context__]
-        if instance_of(current, "torch.distributed.checkpoint.api", "CheckpointException"):
-            pending += [failure for failure, _trace in current.failures.values()]
-
-
-def disk_error(error: BaseException) -> OSError | None:
-    """The OSError behind `error` (a full disk, a read-only or forbidden directory), if any."""
-    return next((e for e in causes(error) if isinstance(e, OSError) and e.errno is not None), None)
-
-
 def write_failed(path: Path, error: OSError, rank: int | None = None) -> UsageError:
     """One sentence for a checkpoint the disk refused: what happened, that the last complete one is intact."""
     where = f" on rank {rank}" if rank is not None else ""
@@ -310,23 +256,13 @@ def last_committed() -> Path | None:
 
 
 def commit(path: Path) -> None:
-    """Rank 0 only, once every rank's files are written and synced: the rename that makes the checkpoint exist.
-
-    A checkpoint already at `path` is moved aside and removed only once the new one is in place, so a crash at any
-    moment leaves a complete checkpoint on disk (between the two renames, the old one as `.<name>.replaced`).
-    """
+    """Rank 0 only, once every rank's files are written and synced: the rename that makes the checkpoint exist
+    (core/atomic.py's publish: a crash at any moment leaves a complete checkpoint on disk)."""
     global _committing, _last_committed
-    tmp, replaced = partial_path(path), _replaced_path(path)
-    _fsync(tmp)  # the names of its files; their bytes are synced by whoever wrote them (DCP: sync_files=True)
-    if path.exists():
-        shutil.rmtree(replaced, ignore_errors=True)  # left by a crash after an earlier commit of this name
-        os.replace(path, replaced)
     _committing = path
-    os.replace(tmp, path)
+    publish(path)
     _last_committed, _committing = path.resolve(), None
     note_for_launcher(LAST_CHECKPOINT, str(_last_committed))  # named when the run is stopped or fails
-    _fsync(path.parent)  # the rename itself must survive a power loss
-    shutil.rmtree(replaced, ignore_errors=True)
 
 
 def save(path: str | Path, state: dict[str, Any], strategy: Strategy, keep_last: int | None = None) -> Path:

@@ -33,6 +33,7 @@ from types import FrameType
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from multigpu.core.atomic import causes
 from multigpu.core.notes import LAST_CHECKPOINT, launcher_note
 
 #: Set by `multigpu run` for its own workers (not a user setting): the launcher's pid.
@@ -91,10 +92,7 @@ def _handling_stops(handler: Callable[[int, FrameType | None], None]) -> Iterato
 def stop_signal(error: BaseException) -> int | None:
     """The signal that stopped this process, if `error` is (or wraps) a stop. It may surface wrapped: DCP collects
     each rank's exception into its own, and a file being written may fail on its way out in its place."""
-    from multigpu.engine import checkpoint  # here, not above: the workers import this module before the script,
-    # which must neither wait for the engine's imports nor run after them (multigpu.launch.worker)
-
-    for cause in checkpoint.causes(error):
+    for cause in causes(error):
         if isinstance(cause, Stopped):
             return cause.signum
         if isinstance(cause, KeyboardInterrupt):

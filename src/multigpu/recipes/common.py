@@ -3,6 +3,7 @@ and demo verbs), and the training-loop pieces that train and finetune both use."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -14,6 +15,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
+from multigpu.core import atomic, run_lock
 from multigpu.core.config import config_to_argv
 from multigpu.core.config_file import RUN_CONFIG, save_run_config
 from multigpu.core.errors import UsageError, require
@@ -112,13 +114,20 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
     if config.gpu_ids is not None:  # GPUs that are not there, before the strategies count them
         select_gpus(launch_config, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
     start.check(EngineConfig(**engine_settings(config)), nproc)
-    check(config)
-    if nproc == 1 and config.gpu_ids is None and restarts == 0:
-        run(config)
-        return 0
-    # torchrun would take --nproc and --max-restarts for its own; the workers read them from it (as_launched).
-    argv = config_to_argv(config, skip=("nproc", "max_restarts"))
-    return launch(launch_config, [module, *argv], module=True)
+    with contextlib.ExitStack() as held:
+        # One run per --save-dir, held by this process for the run's life (its workers inherit it). Taken before
+        # `check` where the directory exists, since check reads its checkpoints (and moves damaged ones aside);
+        # a new directory is made only once the run is known good.
+        if os.access(config.save_dir, os.W_OK) and Path(config.save_dir).is_dir():
+            held.enter_context(run_lock.holding(config.save_dir))
+        check(config)
+        held.enter_context(run_lock.holding(config.save_dir))  # nothing more where held already
+        if nproc == 1 and config.gpu_ids is None and restarts == 0:
+            run(config)
+            return 0
+        # torchrun would take --nproc and --max-restarts for its own; the workers read them from it (as_launched).
+        argv = config_to_argv(config, skip=("nproc", "max_restarts"))
+        return launch(launch_config, [module, *argv], module=True)
 
 
 def as_launched(config: Any) -> Any:
@@ -231,6 +240,30 @@ def follow_new_plan(
     return f"the lr schedule follows {flags}: {plan[1]} samples in all (planned: {before}), {scheduler.seen} done"
 
 
+def finish_complete_run(
+    engine: Engine, config: Any, step: int, lengthen: str, outputs: list[Path], write: Callable[[], Any]
+) -> None:
+    """What a resumed run that has nothing left to train does: says so (complete_line), or, where its result was
+    not written whole (a full disk as it was written), calls `write` to write it from the checkpoint just loaded,
+    without training again. Rank 0's view decides, for every rank (`write` gathers the weights collectively)."""
+    missing = missing_outputs(outputs) if engine.is_main_process else []
+    if not engine.reduce(float(len(missing)), op="sum"):
+        engine.print(complete_line(config, step, lengthen))
+        return
+    engine.print(
+        f"The run in {config.save_dir} finished training at step {step} but its result was not written whole "
+        f"({', '.join(path.name for path in missing)}); writing it from the last checkpoint, without training."
+    )
+    write()
+    engine.print(f"wrote {', '.join(str(path) for path in outputs)}")
+
+
+def missing_outputs(outputs: list[Path]) -> list[Path]:
+    """Those of a run's `outputs` (files, or model directories) not there whole: absent, or a directory without its
+    weights (as a run that failed while writing it left one, before results were written atomically)."""
+    return [path for path in outputs if not (path.is_file() or (path.is_dir() and any(path.glob("*.safetensors"))))]
+
+
 def complete_line(config: Any, step: int, lengthen: str) -> str:
     """What a resumed run that has nothing left to train says instead of training (and rewriting its outputs)."""
     return (
@@ -319,11 +352,24 @@ class ProgressBar:
 
 
 # -- after training --------------------------------------------------------------------------------------------
-def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """`tensors` as one safetensors file (which needs contiguous tensors), its directory made if missing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(path))
-    give_usual_mode([path])
+# How a run's result that the disk refused ends its sentence (core/atomic.py: refused_as_usage); the run's last
+# checkpoint is written before its result, and a rerun writes the result from there (finish_complete_run).
+RUN_RESULT = (
+    "free space or make the directory writable, then run the same command again: it writes the result from the "
+    "run's last checkpoint without training again."
+)
+EXPORT_RESULT = "free space or choose another OUT, then run the same command again."
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, advice: str) -> None:
+    """`tensors` as one safetensors file (which needs contiguous tensors), whole or not at all (its directory made
+    if missing); a disk's refusal is one sentence ending in `advice`."""
+
+    def write(partial: Path) -> None:
+        save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(partial))
+        give_usual_mode([partial])
+
+    atomic.write_file(path, write, advice)
 
 
 def export_checkpoint(directory: Path, out: Path, key: str = "model") -> None:
@@ -332,5 +378,5 @@ def export_checkpoint(directory: Path, out: Path, key: str = "model") -> None:
     checkpoint.model_metadata(directory, key)  # a checkpoint, and one that holds `key`
     check_new_output(out, "OUT", f"{out}/model.safetensors")
     tensors = checkpoint.full_model_state(directory, key=key)
-    write_safetensors(tensors, out)
+    write_safetensors(tensors, out, EXPORT_RESULT)
     print(f"wrote {len(tensors)} tensors ({sum(t.numel() for t in tensors.values()):,} values) to {out}")

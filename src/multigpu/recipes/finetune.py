@@ -10,6 +10,7 @@ sequences, 2 x 4 and 2 x 2 x 2 accumulation give the same gradients.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import sys
 import time
@@ -20,23 +21,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from multigpu.core.atomic import write_dir
 from multigpu.core.config import Parser, add_config_arguments, config_from_args
-from multigpu.core.config_file import RUN_CONFIG
 from multigpu.core.env import DistEnv
-from multigpu.core.errors import UsageError, exit_on_usage_error, require
+from multigpu.core.errors import exit_on_usage_error, require
 from multigpu.core.loss import TokenLoss, check_runnable, summed_cross_entropy
 from multigpu.core.pretrained import give_usual_mode
 from multigpu.core.schedule import SampleSchedule
 from multigpu.core.settings import setting
-from multigpu.engine.checkpoint import full_model_state, model_metadata
 from multigpu.engine.engine import Engine
 from multigpu.recipes import lm_data, lm_models, packing
 from multigpu.recipes.common import (
+    RUN_RESULT,
     ProgressBar,
     as_launched,
-    check_new_output,
     check_same_data,
-    complete_line,
+    finish_complete_run,
     follow_new_plan,
     peak_memory_mb,
     recipe_engine,
@@ -44,7 +44,6 @@ from multigpu.recipes.common import (
     record_run,
     resolve_resume,
     run_recipe,
-    run_record,
     skipped_note,
     step_checkpoint,
 )
@@ -251,27 +250,37 @@ def describe(data: lm_data.LMData) -> str:
 
 
 def save_result(config: FinetuneConfig, engine: Engine, model: nn.Module, tokenizer: Any) -> Path:
-    """A peft adapter directory (lora, qlora) or an HF model directory (full), from any strategy.
+    """A peft adapter directory (lora, qlora) or an HF model directory (full), from any strategy, and with --merge
+    the merged model; each written whole or not at all (a full disk: one sentence, and a rerun writes it).
 
     The full state dict is gathered collectively (DTensors under zero3 become whole tensors on rank 0); peft's
     own save would read sharded storage and fail, or write an empty adapter.
     """
-    out = Path(config.save_dir) / ("model" if config.method == "full" else "adapter")
+    out, *merged = outputs(config)
     state = engine.full_state_dict(model, trainable_only=config.method != "full")
     if engine.is_main_process:
-        unwrap(model).save_pretrained(out, state_dict=state)
-        tokenizer.save_pretrained(out)
-        give_usual_mode(out.glob("*.safetensors"))
-        if config.merge:
-            merged = lm_models.load_model(config.model, "full")
+        write_dir(out, functools.partial(save_pretrained, unwrap(model), tokenizer, state=state), RUN_RESULT)
+        if merged:
             from peft import PeftModel
 
-            merged = PeftModel.from_pretrained(merged, out).merge_and_unload()
-            merged.save_pretrained(Path(config.save_dir) / "merged")
-            tokenizer.save_pretrained(Path(config.save_dir) / "merged")
-            give_usual_mode((Path(config.save_dir) / "merged").glob("*.safetensors"))
+            base = lm_models.load_model(config.model, "full")
+            whole = PeftModel.from_pretrained(base, out).merge_and_unload()
+            write_dir(merged[0], functools.partial(save_pretrained, whole, tokenizer), RUN_RESULT)
     engine.barrier()
     return out
+
+
+def outputs(config: FinetuneConfig) -> list[Path]:
+    """What a finetune writes as its result: its model (full) or adapter, then with --merge the merged model."""
+    save_dir = Path(config.save_dir)
+    return [save_dir / ("model" if config.method == "full" else "adapter")] + [save_dir / "merged"] * config.merge
+
+
+def save_pretrained(model: Any, tokenizer: Any, directory: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """`model` (its `state`, if given) and `tokenizer` as a directory transformers and peft load, readable by all."""
+    model.save_pretrained(directory, state_dict=state)
+    tokenizer.save_pretrained(directory)
+    give_usual_mode(directory.glob("*.safetensors"))
 
 
 def finetune(config: FinetuneConfig) -> dict[str, Any]:
@@ -304,8 +313,9 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
         replanned = follow_new_plan(scheduler, config, record, SCHEDULE_LENGTH, plan)
         if replanned:
             engine.print(replanned)
-        if scheduler.done:  # nothing to train: the adapter or model written at its end stays as it is
-            engine.print(complete_line(config, state["step"], "--max-steps or --epochs"))
+        if scheduler.done:  # nothing to train: the adapter or model written at its end stays, or is written now
+            finish = functools.partial(save_result, config, engine, model, tokenizer)
+            finish_complete_run(engine, config, state["step"], "--max-steps or --epochs", outputs(config), finish)
             return {"history": [], "steps": state["step"], "skipped_steps": 0, "output": None, "model": model}
     if engine.is_main_process:  # once the save dir and the checkpoint resumed from are known good
         record_run(config, "finetune")
@@ -369,60 +379,6 @@ def save_step(engine: Engine, config: FinetuneConfig, state: dict[str, Any]) -> 
     engine.save(step_checkpoint(config.save_dir, state["step"]), state, keep_last=2)
     if engine.is_main_process:
         record_run(config, "finetune", after_save=True)
-
-
-def holds_adapter(checkpoint: Path, key: str = "model") -> bool:
-    """Whether a checkpoint's model is a peft LoRA model: a lora or qlora finetune's."""
-    return any(".lora_A." in name for name in model_metadata(checkpoint, key))
-
-
-def export_adapter(checkpoint: Path, out: Path, key: str = "model") -> None:
-    """`multigpu export` of a lora or qlora finetune's checkpoint: the peft adapter directory the finetune writes
-    at its end (SAVE_DIR/adapter), for that checkpoint's step. peft writes it, from the adapted model built as the
-    finetune builds it (on the meta device: no weights read), so its tensors have the names peft and
-    transformers load and adapter_config.json the run's settings, read from the run's config.yaml."""
-    if out.suffix == ".safetensors":
-        raise UsageError(
-            f"{checkpoint} holds a LoRA adapter, which peft loads from a directory; pass a directory name as OUT, "
-            f"such as {out.with_suffix('')}, for adapter_model.safetensors and adapter_config.json."
-        )
-    check_new_output(out, "OUT")
-    run = finetune_of(checkpoint)
-    with torch.device("meta"):
-        model = lm_models.load_model(
-            run.model, "lora", run.lora_r, run.lora_alpha, lora_experts=run.lora_experts, skeleton=True
-        )
-    stored = model_metadata(checkpoint, key)
-    for name, parameter in model.named_parameters():
-        if parameter.requires_grad and (name not in stored or list(stored[name].size) != list(parameter.shape)):
-            found = f"is {list(stored[name].size)}" if name in stored else "is missing"
-            raise UsageError(
-                f"{name} {found} in {checkpoint} but {list(parameter.shape)} in a --lora-r {run.lora_r} adapter "
-                f"of --model {run.model}, as its run's config.yaml gives them; export a checkpoint of that run."
-            )
-    state = full_model_state(checkpoint, key, [n for n, p in model.named_parameters() if p.requires_grad])
-    model.save_pretrained(out, state_dict=state)
-    lm_models.load_tokenizer(run.model).save_pretrained(out)
-    give_usual_mode(out.glob("*.safetensors"))
-    print(
-        f"wrote the LoRA adapter of {checkpoint} ({len(state)} tensors) to {out}; apply it with "
-        f"`multigpu generate --model {run.model} --adapter {out}` or peft's PeftModel.from_pretrained"
-    )
-
-
-def finetune_of(checkpoint: Path) -> FinetuneConfig:
-    """The settings of the finetune that wrote `checkpoint` (SAVE_DIR/checkpoints/step-N): its SAVE_DIR/config.yaml."""
-    settings = run_record(checkpoint.absolute())
-    if not settings:
-        raise UsageError(
-            f"{checkpoint} holds a LoRA adapter, whose --model, --lora-r and --lora-alpha export reads from its "
-            f"run's {RUN_CONFIG}, and {checkpoint.absolute().parent.parent / RUN_CONFIG} does not exist; export the "
-            "checkpoint where its finetune wrote it, or use the adapter the finetune wrote at its end "
-            "(SAVE_DIR/adapter)."
-        )
-    return FinetuneConfig(
-        **{name: settings[name] for name in ("model", "lora_r", "lora_alpha", "lora_experts") if name in settings}
-    )
 
 
 def check(config: FinetuneConfig) -> None:

@@ -6,6 +6,7 @@ any world size, and a final model exported as safetensors plus a JSON that rebui
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from multigpu.core import atomic
 from multigpu.core.config import Parser, add_config_arguments, config_from_args
 from multigpu.core.errors import exit_on_usage_error, require
 from multigpu.core.schedule import SampleSchedule
@@ -24,10 +26,11 @@ from multigpu.engine.engine import Engine
 from multigpu.recipes import activity_data, activity_models
 from multigpu.recipes.activity_models import MODES
 from multigpu.recipes.common import (
+    RUN_RESULT,
     ProgressBar,
     as_launched,
     check_same_data,
-    complete_line,
+    finish_complete_run,
     follow_new_plan,
     peak_memory_mb,
     recipe_engine,
@@ -116,13 +119,19 @@ def export(engine: Engine, model: nn.Module, directory: Path, spec: list, data: 
     """model.safetensors + model_config.json in `directory`; gathers the full weights onto rank 0 (asked for)."""
     full = engine.full_state_dict(model)
     if engine.is_main_process:
-        write_safetensors(full, directory / "model.safetensors")
+        write_safetensors(full, directory / "model.safetensors", RUN_RESULT)
         config = {
             "layers": spec,
             "labels": data.labels,
             "input": {"channels": data.channels, "window": data.window, "mean": data.mean, "std": data.std},
         }
-        (directory / "model_config.json").write_text(json.dumps(config, indent=2))
+        text = json.dumps(config, indent=2)
+        atomic.write_file(directory / "model_config.json", lambda partial: partial.write_text(text), RUN_RESULT)
+
+
+def outputs(save_dir: Path) -> list[Path]:
+    """What a train run writes as its result (export), the last of them last."""
+    return [save_dir / "model.safetensors", save_dir / "model_config.json"]
 
 
 def train(config: TrainConfig) -> dict:
@@ -171,8 +180,10 @@ def train(config: TrainConfig) -> dict:
         replanned = follow_new_plan(scheduler, config, record, SCHEDULE_LENGTH, plan)
         if replanned:
             engine.print(replanned)
-        if scheduler.done:  # nothing to train: the model exported at its end stays as it is
-            engine.print(complete_line(config, state["step"], "--epochs"))
+        if scheduler.done:  # nothing to train: the model exported at its end stays as it is, or is written now
+            save_dir = Path(config.save_dir)
+            finish = functools.partial(export, engine, model, save_dir, spec, data)
+            finish_complete_run(engine, config, state["step"], "--epochs", outputs(save_dir), finish)
             return {"history": [], "steps": state["step"], "world_size": engine.world_size}
     if engine.is_main_process:  # once the save dir and the checkpoint resumed from are known good
         record_run(config, "train")
