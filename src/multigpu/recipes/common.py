@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from multigpu.core.config import config_to_argv
 from multigpu.core.config_file import RUN_CONFIG, save_run_config
 from multigpu.core.errors import UsageError, require
+from multigpu.core.layout import ParallelDims
 from multigpu.core.notes import LAST_CHECKPOINT, LAUNCHER_DIR, attempt, launched, launcher_note
 from multigpu.core.pretrained import give_usual_mode
 from multigpu.core.schedule import SampleSchedule
@@ -94,12 +95,12 @@ def recipe_settings(name: str, shown: tuple[str, ...], save_dir: str, **defaults
 
 
 # -- before any process starts ---------------------------------------------------------------------------------
-def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Callable[[Any], None]) -> int:
+def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Callable[[Any, ParallelDims], None]) -> int:
     """Runs a recipe in this process (under a launcher already, or 1 process), or launches --nproc of `module`.
 
-    `config` is a recipe's (TrainConfig, FinetuneConfig); `check(config)` refuses its bad input before anything
-    starts, as the GPUs named and the Engine's settings are refused here, so that a mistake is one line rather
-    than one per worker.
+    `config` is a recipe's (TrainConfig, FinetuneConfig); `check(config, layout)` refuses its bad input before
+    anything starts (`layout`: the degrees the workers would resolve), as the GPUs named and the Engine's settings
+    are refused here, so that a mistake is one line rather than one per worker.
     """
     if "RANK" in os.environ:  # already under torchrun / multigpu run / accelerate launch
         run(as_launched(config))
@@ -111,8 +112,7 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
     launch_config = LaunchConfig(nproc=nproc, gpu_ids=config.gpu_ids, max_restarts=restarts)
     if config.gpu_ids is not None:  # GPUs that are not there, before the strategies count them
         select_gpus(launch_config, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
-    start.check(EngineConfig(**engine_settings(config)), nproc)
-    check(config)
+    check(config, start.check(EngineConfig(**engine_settings(config)), nproc))
     if nproc == 1 and config.gpu_ids is None and restarts == 0:
         run(config)
         return 0
