@@ -319,6 +319,26 @@ def history(**options: object) -> list[dict]:
     return finetune(config)["history"]
 
 
+@pytest.mark.parametrize(
+    ("flags", "sentence"),
+    [
+        (
+            ["--seq-len", "100000"],
+            "--seq-len 100000 is longer than the 2048 positions --model tiny has (max_position_embeddings in its "
+            "config.json); pass a --seq-len of 2048 or less.",
+        ),
+        (["--batch-size", "10000000"], "--batch-size 10000000 at --seq-len 256 needs about "),
+    ],
+)
+def test_a_sequence_or_batch_the_model_cannot_take_is_refused_before_any_worker_starts(
+    flags: list[str], sentence: str, tmp_path: Path
+) -> None:
+    """Read from the model's config.json (positions) and the planner's count of one micro-batch's activations, which
+    no device holds: otherwise a run that can only fail, or train past the positions, once the model is loaded."""
+    printed = refusal("finetune", "--model", "tiny", "--save-dir", str(tmp_path), *flags)
+    assert printed.count(sentence) == 1 and printed.count("\n") == 1, printed
+
+
 def test_fused_loss_and_liger_are_refused_on_cpu_before_any_worker_starts() -> None:
     for flag in (["--loss", "fused"], ["--liger"]):
         printed = refusal("finetune", "--model", "tiny", "--nproc", "2", *flag)

@@ -378,6 +378,13 @@ def test_bad_records_name_the_file_and_the_record(tokenizer: Any, tmp_path: Path
         with pytest.raises(UsageError) as refused:
             load(path, tokenizer, seq_len=128)
         one_sentence(refused, str(path), message)
+    # A .json list is read by Python's json, which keeps a lone surrogate: refused alike, in memory and streamed.
+    array = tmp_path / "bad.json"
+    array.write_text('[{"instruction": "a", "output": "b"}, {"instruction": "a\\ud800b", "output": "x"}]')
+    for streaming in (False, True):
+        with pytest.raises(UsageError) as refused:
+            load(array, tokenizer, seq_len=128, data_streaming=streaming)
+        one_sentence(refused, str(array), r"record 2 holds \ud800, half of a UTF-16")
     pair = write_jsonl(tmp_path / "emoji.jsonl", ['{"instruction": "smile \\ud83d\\ude00", "output": "\\u00e9"}'])
     assert data_files.read(str(pair)).examples[0][1][0]["content"] == "smile \U0001f600"  # a whole pair: one character
 

@@ -308,6 +308,8 @@ def test_a_checkpoint_moves_between_layouts_and_lands_where_one_process_does(res
         (["--nproc", "2", "--strategy", "ddp", "--sequence-parallel"], "sequence_parallel is an option of strategy "),
         (["--nproc", "2", "--strategy", "zero3", "--sequence-parallel"], "sequence_parallel splits the sequence over "),
         (["--nproc", "2", "--strategy", "ddp", "--pp-schedule", "gpipe"], "pp_schedule is an option of strategy pp "),
+        (["--nproc", "2", "--strategy", "ddp", "--pp-schedule", "interleaved"], "pp_schedule is an option of "),
+        (["--nproc", "3", "--strategy", "tp", "--tp-size", "2"], "so tp_size 2 needs 2 processes, but 3 were "),
         (["--nproc", "2", "--strategy", "pp", "--pp-schedule", "interleaved"], "pp_stages_per_rank 1 does not fit"),
         (["--nproc", "2", "--strategy", "tp", "--compile"], "compile cannot run with tensor parallelism on torch "),
         (["--nproc", "4", "--strategy", "zero3", "--tp-size", "2", "--compile"], "compile cannot run with tensor "),
@@ -335,6 +337,23 @@ def test_a_sequence_or_heads_that_cp_cannot_split_are_refused_before_anything_st
 ) -> None:
     """The tiny Llama has 4 attention heads: Ulysses cannot give each of 8 ranks one."""
     printed = refusal("finetune", "--model", "tiny", "--nproc", "8", "--multi-gpu", "zero3", "--cp-size", "8", *args)
+    assert printed.count(sentence) == 1 and printed.count("\n") == 1, printed
+
+
+@pytest.mark.parametrize(
+    ("args", "sentence"),
+    [
+        (["--nproc", "4", "--pp-size", "4"], "The model's 2 layers cannot fill 4 pipeline stages (pp_size x "),
+        (["--nproc", "2", "--pp-schedule", "interleaved", "--pp-stages-per-rank", "2"], "2 layers cannot fill 4 "),
+        (["--nproc", "3", "--multi-gpu", "tp"], "tp_size 3 does not divide the model's 4 attention heads; "),
+    ],
+)
+def test_stages_or_heads_the_model_cannot_take_are_refused_before_anything_starts(
+    args: list[str], sentence: str
+) -> None:
+    """The tiny Llama's config.json gives 2 layers and 4 heads: the CLI reads them, no worker loads the model."""
+    multi_gpu = [] if "--multi-gpu" in args else ["--multi-gpu", "pp"]
+    printed = refusal("finetune", "--model", "tiny", *multi_gpu, *args)
     assert printed.count(sentence) == 1 and printed.count("\n") == 1, printed
 
 

@@ -48,7 +48,7 @@ class LayoutSettings(Settings):
     cp_size: int | None = setting(
         None,
         "context parallel degree: each sequence split by position over this many processes, which read the same "
-        "batch (beside ddp, zero2, zero3, hsdp and pp; the sequence length a multiple of 2 x cp_size)",
+        "batch (beside ddp, zero1, zero2, zero3, hsdp and pp; the sequence length a multiple of 2 x cp_size)",
     )
     ep_size: int | None = setting(
         None,
@@ -114,7 +114,8 @@ class PipelineOptions(StrategyOptions):
     )
 
     def check(self) -> None:
-        check_schedule(self.pp_schedule, self.pp_stages_per_rank)
+        # Whether the schedule and its stages per rank fit is checked where a pipeline is built (check_schedule):
+        # under a strategy without pp, the sentence to give is that pp_schedule is pp's option, not how it fits.
         require(
             (
                 self.pp_microbatches is None or self.pp_microbatches >= 1,
@@ -145,6 +146,28 @@ def check_schedule(schedule: str, stages_per_rank: int) -> None:
             f"pp_stages_per_rank {stages_per_rank} does not fit pp_schedule {schedule}: interleaved takes 2 or more "
             "stages per rank, gpipe and 1f1b take 1; set them together."
         )
+
+
+def check_stages(layers: int, stages: int) -> None:
+    """Refuses more pipeline stages than layers: each stage runs one layer at least. The CLI asks this of the model's
+    config before any process starts; strategy pp of the model it builds."""
+    if layers < stages:
+        raise UsageError(
+            f"The model's {layers} layers cannot fill {stages} pipeline stages (pp_size x pp_stages_per_rank); "
+            f"choose a pp_size and pp_stages_per_rank whose product is at most {layers}."
+        )
+
+
+def check_tp_heads(config: object, degree: int) -> None:
+    """Refuses a tp degree that does not divide a Hugging Face config's attention heads (each process must get whole
+    heads). The CLI asks this of the model's config before any process starts; strategy tp of the model it builds."""
+    for heads in ("num_attention_heads", "num_key_value_heads"):
+        count = getattr(config, heads, None)
+        if isinstance(count, int) and count % degree:
+            raise UsageError(
+                f"tp_size {degree} does not divide the model's {count} {heads.replace('num_', '').replace('_', ' ')}; "
+                "choose a tp_size that divides it."
+            )
 
 
 @dataclass(frozen=True)
@@ -264,6 +287,11 @@ def resolve_layout(request: LayoutSettings, spread: Spread, world: int, nodes: i
             f"pp_size {pp} does not divide the {world} processes launched; choose a pp_size that divides {world}, or "
             f"launch a multiple of {pp}."
         )
+    if spread.fills == ("tp",) and tp not in (1, world):  # strategy tp: the layers split over every process
+        raise UsageError(
+            f"Strategy {name} splits each layer over every process, so tp_size {tp} needs {tp} processes, but {world} "
+            f"were launched; launch {tp}, or add data parallelism with strategy zero2, zero3 or hsdp and tp_size {tp}."
+        )
     if (world // pp) % tp:
         what = f"pp {pp} x tp {tp}" if pp > 1 else f"{name} x tp {tp}"
         raise UsageError(
@@ -294,11 +322,6 @@ def resolve_layout(request: LayoutSettings, spread: Spread, world: int, nodes: i
     taker = next((dim for dim in spread.fills if dim not in degrees), None)
     if taker is not None:
         degrees[taker] = rest
-    elif rest != 1 and spread.fills == ("tp",):
-        raise UsageError(
-            f"Strategy {name} splits each layer over every process, so tp_size {tp} needs {tp} processes, but {world} "
-            f"were launched; launch {tp}, or add data parallelism with strategy zero2, zero3 or hsdp and tp_size {tp}."
-        )
     elif rest != 1:
         raise UsageError(
             f"Strategy {name} runs in one process, but {world} were launched and would each train alone; launch one "

@@ -20,7 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from multigpu.core.env import DistEnv, check_backend, init_process_group
 from multigpu.core.errors import UsageError
 from multigpu.core.float8 import check_float8, convert_linears
-from multigpu.core.layout import resolve_layout
+from multigpu.core.layout import ParallelDims, resolve_layout
 from multigpu.core.loss import apply_liger
 from multigpu.core.loss import check_runnable as check_loss
 from multigpu.core.modules import (
@@ -116,14 +116,17 @@ def context_parallel(strategy: Strategy, config: EngineConfig) -> ContextParalle
     return ContextParallel(None, strategy.layout.cp, 0, config.cp_method)
 
 
-def check(config: EngineConfig, nproc: int) -> None:
-    """Refuses, before any process starts, what the Engine would refuse in each of `nproc` workers."""
+def check(config: EngineConfig, nproc: int) -> ParallelDims:
+    """Refuses, before any process starts, what the Engine would refuse in each of `nproc` workers; the layout they
+    will run, for the checks of the model against it."""
     env = DistEnv(world_size=nproc, local_world_size=nproc)
-    precision_plan(resolve(config.strategy, env, config, lambda _: None), config, env)
+    strategy = resolve(config.strategy, env, config, lambda _: None)
+    precision_plan(strategy, config, env)
     if config.backend is not None:
         check_backend(config.backend, env.device)
     if config.log_dir is not None:  # the main worker would refuse it after the launch, and the others wait meanwhile
         check_servers(parse_log_to(config.log_to, config.log_dir))
+    return strategy.layout
 
 
 def join(env: DistEnv, strategy: Strategy, config: EngineConfig) -> None:

@@ -21,6 +21,7 @@ from multigpu.core.layout import (
     PipelineOptions,
     ShardingOptions,
     TensorParallelOptions,
+    check_schedule,
     resolve_layout,
 )
 from multigpu.core.settings import ComputeSettings, TrainingSettings, derive, setting
@@ -135,6 +136,7 @@ class PlanConfig(_ENGINE_SETTINGS):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be 1 or more (got {getattr(self, name)}).")
         self.tp_size, self.pp_size, self.cp_size = self.tp_size or 1, self.pp_size or 1, self.cp_size or 1
+        check_schedule(self.pp_schedule, self.pp_stages_per_rank)
         if self.microbatches is None:
             self.microbatches = self.pp_size  # torchtitan's default: one micro-batch per stage
         if self.sequence_parallel and self.tp_size == 1:

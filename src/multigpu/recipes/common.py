@@ -19,6 +19,7 @@ from multigpu.core import atomic, run_lock
 from multigpu.core.config import config_to_argv
 from multigpu.core.config_file import RUN_CONFIG, save_run_config
 from multigpu.core.errors import UsageError, require
+from multigpu.core.layout import ParallelDims
 from multigpu.core.notes import LAST_CHECKPOINT, LAUNCHER_DIR, attempt, launched, launcher_note
 from multigpu.core.pretrained import give_usual_mode
 from multigpu.core.schedule import SampleSchedule
@@ -96,12 +97,12 @@ def recipe_settings(name: str, shown: tuple[str, ...], save_dir: str, **defaults
 
 
 # -- before any process starts ---------------------------------------------------------------------------------
-def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Callable[[Any], None]) -> int:
+def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Callable[[Any, ParallelDims], None]) -> int:
     """Runs a recipe in this process (under a launcher already, or 1 process), or launches --nproc of `module`.
 
-    `config` is a recipe's (TrainConfig, FinetuneConfig); `check(config)` refuses its bad input before anything
-    starts, as the GPUs named and the Engine's settings are refused here, so that a mistake is one line rather
-    than one per worker.
+    `config` is a recipe's (TrainConfig, FinetuneConfig); `check(config, layout)` refuses its bad input before
+    anything starts (`layout`: the degrees the workers would resolve), as the GPUs named and the Engine's settings
+    are refused here, so that a mistake is one line rather than one per worker.
     """
     if "RANK" in os.environ:  # already under torchrun / multigpu run / accelerate launch
         run(as_launched(config))
@@ -113,14 +114,14 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
     launch_config = LaunchConfig(nproc=nproc, gpu_ids=config.gpu_ids, max_restarts=restarts)
     if config.gpu_ids is not None:  # GPUs that are not there, before the strategies count them
         select_gpus(launch_config, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
-    start.check(EngineConfig(**engine_settings(config)), nproc)
+    layout = start.check(EngineConfig(**engine_settings(config)), nproc)
     with contextlib.ExitStack() as held:
         # One run per --save-dir, held by this process for the run's life (its workers inherit it). Taken before
         # `check` where the directory exists, since check reads its checkpoints (and moves damaged ones aside);
         # a new directory is made only once the run is known good.
         if os.access(config.save_dir, os.W_OK) and Path(config.save_dir).is_dir():
             held.enter_context(run_lock.holding(config.save_dir))
-        check(config)
+        check(config, layout)
         held.enter_context(run_lock.holding(config.save_dir))  # nothing more where held already
         if nproc == 1 and config.gpu_ids is None and restarts == 0:
             run(config)

@@ -56,6 +56,7 @@ def file_rows(reader: str, path: Path) -> Iterator[Record]:
     datasets = offline_datasets()
     if reader == "json":
         check_depth(path)
+        check_surrogates(path)
     try:
         options = _csv_options(path) if reader == "csv" else {}
         dataset = datasets.load_dataset(reader, data_files=[str(path)], split="train", streaming=True, **options)
@@ -93,6 +94,33 @@ def check_depth(path: Path) -> None:
     stat = path.stat()
     if stat.st_size:  # an empty file has nothing to map; the reader says it is empty
         _checked_depth(path, stat.st_size, stat.st_mtime_ns)
+
+
+#: A UTF-16 surrogate written as a JSON escape: a pair's half, or a lone one, which is no character.
+SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+@functools.cache
+def _checked_surrogates(path: Path, size: int, modified: int) -> None:
+    """Refuses a lone surrogate in a JSON file, naming the record: pyarrow refuses one in a line of .jsonl, but
+    datasets reads a .json list with Python's json, which keeps it, to fail in the tokenizer or train on it. Only a
+    file that holds such an escape is parsed (once per file and version in a process)."""
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if SURROGATE.search(data) is None:
+            return
+    try:
+        document = json.loads(path.read_text("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return  # not one JSON document (a .jsonl: its reader refuses a lone surrogate), or the reader says why
+    for number, record in enumerate(document if isinstance(document, list) else [document], 1):
+        if half := _lone_surrogate(record):
+            raise UsageError(f"--data {path} record {number} {half}")
+
+
+def check_surrogates(path: Path) -> None:
+    stat = path.stat()
+    if stat.st_size:  # an empty file has nothing to map; the reader says it is empty
+        _checked_surrogates(path, stat.st_size, stat.st_mtime_ns)
 
 
 def rows_of(batch: dict[str, list[Any]]) -> Iterator[Record]:

@@ -25,12 +25,13 @@ from multigpu.core.atomic import write_dir
 from multigpu.core.config import Parser, add_config_arguments, config_from_args
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import exit_on_usage_error, require
+from multigpu.core.layout import ParallelDims
 from multigpu.core.loss import TokenLoss, check_runnable, summed_cross_entropy
 from multigpu.core.pretrained import give_usual_mode
 from multigpu.core.schedule import SampleSchedule
 from multigpu.core.settings import setting
 from multigpu.engine.engine import Engine
-from multigpu.recipes import lm_data, lm_models, packing
+from multigpu.recipes import lm_data, lm_fit, lm_models, packing
 from multigpu.recipes.common import (
     RUN_RESULT,
     ProgressBar,
@@ -381,17 +382,16 @@ def save_step(engine: Engine, config: FinetuneConfig, state: dict[str, Any]) -> 
         record_run(config, "finetune", after_save=True)
 
 
-def check(config: FinetuneConfig) -> None:
-    """What `multigpu finetune` refuses before any process starts: a model or data it cannot find, a --resume or
-    --save-dir that cannot work, a resume with other data."""
+def check(config: FinetuneConfig, layout: ParallelDims) -> None:
+    """What `multigpu finetune` refuses before any process starts: a model or data it cannot find, or that does not
+    fit the flags under the workers' `layout` (lm_fit), a --resume or --save-dir that cannot work, other data."""
     lm_models.check(config.model)
+    lm_fit.check_fits(config, layout)
     lm_data.check(config)
     split = config.multi_gpu == "tp" or (config.tp_size or 1) > 1
     check_runnable(config.loss, config.liger, DistEnv().device, config.multi_gpu, split)
     if config.loss != "plain":
         lm_models.check_plain_head(config.model, config.loss)
-    if (config.cp_size or 1) > 1 and config.cp_method == "ulysses":
-        lm_models.check_context_heads(config.model, config.cp_size)
     if (config.ep_size or 1) > 1:
         check_experts(lm_models.model_dir(config.model), config.model, config.ep_size)
     check_same_data(config, resolve_resume(config), SAME_DATA)

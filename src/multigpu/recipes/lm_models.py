@@ -27,7 +27,6 @@ from multigpu.core.precision import Precision
 from multigpu.core.pretrained import SafetensorsCheckpoint, give_usual_mode
 from multigpu.core.settings import Settings, setting
 from multigpu.recipes.lm_experts import expert_targets
-from multigpu.strategies.context import check_heads
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing file must fail here, never turn into a download
 
@@ -128,13 +127,6 @@ def skeleton_of(directory: Path) -> Any:
 
 #: Settings of Hugging Face configs that change the logits after the output head (capping or scaling them).
 LOGIT_CHANGES = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-
-
-def check_context_heads(name: str, cp: int) -> None:
-    """Refuses, before any process starts, a Ulysses cp degree above the model's attention heads."""
-    from transformers import AutoConfig
-
-    check_heads(AutoConfig.from_pretrained(model_dir(name)).num_attention_heads, cp)
 
 
 def check_plain_head(name: str, loss: str) -> None:

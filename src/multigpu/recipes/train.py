@@ -20,6 +20,7 @@ from torch import nn
 from multigpu.core import atomic
 from multigpu.core.config import Parser, add_config_arguments, config_from_args
 from multigpu.core.errors import exit_on_usage_error, require
+from multigpu.core.layout import ParallelDims
 from multigpu.core.schedule import SampleSchedule
 from multigpu.core.settings import setting
 from multigpu.engine.engine import Engine
@@ -275,9 +276,9 @@ def print_summary(history: list[dict], save_dir: Path) -> None:
     )
 
 
-def check(config: TrainConfig) -> None:
+def check(config: TrainConfig, layout: ParallelDims) -> None:
     """What `multigpu train` refuses before any process starts: data it cannot read, a --resume or --save-dir
-    that cannot work, a resume with other data."""
+    that cannot work, a resume with other data (any `layout` trains its small models)."""
     activity_data.check(config.data)
     check_same_data(config, resolve_resume(config), SAME_DATA)
 

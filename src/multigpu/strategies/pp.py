@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
-from multigpu.core.layout import PIPELINE, PipelineOptions, TensorParallelOptions
+from multigpu.core.layout import PIPELINE, PipelineOptions, TensorParallelOptions, check_schedule
 from multigpu.core.modules import repoint
 from multigpu.core.precision import Precision, PrecisionPlan
 from multigpu.strategies.base import StepOutcome, Strategy, frozen_names
@@ -82,6 +82,7 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
     pipelined = True
 
     def check(self) -> None:
+        check_schedule(self.pp_schedule, self.pp_stages_per_rank)
         check_sequence_parallel(self)
         if self.data is not None and (self.data.cpu_offload or self.data.unsharded_grad_accum):
             raise UsageError(

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from multigpu.core.errors import UsageError
+from multigpu.core.layout import check_stages
 from multigpu.strategies.decoder import decoder_plan, language_model, packed_attention_kwargs
 from multigpu.strategies.tp import name_pattern
 
@@ -110,8 +111,7 @@ def stage_parts(model: nn.Module, stages: int) -> list[tuple[dict[str, nn.Module
     given = getattr(model, "pp_layers", None)
     if given or isinstance(model, nn.Sequential):
         children = listed_layers(model, given) if given else list(model.named_children())
-        if len(children) < stages:
-            raise UsageError(f"{len(children)} layers cannot fill {stages} pipeline stages; use fewer stages.")
+        check_stages(len(children), stages)
         parts = []
         for run in split_evenly(len(children), stages):
             chunk = children[run.start : run.stop]
@@ -145,8 +145,7 @@ def listed_layers(model: nn.Module, names: list[str]) -> list[tuple[str, nn.Modu
 def _decoder_parts(inner: nn.Module, prefix: str, stages: int, names: tuple[str, str, str]) -> list:
     embed, layer_list, norm = names
     decoder, layers = inner.model, list(getattr(inner.model, layer_list))
-    if len(layers) < stages:
-        raise UsageError(f"The model's {len(layers)} layers cannot fill {stages} pipeline stages; use fewer stages.")
+    check_stages(len(layers), stages)
     parts = []
     for index, run in enumerate(split_evenly(len(layers), stages)):
         first, last = index == 0, index == stages - 1

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
 
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError, require
-from multigpu.core.layout import TENSOR, TensorParallelOptions
+from multigpu.core.layout import TENSOR, TensorParallelOptions, check_tp_heads
 from multigpu.core.modules import repoint
 from multigpu.core.precision import Precision, PrecisionPlan
 from multigpu.strategies.base import Strategy, move_to_device
@@ -114,14 +114,7 @@ def lora_adapter_styles(name: str, module: nn.Module, style: str, sequence: str 
 def check_divisible(model: nn.Module, modules: dict[str, str], degree: int) -> None:
     """Refuses a split that does not come out even: the features each style splits, and a Hugging Face model's
     attention heads (each process must get whole heads)."""
-    config = getattr(model, "config", None)
-    for heads in ("num_attention_heads", "num_key_value_heads"):
-        count = getattr(config, heads, None)
-        if isinstance(count, int) and count % degree:
-            raise UsageError(
-                f"tp_size {degree} does not divide the model's {count} {heads.replace('num_', '').replace('_', ' ')}; "
-                "choose a tp_size that divides it."
-            )
+    check_tp_heads(getattr(model, "config", None), degree)
     for name, style in modules.items():
         module = model.get_submodule(name)
         if style in ("sequence_parallel", "replicated_with_grad_allreduce"):  # they split nothing
