@@ -120,7 +120,8 @@ def test_json_value_returns_what_it_checked() -> None:
             "finetune",
             "--data",
             "directory",
-            " holds text files; pass a directory of .json, .jsonl, .parquet, .csv or .arrow files",
+            " is no data set multigpu reads (datasets' guess for it is its 'text' builder); pass a directory written "
+            "by save_to_disk or holding .json, .jsonl, .parquet, .csv or .arrow files",
         ),
         (
             "finetune",

@@ -394,6 +394,13 @@ def test_bad_sources(tokenizer: Any, tmp_path: Path) -> None:
         load(tmp_path / "missing.txt", tokenizer)
     with pytest.raises(UsageError, match="--data shakespear does not exist"):
         lm_data.load(lm_data.DataSettings(data="shakespear"), tokenizer)
+    # Validation data is read by the same readers, and its messages name its own flag, checked or loaded.
+    for call in (lm_data.check, lambda settings: lm_data.load(settings, tokenizer)):
+        with pytest.raises(UsageError, match=r"^--eval-data shakespear does not exist"):
+            call(lm_data.DataSettings(data="shakespeare", eval_data="shakespear"))
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(UsageError, match=r"^--eval-data \S+empty\.jsonl is empty"):
+        lm_data.check(lm_data.DataSettings(data="shakespeare", eval_data=str(tmp_path / "empty.jsonl")))
     (tmp_path / "latin1.txt").write_bytes("tea\ncaf\xe9 au lait".encode("latin-1"))
     with pytest.raises(UsageError, match=r"latin1\.txt line 2 is not UTF-8 \(invalid continuation byte at byte 7\)"):
         load(tmp_path / "latin1.txt", tokenizer)

@@ -34,7 +34,7 @@ from multigpu.recipes.data_formats import (
     converter,
     resolve,
 )
-from multigpu.recipes.data_readers import Source
+from multigpu.recipes.data_readers import Source, flag
 
 __all__ = ["FORMATS", "Example", "Messages", "Records", "Source", "check", "fingerprint", "locate", "read"]
 
@@ -115,22 +115,22 @@ def locate(spec: str, split: str | None = None) -> Source:
         is_dir, is_file = path.is_dir(), path.is_file()
     except OSError as error:  # a name longer than the file system takes, a loop of links, ...
         shown = shown_path(spec)
-        raise UsageError(f"--data {shown} cannot be looked up ({error.strerror}); pass another path.") from None
+        raise UsageError(f"{flag()} {shown} cannot be looked up ({error.strerror}); pass another path.") from None
     if is_dir:
         return _directory(path, split)
     if not is_file:
-        raise UsageError(f"--data {spec} does not exist; pass a {KINDS} file, a glob or a data set's directory.")
+        raise UsageError(f"{flag()} {spec} does not exist; pass a {KINDS} file, a glob or a data set's directory.")
     return Source(spec, _pick(["train"], split, spec), _reader(path), (_nonempty(path),))
 
 
 def _globbed(spec: str, split: str | None) -> Source:
     files = sorted(Path(name) for name in glob.glob(spec, recursive=True) if Path(name).is_file())
     if not files:
-        raise UsageError(f"--data {spec} matches no file; check the pattern (quote it, so that the shell leaves it).")
+        raise UsageError(f"{flag()} {spec} matches no file; check the pattern (quote it, so that the shell leaves it).")
     kinds = sorted({path.suffix for path in files})
     if len(kinds) > 1:
         raise UsageError(
-            f"--data {spec} matches files of {len(kinds)} kinds ({', '.join(kinds)}); narrow the pattern to one kind."
+            f"{flag()} {spec} matches files of {len(kinds)} kinds ({', '.join(kinds)}); narrow the pattern to one kind."
         )
     reader = _reader(files[0])
     return Source(spec, _pick(["train"], split, spec), reader, tuple(_nonempty(path) for path in files))
@@ -148,11 +148,14 @@ def _directory(path: Path, split: str | None) -> Source:
         builder = data_readers.offline_datasets().load_dataset_builder(str(path))
     except (FileNotFoundError, ValueError) as error:
         raise UsageError(
-            f"--data {path} is a directory that datasets cannot read ({data_readers.first_line(error)}); pass one "
+            f"{flag()} {path} is a directory that datasets cannot read ({data_readers.first_line(error)}); pass one "
             f"written by save_to_disk or holding {KINDS} files."
         ) from None
     if builder.name not in READERS.values():
-        raise UsageError(f"--data {path} holds {builder.name} files; pass a directory of {KINDS} files.")
+        raise UsageError(
+            f"{flag()} {path} is no data set multigpu reads (datasets' guess for it is its {builder.name!r} builder); "
+            f"pass a directory written by save_to_disk or holding {KINDS} files."
+        )
     splits = builder.config.data_files or {}
     chosen = _pick(list(splits), split, str(path))
     return Source(str(path), chosen, builder.name, tuple(_nonempty(Path(name)) for name in splits[chosen]))
@@ -160,7 +163,7 @@ def _directory(path: Path, split: str | None) -> Source:
 
 def _saved(directory: Path, spec: str, split: str) -> Source:
     if not read_json_object(directory / "state.json").get("_data_files"):  # an empty Dataset saves no .arrow file
-        raise UsageError(f"--data {directory} has no records; pass data with records in it.")
+        raise UsageError(f"{flag()} {directory} has no records; pass data with records in it.")
     files = tuple(sorted(file for file in directory.rglob("*") if file.is_file()))
     return Source(spec, split, "saved", files, directory)
 
@@ -168,21 +171,21 @@ def _saved(directory: Path, spec: str, split: str) -> Source:
 def _pick(splits: list[str], split: str | None, spec: str) -> str:
     """--data-split, or "train", or the only split."""
     if split is not None and split not in splits:
-        raise UsageError(f"--data {spec} has no split {split} (it has {', '.join(splits)}); pass one of those.")
+        raise UsageError(f"{flag()} {spec} has no split {split} (it has {', '.join(splits)}); pass one of those.")
     if split is None and "train" not in splits and len(splits) != 1:
-        raise UsageError(f"--data {spec} has the splits {', '.join(splits)} and none is train; pass --data-split.")
+        raise UsageError(f"{flag()} {spec} has the splits {', '.join(splits)} and none is train; pass --data-split.")
     return split if split is not None else "train" if "train" in splits else splits[0]
 
 
 def _reader(path: Path) -> str:
     if path.suffix not in READERS:
-        raise UsageError(f"--data {path} is a {path.suffix or 'suffix-less'} file; pass a {KINDS} file.")
+        raise UsageError(f"{flag()} {path} is a {path.suffix or 'suffix-less'} file; pass a {KINDS} file.")
     return READERS[path.suffix]
 
 
 def _nonempty(path: Path) -> Path:
     if path.stat().st_size == 0:
-        raise UsageError(f"--data {path} is empty; pass a file with records in it.")
+        raise UsageError(f"{flag()} {path} is empty; pass a file with records in it.")
     return path
 
 
@@ -203,7 +206,7 @@ def _resolve(source: Source, data_format: str, column: str | None) -> Resolved:
     else:
         where, first = str(source.files[0]), next(iter(data_readers.file_rows(source.reader, source.files[0])), None)
     if first is None:
-        raise UsageError(f"--data {where} has no records; pass data with records in it.")
+        raise UsageError(f"{flag()} {where} has no records; pass data with records in it.")
     return resolve(first, data_format, column, where.rsplit(" record ", 1)[0])
 
 
@@ -227,7 +230,7 @@ def _examples(
             if count > skip:
                 yield _converted(source.reader, path, count, record, convert)
         if count == 0:
-            raise UsageError(f"--data {path} has no records; pass a file with records in it.")
+            raise UsageError(f"{flag()} {path} has no records; pass a file with records in it.")
         skip = max(0, skip - count)
 
 
@@ -245,8 +248,8 @@ def _check_same_format(source: Source, path: Path, found: Resolved, first: Resol
     if found != first:
         shown = [f"{name} in column {column}" if column else name for name, column in (found, first)]
         raise UsageError(
-            f"--data {path} holds {shown[0]} records, unlike {source.files[0]} ({shown[1]}); read files of one format "
-            "together."
+            f"{flag()} {path} holds {shown[0]} records, unlike {source.files[0]} ({shown[1]}); read files of one "
+            "format together."
         )
 
 

@@ -3,6 +3,8 @@ the file and, for JSON and CSV, the line at fault (found by reading the file aga
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import glob
 import json
@@ -18,6 +20,24 @@ from multigpu.recipes.data_formats import Convert, Record
 
 BATCH = 1000  # rows read at a time: enough to amortise datasets' per-batch cost, little memory
 READS_AS = {"json": "JSON", "parquet": "Parquet", "csv": "CSV", "arrow": "Arrow"}
+
+
+_FLAG = contextvars.ContextVar("data_flag", default="--data")
+
+
+def flag() -> str:
+    """The flag whose data is being read, for the messages about it: --data, or --eval-data inside `reading`."""
+    return _FLAG.get()
+
+
+@contextlib.contextmanager
+def reading(name: str) -> Iterator[None]:
+    """Within it, messages about the data name the flag `name` (--eval-data: the same readers serve both)."""
+    token = _FLAG.set(name)
+    try:
+        yield
+    finally:
+        _FLAG.reset(token)
 
 
 @dataclass(frozen=True)
@@ -84,7 +104,7 @@ def _checked_depth(path: Path, size: int, modified: int) -> None:
             end = size if end < 0 else end
             if end - start >= 10_000 and TOO_DEEP.search(data, start, end) is not None:
                 raise UsageError(
-                    f"--data {path} line {line} nests lists or objects more than 5,000 deep, deeper than the JSON "
+                    f"{flag()} {path} line {line} nests lists or objects more than 5,000 deep, deeper than the JSON "
                     "reader can follow; fix that line."
                 )
             start, line = end + 1, line + 1
@@ -114,7 +134,7 @@ def _checked_surrogates(path: Path, size: int, modified: int) -> None:
         return  # not one JSON document (a .jsonl: its reader refuses a lone surrogate), or the reader says why
     for number, record in enumerate(document if isinstance(document, list) else [document], 1):
         if half := _lone_surrogate(record):
-            raise UsageError(f"--data {path} record {number} {half}")
+            raise UsageError(f"{flag()} {path} record {number} {half}")
 
 
 def check_surrogates(path: Path) -> None:
@@ -144,11 +164,11 @@ def saved_rows(source: Source, skip: int) -> Iterator[tuple[str, Record]]:
         dataset = datasets.load_from_disk(str(source.directory))
     except Exception as error:
         raise UsageError(
-            f"--data {source.directory} cannot be read by datasets.load_from_disk ({first_line(error)}); write it "
+            f"{flag()} {source.directory} cannot be read by datasets.load_from_disk ({first_line(error)}); write it "
             "again with save_to_disk."
         ) from None
     if len(dataset) == 0:
-        raise UsageError(f"--data {source.directory} has no records; pass data with records in it.")
+        raise UsageError(f"{flag()} {source.directory} has no records; pass data with records in it.")
     if skip >= len(dataset):
         return
     rest = dataset.select(range(skip, len(dataset))) if skip else dataset  # a contiguous range: a slice, no copy
@@ -191,9 +211,9 @@ def unreadable(reader: str, path: Path, error: BaseException) -> UsageError:
     """A reader's failure as one sentence: the line at fault where one is found, else the reader's own words."""
     problem = _line_at_fault(path, reader)
     if problem:
-        return UsageError(f"--data {path} {problem}")
+        return UsageError(f"{flag()} {path} {problem}")
     return UsageError(
-        f"--data {path} cannot be read as {READS_AS.get(reader, reader)} ({first_line(error)}); fix the file or "
+        f"{flag()} {path} cannot be read as {READS_AS.get(reader, reader)} ({first_line(error)}); fix the file or "
         "convert it."
     )
 

@@ -30,7 +30,7 @@ from torch.utils.data import Dataset
 from multigpu.core.config import check_path
 from multigpu.core.errors import UsageError, require
 from multigpu.core.settings import Settings, setting
-from multigpu.recipes import data_files, lm_tokens, packing
+from multigpu.recipes import data_files, data_readers, lm_tokens, packing
 
 IGNORE = -100  # cross_entropy's default ignore_index
 Messages = list[dict[str, str]]
@@ -136,7 +136,8 @@ def load(settings: DataSettings, tokenizer: Any) -> LMData:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     held = None
     if settings.eval_data is not None:
-        validation, _, _ = tokenised(settings, tokenizer, settings.eval_data)
+        with data_readers.reading("--eval-data"):
+            validation, _, _ = tokenised(settings, tokenizer, settings.eval_data)
         held = Samples(validation["tokens"], validation["offsets"], validation["mask"])
     if settings.data_streaming:
         records = examples(settings.data, settings, streaming=True)
@@ -225,25 +226,26 @@ def examples(spec: str, settings: DataSettings, streaming: bool = False, skip: i
         path = _source_file(spec)
         text = _text(path)
         if not text.strip():
-            raise UsageError(f"--data {path} is empty; pass a file with text in it.")
+            raise UsageError(f"{data_readers.flag()} {path} is empty; pass a file with text in it.")
         return data_files.Records("text", "text", str(path), [(str(path), text)])
     split, data_format, column = settings.data_split, settings.data_format, settings.data_column
     return data_files.read(spec, split, data_format, column, streaming=streaming, skip=skip)
 
 
 def _source_file(spec: str) -> Path:
-    return check_path(spec, "file", "--data", "a .txt file", "check the path (or pass shakespeare)")
+    return check_path(spec, "file", data_readers.flag(), "a .txt file", "check the path (or pass shakespeare)")
 
 
 def check(settings: DataSettings) -> None:
     """The cheap part of `load`: that the data is there and readable as asked (before any process starts)."""
-    for spec in (settings.data, settings.eval_data):
-        if spec == "shakespeare":
-            shakespeare_root()
-        elif spec is not None and spec.endswith(".txt"):
-            _source_file(spec)
-        elif spec is not None:
-            data_files.check(spec, settings.data_split, settings.data_format, settings.data_column)
+    for flag, spec in (("--data", settings.data), ("--eval-data", settings.eval_data)):
+        with data_readers.reading(flag):
+            if spec == "shakespeare":
+                shakespeare_root()
+            elif spec is not None and spec.endswith(".txt"):
+                _source_file(spec)
+            elif spec is not None:
+                data_files.check(spec, settings.data_split, settings.data_format, settings.data_column)
 
 
 def shakespeare_plays() -> dict[str, str]:
