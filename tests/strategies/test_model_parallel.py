@@ -345,7 +345,10 @@ def test_a_sequence_or_heads_that_cp_cannot_split_are_refused_before_anything_st
     [
         (["--nproc", "4", "--pp-size", "4"], "The model's 2 layers cannot fill 4 pipeline stages (pp_size x "),
         (["--nproc", "2", "--pp-schedule", "interleaved", "--pp-stages-per-rank", "2"], "2 layers cannot fill 4 "),
-        (["--nproc", "3", "--multi-gpu", "tp"], "tp_size 3 does not divide the model's 4 attention heads; "),
+        (
+            ["--nproc", "3", "--multi-gpu", "tp"],
+            "of 3 (tp_size, or the processes of strategy tp) does not divide the model's 4 attention heads; ",
+        ),
     ],
 )
 def test_stages_or_heads_the_model_cannot_take_are_refused_before_anything_starts(

@@ -165,8 +165,8 @@ def check_tp_heads(config: object, degree: int) -> None:
         count = getattr(config, heads, None)
         if isinstance(count, int) and count % degree:
             raise UsageError(
-                f"tp_size {degree} does not divide the model's {count} {heads.replace('num_', '').replace('_', ' ')}; "
-                "choose a tp_size that divides it."
+                f"A tensor-parallel degree of {degree} (tp_size, or the processes of strategy tp) does not divide the "
+                f"model's {count} {heads.replace('num_', '').replace('_', ' ')}; choose a degree that divides it."
             )
 
 
