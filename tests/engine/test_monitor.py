@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 import torch
 
-from multigpu.engine.monitor import StepMonitor, attention_flop_formulas, imbalance, peak_tflops
+from multigpu.engine.monitor import StepMonitor, attention_flop_formulas, flop_counter, imbalance, peak_tflops
 
 
 def test_peak_tflops_by_device_name_and_precision() -> None:
@@ -111,3 +111,26 @@ def test_grouped_query_attention_is_counted_as_its_query_heads_attending(monkeyp
     # The scores again, then four products for the gradients.
     backward = (out, q, k, v, None, out, lse, seed, empty, 0.0, [True, True, True, False])
     assert flops(aten._scaled_dot_product_efficient_attention_backward, *backward) == 5 * product
+
+
+def test_the_flop_count_leaves_every_op_as_it_runs_uncounted() -> None:
+    """A Llama MLP's forward and backward: bitwise the same gradients under the counter as without it (torch's own
+    counter runs silu_backward through its composite form, which rounds differently), and the same count."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    generator = torch.Generator().manual_seed(0)
+    x, gate, down = (torch.randn(*shape, generator=generator) for shape in ((64, 32), (32, 128), (128, 32)))
+
+    def gradient() -> torch.Tensor:
+        weight = gate.clone().requires_grad_()
+        (torch.nn.functional.silu(x @ weight) @ down).square().sum().backward()
+        return weight.grad
+
+    plain = gradient()
+    with flop_counter() as counter:
+        counted = gradient()
+    with FlopCounterMode(display=False) as torchs:
+        gradient()
+    assert torch.equal(counted, plain)
+    # Two products forward, one each backward (for the weight's gradient and for the activations').
+    assert counter.get_total_flops() == torchs.get_total_flops() == 4 * 2 * 64 * 32 * 128

@@ -1,11 +1,14 @@
-"""multigpu finetune on a tiny random Llama: LoRA and QLoRA under ddp and zero3, adapters that reload, and the
-token-normalised loss that makes 1 x 8, 2 x 4 and 2 x 2 x 2 the same step."""
+"""multigpu finetune on a tiny random Llama: LoRA and QLoRA under ddp and zero3, adapters that reload, the
+token-normalised loss that makes 1 x 8, 2 x 4 and 2 x 2 x 2 the same step, and a run crashed at step 3 and resumed
+that ends bit for bit where the uninterrupted run does, under every strategy."""
 
 import functools
 import json
+import os
 import stat
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -369,3 +372,63 @@ def test_a_full_disk_while_the_adapter_or_its_export_is_written_is_one_sentence_
     assert multigpu("export", checkpoint, str(out), timeout=120).returncode == 0
     written = load_file(run / "adapter" / "adapter_model.safetensors")
     assert load_file(out / "adapter_model.safetensors").keys() == written.keys()
+
+
+# Crashed at optimizer step 3 (the checkpoint of step 2 the newest) of 6, inside a warm-up of 10, and resumed: each
+# cell's final weights must be the uninterrupted run's, bit for bit. Logged every step, as the MFU's FLOP count on a
+# process's second step once changed that step's arithmetic (a resume at step 2 counted step 4 where the
+# uninterrupted run counted step 2). Cell -> (processes, settings); the global batch is 4 rows.
+RESUMED: dict[str, tuple[int, dict]] = {
+    "single": (1, {"multi_gpu": "single"}),
+    # 9 training records in batches of 3: the crash at step 4 resumes at step 3, the end of the first epoch.
+    "single-epoch-boundary": (
+        1,
+        {"multi_gpu": "single", "batch_size": 3, "epochs": 3, "crash_at": 4, "chat": True, "seq_len": 64},
+    ),
+    "ddp": (2, {"multi_gpu": "ddp", "batch_size": 2}),
+    "ddp-accumulate-2": (2, {"multi_gpu": "ddp", "batch_size": 1, "grad_accum_steps": 2}),
+    "zero3": (2, {"multi_gpu": "zero3", "batch_size": 2}),
+    "tp": (2, {"multi_gpu": "tp"}),
+    "pp": (2, {"multi_gpu": "pp"}),
+    "cp": (2, {"multi_gpu": "ddp", "cp_size": 2}),
+    "ep": (2, {"multi_gpu": "ddp", "batch_size": 2, "ep_size": 2, "model": "tiny-moe"}),
+}
+
+
+def crash_and_resume(workdir: str, name: str) -> None:
+    """RESUMED[name] run uninterrupted in workdir/name/whole, then crashed (every rank at once, through the fault
+    hook, so that the launch lives on for the next cell) and resumed in workdir/name/resumed."""
+    from multigpu.recipes.finetune import FinetuneConfig, finetune
+
+    options = {"batch_size": 4, "model": "tiny", **RESUMED[name][1]}
+    crash_at, chat = options.pop("crash_at", 3), options.pop("chat", False)
+    data = write_chat(Path(workdir) / f"{name}.jsonl") if chat else write_text(Path(workdir) / f"{name}.txt")
+    common = {"method": "full", "max_steps": 6, "warmup_steps": 10, "save_every": 1, "log_every": 1, "lr": 3e-3}
+    config = {**common, "seq_len": 32, "data": data, "resume": "auto", **options}
+    finetune(FinetuneConfig(save_dir=f"{workdir}/{name}/whole", **config))
+    fault = {"MULTIGPU_FAULT": f"crash,step={crash_at},rank={os.environ['RANK']}"}
+    with mock.patch.dict(os.environ, fault), pytest.raises(RuntimeError, match="injected crash"):
+        finetune(FinetuneConfig(save_dir=f"{workdir}/{name}/resumed", **config))
+    finetune(FinetuneConfig(save_dir=f"{workdir}/{name}/resumed", **config))
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every cell of RESUMED, in one launch per number of processes."""
+    workdir = tmp_path_factory.mktemp("resumed")
+    for processes in (1, 2):
+        calls = [{"workdir": str(workdir), "name": name} for name, (n, _) in RESUMED.items() if n == processes]
+        run_each_in_processes("tests.recipes.test_finetune:crash_and_resume", processes, calls, timeout=600)
+    return workdir
+
+
+@pytest.mark.parametrize("name", RESUMED)
+def test_a_run_crashed_at_step_3_resumes_bit_for_bit(resumed: Path, name: str) -> None:
+    whole, again = (load_file(resumed / name / run / "model" / "model.safetensors") for run in ("whole", "resumed"))
+    assert whole.keys() == again.keys()
+    assert [key for key, tensor in whole.items() if not torch.equal(tensor, again[key])] == []
+    first, second = (
+        json.loads((resumed / name / run / "metrics.jsonl").read_text().splitlines()[-1])
+        for run in ("whole", "resumed")
+    )
+    assert second["val_loss"] == first["val_loss"]

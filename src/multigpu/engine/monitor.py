@@ -236,6 +236,32 @@ def attention_flop_formulas() -> dict[Any, Any]:
     return formulas
 
 
+class _NoDecomposition(dict):
+    """A FlopCounterMode's formulas, keyed by op packet, that also claim every op overload so the counter
+    decomposes none (see flop_counter). Counting looks formulas up by packet, so it still finds only real ones."""
+
+    def __contains__(self, op: object) -> bool:
+        import torch
+
+        return not isinstance(op, torch._ops.OpOverloadPacket) or super().__contains__(op)
+
+
+def flop_counter() -> Any:
+    """A FlopCounterMode (with attention_flop_formulas) under which every op runs the kernel it runs without one.
+
+    torch's counter runs an op it has no formula for through the op's composite form where it has one, and
+    silu_backward's (every Llama MLP's backward) rounds differently from its kernel: the counted step, the second
+    one each process runs, left weights that differ in the last bits from the same step uncounted. A run resumed
+    at step k counted step k + 2 where the uninterrupted run counted step 2, so the resume was not bit for bit (nor
+    a run with log_every 0 like one with it). The composite forms hold no matrix products, so the count is the same.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False, custom_mapping=attention_flop_formulas())
+    counter.flop_registry = _NoDecomposition(counter.flop_registry)
+    return counter
+
+
 class Monitor(StepObserver):
     """The Engine's own metrics, attached to every Engine: a StepMonitor report every `log_every` steps, the FLOPs
     of one step for MFU (counted on the second step this process runs, whose time is then left out), and the
@@ -281,9 +307,7 @@ class Monitor(StepObserver):
 
     def watch(self, op: str) -> contextlib.AbstractContextManager[None]:
         if op == "forward" and self._counting and self._counter is None:
-            from torch.utils.flop_counter import FlopCounterMode
-
-            self._counter = FlopCounterMode(display=False, custom_mapping=attention_flop_formulas())
+            self._counter = flop_counter()
             self._counter.__enter__()  # left at the end of the backward that follows
         return contextlib.nullcontext()
 
