@@ -232,6 +232,8 @@ def test_ranks_blocked_at_different_calls_or_beside_a_finished_one_diverged_and_
     assert diverged({0: busy, 1: training}) is None
     assert diverged({0: busy, 1: training}, after_error=True) is not None  # a collective already failed
     assert diverged({0: training, 1: training}) is None  # the same call: a network fault, or a slow save
+    crashed = post("backward", training.history)._replace(failed=True)  # its own error: the launcher says it
+    assert diverged({0: evaluating, 1: crashed}, after_error=True) is None
     # Rank 0 still inside the save rank 1 finished (syncing to a slow disk stands as still as a wait): behind, not
     # apart; the same one call ahead, past a rank that finished before making it, is a divergence.
     saving = post("save", (*TRAIN, ("save", "train.py:40")))

@@ -103,6 +103,8 @@ def test_a_nanogpt_shaped_script_trains_under_zero3_and_resumes_exactly_at_anoth
     assert whole.returncode == 0, whole.stdout
     crashed = multigpu(*script, "--out-dir", str(tmp_path / "crashed"), env={"MULTIGPU_FAULT": "crash,step=4,rank=1"})
     assert crashed.returncode != 0 and 3 in val_losses(crashed.stdout), crashed.stdout
+    # A crash is said as one: the survivor whose collective it broke does not call it ranks gone different ways.
+    assert "injected crash at step 4" in crashed.stdout and "went different ways" not in crashed.stdout
     resumed = multigpu(
         "run", "-n", "1", str(NANOGPT), "--strategy", "ddp", "--max-iters", "6", "--eval-interval", "3",
         "--out-dir", str(tmp_path / "crashed"), "--init-from", "resume", timeout=180,

@@ -109,8 +109,8 @@ def diverged(posts: Mapping[int, Any], after_error: bool = False) -> str | None:
     """The sentence that says the ranks parted ways, or None: every rank posted, is blocked inside a call for
     BLOCKED_S or has finished (`after_error`: a collective already failed, so no waiting is needed), and they are
     not all at the same place (their call, its line, step and micro-step)."""
-    if not posts or any(where is None for where in posts.values()):
-        return None
+    if not posts or any(where is None or where.failed for where in posts.values()):
+        return None  # a rank that never posted: nothing to compare; one that crashed: the launcher reports it
     if all(where.finished for where in posts.values()):
         return None
     waiting = (where.finished or (where.op is not None and where.blocked_s >= BLOCKED_S) for where in posts.values())

@@ -28,7 +28,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch.distributed as dist
 
@@ -36,6 +36,7 @@ from multigpu.core.errors import Explained
 from multigpu.core.notes import DIVERGED, ScriptEnd, attempt, launched, note_for_launcher
 from multigpu.engine import divergence, stuck_stack
 from multigpu.engine.observe import StepObserver, StepStats
+from multigpu.engine.posts import Where, describe, where_of
 
 BEAT_S = 0.5  # how often each rank posts where it is: the most a post can lag behind
 ACK_S = 1.0  # how long a waiting rank lets the ranks it names print their stacks before it raises
@@ -47,66 +48,9 @@ class CollectiveTimeout(Explained):
     """A collective waited past the process-group timeout; the message names the ranks that never came."""
 
 
-class Where(NamedTuple):
-    """Where a rank was when it last posted."""
-
-    step: int  # optimizer steps finished
-    micro_step: int  # micro-steps begun (backward calls)
-    op: str | None  # the collective it is inside; None outside any
-    for_s: float  # how long it had been there (its own clock: machines' clocks differ)
-    calls: int = 0  # Engine calls and model forwards begun (not those inside another)
-    history: tuple = ()  # the last of them: (op, the user's file:line that made it)
-    blocked_s: float = 0.0  # how long its main thread has waited inside the current call (divergence.MainClock)
-    finished: bool = False  # its script has ended
-    process: str = ""  # host:pid (stuck_stack.continue_stopped)
-
-    def __str__(self) -> str:
-        return f"optimizer step {self.step} (micro-step {self.micro_step})"
-
-
 def _is_timeout(error: BaseException) -> bool:
     text = str(error).lower()
     return "timed out" in text or "timeout" in text
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-
-
-def _whereabouts(rank: int, where: Where | None) -> str:
-    if where is None:
-        return f"rank {rank} never posted where it is (it died, or stopped before its first backward)"
-    if where.op is None:
-        return (
-            f"rank {rank} stopped reaching collectives after {where} and has been outside any collective for "
-            f"{where.for_s:.1f}s"
-        )
-    return f"rank {rank} is inside a different collective, {where.op}, after {where}"
-
-
-def describe(
-    me: int, timeout_s: float, posts: dict[int, Where | None], stacks: str | None = None
-) -> tuple[str, list[int]]:
-    """What rank `me`, timed out in a collective, tells the user from every rank's post; and the ranks it names.
-    `stacks`: where the ranks named have shown their stacks (stuck_stack.where_written)."""
-    mine = posts[me]
-    waiting = [rank for rank, where in posts.items() if where is not None and where[:3] == mine[:3]]
-    absent = [rank for rank in posts if rank not in waiting]
-    if not absent:
-        return (
-            f"A collective in {mine.op} on rank {me} (micro-step {mine.micro_step}) timed out after {timeout_s:g}s "
-            "although every rank is inside it at the same micro-step: the ranks issued different collectives in it "
-            "(a rank-only branch, parameters that some ranks did not use?) or the network failed.",
-            [],
-        )
-    whereabouts = "; ".join(_whereabouts(rank, posts[rank]) for rank in absent)
-    who = "that rank does" if len(absent) == 1 else "those ranks do"
-    return (
-        f"{whereabouts[0].upper()}{whereabouts[1:]}, while {_ranks(waiting)} waited in {mine.op} (micro-step "
-        f"{mine.micro_step}) past the {timeout_s:g}s timeout: look at what {who} from there (a hang, a deadlock, "
-        f"a much slower data path{f'; {stacks}' if stacks else ''}). The launcher stops every process.",
-        absent,
-    )
 
 
 class Progress:
@@ -120,6 +64,7 @@ class Progress:
         self._clock = divergence.MainClock()
         self._blocked_s = 0.0
         self._finished = False
+        self._failed = False  # the script raised an error of its own
         self._ending = False  # this process has seen the ranks go different ways: it ends, and says nothing more
         self._suspect: tuple[str, float] | None = None  # a divergence seen, and when first: confirmed a beat later
         self._store = store
@@ -203,7 +148,7 @@ class Progress:
         calls, history = self._calls
         blocked = round(self._blocked_s, 2)
         at = (step, micro_step, op, round(time.monotonic() - since, 2), calls, history, blocked, self._finished)
-        return Where(*at, stuck_stack.this_process())
+        return Where(*at, stuck_stack.this_process(), self._failed)
 
     def _post(self) -> None:
         self._blocked_s = self._clock.blocked_s(self._calls[0] if self._at[2] is not None else None)
@@ -215,7 +160,7 @@ class Progress:
             values = self._store.multi_get(keys)  # one round trip, however many ranks
         else:
             values = [self._store.get(key) if self._store.check([key]) else None for key in keys]
-        return {rank: None if value is None else _where_of(value) for rank, value in enumerate(values)}
+        return {rank: None if value is None else where_of(value) for rank, value in enumerate(values)}
 
     def explain(self, op: str) -> str:
         """Names the ranks that are not in the collective `op` this rank timed out in, and where they stopped."""
@@ -315,9 +260,13 @@ class Progress:
         if self._ending:  # the peers this process let go first broke the collective: its heartbeat ends it
             time.sleep(5 * ACK_S)
             _end_process()
-        if not self._following or not self._watch or self._store is None or not divergence.from_a_collective(error):
+        if not self._following or not self._watch or self._store is None:
             return
         with contextlib.suppress(RuntimeError, ValueError):
+            if not divergence.from_a_collective(error):  # its own error: posted at once, so the peers whose
+                self._failed = True  # collectives it breaks by dying report a crash, not ranks gone different ways
+                self._post()
+                return
             self._end_if_diverged()
             self._check_divergence(after_error=True)
 
@@ -354,13 +303,6 @@ class Progress:
         )  # fmt: skip
         self._store.set(self._key(f"ack/{self.rank}"), "1")
         return True
-
-
-def _where_of(value: bytes) -> Where:
-    fields = json.loads(value)
-    if len(fields) > 5:
-        fields[5] = tuple(tuple(call) for call in fields[5])  # JSON gives lists back
-    return Where(*fields)
 
 
 # One heartbeat thread per process, posting for the newest Progress (an Engine made later replaces the first).
