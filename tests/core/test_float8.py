@@ -29,10 +29,14 @@ CONVERTED = ["blocks.0.down", "blocks.0.up", "blocks.1.down", "blocks.1.up"]
 #   after 6 steps. 1e-2 bounds that; float8 not applied at all is caught by FP32_NOISE below.
 FLOAT8_VS_PLAIN = 1e-2
 # - Where the arithmetic is the same up to the order of fp32 sums: rowwise scales (one per row: a row's scale does
-#   not depend on the other rows of the batch, so splitting the batch over processes changes none; measured 1.5e-7),
-#   tp (a split weight's scale comes from its whole tensor's amax, all-reduced, and every tp process sees the whole
-#   batch; measured 8e-8).
+#   not depend on the other rows of the batch, so splitting the batch over processes changes none; measured 1.5e-7).
 SAME_SCALES = 1e-5
+# - tp: a split weight's scale comes from its whole tensor's amax, all-reduced, and every tp process sees the whole
+#   batch, but the rowwise-split layer's partial sums are added in another order: where a value then lies a unit in
+#   the last place from an e4m3 rounding boundary, that element rounds the other way (2^-4 of it). Measured 8e-8
+#   (tensorwise: no such element in these batches) and 4.2e-4 (rowwise: one step's flip, carried by AdamW); 1e-3
+#   bounds it, below the 1.6e-3 that scales taken from each process's own slice cost (the split rows above).
+TP_SUMS = 1e-3
 # - tensorwise with the batch split over processes (ddp, zero, hsdp, pp's micro-batches): each process scales its
 #   own slice of the activations by that slice's amax, so other elements round the other way. Measured 1.6e-3 (ddp,
 #   zero2, zero3), 1.3e-3 (hsdp), 1.1e-3 (zero3 x tp), 9e-4 (pp), 2.4e-3 (zero3 bf16-mixed); 5e-3 is twice the
@@ -255,7 +259,8 @@ def test_every_strategy_trains_what_one_process_trains(outcomes: dict, one_proce
     # A pipeline rank holds its stage's layers only: 2 of the 4 on each of 2 stages.
     assert found["float8"] == (CONVERTED[:2] if "pp" in name else CONVERTED)
     split = settings["float8"] == "tensorwise" and not name.startswith("tp")
-    assert deviation(found["losses"], expected["losses"]) < (SPLIT_SCALES if split else SAME_SCALES)
+    bound = SPLIT_SCALES if split else TP_SUMS if name.startswith("tp") else SAME_SCALES
+    assert deviation(found["losses"], expected["losses"]) < bound
     # zero2, zero3 and hsdp all-gather each tensorwise weight they shard in float8, its scale from the post-step hook.
     gathers = settings["strategy"] in ("zero2", "zero3", "hsdp") and settings["float8"] == "tensorwise"
     assert found["gathered_in_float8"] == found["scaled_after_step"] == (len(found["float8"]) if gathers else 0)

@@ -314,16 +314,20 @@ def test_ranks_that_go_different_ways_are_named_in_seconds_in_one_sentence(strat
     seconds = time.monotonic() - started
     print(f"{strategy}: the run ended {seconds:.1f}s after it started")  # the figure reported (-s)
     output = result.stdout
-    assert result.returncode == 2, output
     assert seconds < 60, output  # a hang guard: the collective timeout is 1800 s
-    assert output.count("multigpu: error: The ranks went different ways") == 1, output
     assert "Traceback" not in output and "[rank" not in output, output
     if strategy == "zero3":
+        # gloo aborts the rank whose all-gather got data of another size (its two C++ lines are all it prints); the
+        # survivor's diagnosis and the launcher's report of that abort race: one of the two sentences ends the run.
+        assert len(output.strip().splitlines()) <= 3, output
+        if result.returncode == 134:
+            assert output.count("by a library's own check") == 1 and "collective mismatch" in output, output
+            return
         evaluation = f"train.py:{line_of(EVALUATE_ON_RANK_0, '# evaluation forward')}"
         assert f"rank 0 made a model forward without gradients (evaluation?) at {evaluation}" in output, output
-        # gloo itself may abort the rank whose all-gather got the wrong size: its two C++ lines are all it prints
-        assert len(output.strip().splitlines()) <= 3, output
-    else:
+    assert result.returncode == 2, output
+    assert output.count("multigpu: error: The ranks went different ways") == 1, output
+    if strategy == "ddp":
         save = f"train.py:{line_of(EVALUATE_ON_RANK_0, '# save alone')}"
         assert f"rank 1 waits in engine.save at {save}" in output, output
         backward = f"train.py:{line_of(EVALUATE_ON_RANK_0, 'engine.backward(loss)')}"

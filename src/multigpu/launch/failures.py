@@ -109,10 +109,17 @@ def report_failure(error: ChildFailedError, exits: Path, held: Sequence[logging.
     rank, code, how = first_failure(error, exits)
     failure, checkpoint = error.failures[rank], checkpoint_note(exits)
     if how.startswith("was killed") and ScriptEnd.read(exits, rank) is None:
-        # Killed from outside: every other worker only lost it, and their errors (gloo's) are not printed.
+        # Killed from outside, or aborted by a library's own check (gloo's, on a collective whose data has another
+        # size than its peer's): every other worker only lost it, and their errors (gloo's) are not printed.
+        why = (
+            "by a library's own check (its lines above say which; gloo's 'collective mismatch' means the ranks made "
+            "different collectives: evaluate and save on every rank)"
+            if "SIGABRT" in how
+            else "from outside its script (the out-of-memory killer? dmesg says)"
+        )
         print(
-            f"multigpu run: worker rank {rank} (pid {failure.pid}) {how} from outside its script (the out-of-memory "
-            f"killer? dmesg says), so every worker was stopped{f'; {checkpoint}' if checkpoint else ''}.",
+            f"multigpu run: worker rank {rank} (pid {failure.pid}) {how} {why}, so every worker was stopped"
+            f"{f'; {checkpoint}' if checkpoint else ''}.",
             file=sys.stderr,
         )
         return code

@@ -10,7 +10,7 @@ import torch
 from multigpu.core.atomic import write_dir
 from multigpu.core.config_file import RUN_CONFIG
 from multigpu.core.errors import UsageError
-from multigpu.engine.checkpoint import full_model_state, model_metadata
+from multigpu.engine import checkpoint as checkpoints
 from multigpu.recipes import lm_models
 from multigpu.recipes.common import EXPORT_RESULT, check_new_output, run_record
 from multigpu.recipes.finetune import FinetuneConfig, save_pretrained
@@ -18,7 +18,7 @@ from multigpu.recipes.finetune import FinetuneConfig, save_pretrained
 
 def holds_adapter(checkpoint: Path, key: str = "model") -> bool:
     """Whether a checkpoint's model is a peft LoRA model: a lora or qlora finetune's."""
-    return any(".lora_A." in name for name in model_metadata(checkpoint, key))
+    return any(".lora_A." in name for name in checkpoints.model_metadata(checkpoint, key))
 
 
 def export_adapter(checkpoint: Path, out: Path, key: str = "model") -> None:
@@ -37,7 +37,7 @@ def export_adapter(checkpoint: Path, out: Path, key: str = "model") -> None:
         model = lm_models.load_model(
             run.model, "lora", run.lora_r, run.lora_alpha, lora_experts=run.lora_experts, skeleton=True
         )
-    stored = model_metadata(checkpoint, key)
+    stored = checkpoints.model_metadata(checkpoint, key)
     for name, parameter in model.named_parameters():
         if parameter.requires_grad and (name not in stored or list(stored[name].size) != list(parameter.shape)):
             found = f"is {list(stored[name].size)}" if name in stored else "is missing"
@@ -45,7 +45,7 @@ def export_adapter(checkpoint: Path, out: Path, key: str = "model") -> None:
                 f"{name} {found} in {checkpoint} but {list(parameter.shape)} in a --lora-r {run.lora_r} adapter "
                 f"of --model {run.model}, as its run's config.yaml gives them; export a checkpoint of that run."
             )
-    state = full_model_state(checkpoint, key, [n for n, p in model.named_parameters() if p.requires_grad])
+    state = checkpoints.full_model_state(checkpoint, key, [n for n, p in model.named_parameters() if p.requires_grad])
     tokenizer = lm_models.load_tokenizer(run.model)
     write_dir(out, functools.partial(save_pretrained, model, tokenizer, state=state), EXPORT_RESULT)
     print(
