@@ -335,7 +335,7 @@ def test_check_refuses_what_cannot_be_read(tmp_path: Path) -> None:
     for spec, words in (
         (tmp_path / "absent.jsonl", ["does not exist"]),
         (tmp_path / "notes.txt", ["a .txt file", ".json, .jsonl, .parquet, .csv or .arrow"]),
-        (tmp_path, ["holds text files", "pass a directory of .json, .jsonl"]),
+        (tmp_path, ["is no data set multigpu reads", "'text' builder", "holding .json, .jsonl"]),
         (tmp_path / "nothing", ["datasets cannot read", "save_to_disk"]),
     ):
         with pytest.raises(UsageError) as error:

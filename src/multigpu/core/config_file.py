@@ -337,7 +337,8 @@ def render(parser: argparse.ArgumentParser, fmt: str, values: dict[str, Any], pa
         text = help_text(action, parser.prog)
         if value != action.default:
             text = with_default(text, action.default)
-        lines += textwrap.wrap(text, 116, initial_indent="# ", subsequent_indent="# ")
+        # Not at hyphens: the help is read back by joining its lines with spaces ("multi- process" otherwise).
+        lines += textwrap.wrap(text, 116, initial_indent="# ", subsequent_indent="# ", break_on_hyphens=False)
         if value is None:
             lines.append(f"# {key}: null" if fmt == "yaml" else f"# {key} = ...")
         elif fmt == "yaml":
