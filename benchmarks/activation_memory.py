@@ -20,7 +20,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import multigpu as mg
-from multigpu.core.recompute import MODES
+from multigpu.models.recompute import MODES
 from multigpu.recipes import lm_models
 
 

@@ -45,7 +45,8 @@ def peak_mb() -> float:
 def measure(path: str, mode: str, seq_len: int, batches: int) -> dict:
     """In a fresh process: seconds to the first batch, seconds for `batches` batches, peak memory."""
     import multigpu as mg
-    from multigpu.recipes import lm_data, lm_models
+    from multigpu.data import lm_data
+    from multigpu.recipes import lm_models
 
     tokenizer = lm_models.load_tokenizer("smollm2")
     start = time.perf_counter()

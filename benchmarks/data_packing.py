@@ -42,7 +42,7 @@ def counting(collate: Any) -> Any:
 
 def exchanges(count: int) -> list[dict]:
     """The first `count` exchanges (a user turn and the assistant turn answering it) of chitchat's conversations."""
-    from multigpu.recipes import data_files
+    from multigpu.data import data_files
 
     records = []
     for _, messages in data_files.read("chitchat").examples:

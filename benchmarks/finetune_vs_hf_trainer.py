@@ -28,9 +28,10 @@ import torch
 from torch import nn
 from torch.utils.data import Subset
 
-from multigpu.core.schedule import warmup_cosine
+from multigpu.data import lm_data
+from multigpu.engine.lr_schedule import warmup_cosine
 from multigpu.recipes import finetune as ft
-from multigpu.recipes import lm_data, lm_models
+from multigpu.recipes import lm_models
 
 
 def config(args: argparse.Namespace, save_dir: str) -> ft.FinetuneConfig:

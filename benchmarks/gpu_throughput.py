@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Each row adds its settings to the previous row's; all are Engine settings (core/settings.py ComputeSettings).
+# Each row adds its settings to the previous row's; all are Engine settings (config/settings.py ComputeSettings).
 ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "eager": ("eager bf16", {}),
     "compile": ("+ compile", {"compile": True}),
@@ -133,13 +133,13 @@ class LogitsWatch:
 def check_applied(model: Any, settings: dict[str, Any], watch: LogitsWatch) -> None:
     """Raises, in one sentence, where a setting of the row left the model or the step as the plain path has them:
     a row must measure its feature or fail, never time the plain path under the feature's name."""
-    from multigpu.core.modules import default_units
+    from multigpu.models.modules import default_units
 
     problems = []
     blocks = default_units(model)
     mode = settings.get("activation_checkpointing", "none")
     if mode != "none" and not all(getattr(b, "_recompute_mode", None) == mode for b in blocks):
-        problems.append(f"activation_checkpointing={mode!r} left blocks without it (core/recompute.py's marker)")
+        problems.append(f"activation_checkpointing={mode!r} left blocks without it (models/recompute.py's marker)")
     if settings.get("compile") and not all(getattr(b, "_compiled_call_impl", None) for b in blocks):
         problems.append("compile=True left blocks uncompiled")
     float8_layers = sum(type(m).__name__ == "Float8Linear" for m in model.modules())  # torchao's class

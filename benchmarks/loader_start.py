@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from multigpu.core.data import Batch, DistributedLoader
+from multigpu.data.loader import Batch, DistributedLoader
 
 BATCH, WORLD, RANK = 12, 2, 0
 

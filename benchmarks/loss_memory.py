@@ -1,4 +1,4 @@
-"""Peak memory and time of a language model's loss, plain against chunked (multigpu.core.loss), on SmolLM2-135M's
+"""Peak memory and time of a language model's loss, plain against chunked (multigpu.models.loss), on SmolLM2-135M's
 output head (49,152 x 576, tied to its embeddings) at one sequence of 2048 tokens.
 
     python benchmarks/loss_memory.py [--seq-len 2048] [--chunks 0,64,512,2048] [--rounds 5] [--step]
@@ -57,7 +57,7 @@ def head_weight() -> torch.Tensor:
 
 def loss_call(mode: str, chunk: int, seq_len: int, weight: torch.Tensor | None = None) -> Callable[[int], None]:
     """A call of the loss alone over `tokens` tokens (forward, backward, the gradients dropped after)."""
-    from multigpu.core.loss import linear_cross_entropy
+    from multigpu.models.loss import linear_cross_entropy
 
     weight = (head_weight() if weight is None else weight).requires_grad_()
     generator = torch.Generator().manual_seed(0)

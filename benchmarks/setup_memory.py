@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import multigpu as mg
-from multigpu.core.config import parse_list
+from multigpu.config.flags import parse_list
 from multigpu.launch.launcher import LaunchConfig, launch
 
 

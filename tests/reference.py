@@ -1,7 +1,7 @@
 """A tiny model, its data, and the plain one-process loop that every strategy must reproduce.
 
 The reference knows nothing of the Engine: it takes each epoch's permutation of (seed, epoch) (the order the loader
-documents, `multigpu.core.shuffle.Permutation`), takes
+documents, `multigpu.data.shuffle.Permutation`), takes
 consecutive slices of `batch_size * world_size * grad_accum_steps` samples as optimizer steps, and averages the
 loss over each slice. That is the contract of the Engine's loader and backward.
 """
@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import multigpu as mg
-from multigpu.core.shuffle import Permutation
+from multigpu.data.shuffle import Permutation
 from multigpu.strategies.base import is_dtensor
 
 

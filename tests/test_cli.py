@@ -10,10 +10,10 @@ import time
 
 import pytest
 
+from multigpu import checkpoint
 from multigpu.cli import build_parser, main
-from multigpu.core import config_file
-from multigpu.core.config import finite_float
-from multigpu.engine import checkpoint
+from multigpu.config import config_file
+from multigpu.config.flags import finite_float
 from multigpu.launch import launcher
 from tests.dist import ROOT, multigpu, run_command
 

@@ -14,9 +14,9 @@ import torch
 import yaml
 
 from multigpu.cli import build_parser
-from multigpu.core import config_file
-from multigpu.core.cli_reference import reference
-from multigpu.core.config_file import verb_parsers
+from multigpu.config import config_file
+from multigpu.config.cli_reference import reference
+from multigpu.config.config_file import verb_parsers
 from tests.dist import ROOT, run_command
 
 README = ROOT / "README.md"

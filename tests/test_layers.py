@@ -1,6 +1,7 @@
 """The source's layers, read from its own imports: every import points down, and none closes a circle.
 
-Bottom to top: core <- planner <- strategies <- engine <- launch <- tools | recipes <- cli and the package face.
+Bottom to top: core <- config <- data | models <- planner | parallel <- strategies | checkpoint <- engine <- launch
+<- tools | recipes <- cli and the package face. Folders of one rank (data and models, ...) do not import each other.
 Imports inside functions count (they run too); imports under `if TYPE_CHECKING:` do not (they never run).
 """
 
@@ -12,8 +13,21 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-LAYERS = {"core": 0, "planner": 1, "strategies": 2, "engine": 3, "launch": 4, "tools": 5, "recipes": 5}
-TOP = 6  # multigpu/__init__.py, __main__.py and cli.py
+LAYERS = {
+    "core": 0,
+    "config": 1,
+    "data": 2,
+    "models": 2,
+    "planner": 3,
+    "parallel": 3,
+    "strategies": 4,
+    "checkpoint": 4,
+    "engine": 5,
+    "launch": 6,
+    "tools": 7,
+    "recipes": 7,
+}
+TOP = 8  # multigpu/__init__.py, __main__.py and cli.py
 
 
 def module_name(path: Path) -> str:

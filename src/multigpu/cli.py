@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from multigpu import __version__
-from multigpu.core import config_file
-from multigpu.core.config import Parser, add_config_arguments, config_from_args, finite_float
+from multigpu.config import config_file
+from multigpu.config.flags import Parser, add_config_arguments, config_from_args, finite_float
 from multigpu.core.errors import UsageError, exit_on_usage_error, shown_path
 from multigpu.core.lazy import imported
 from multigpu.launch import stop

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import multigpu as mg
-from multigpu.core.schedule import SampleSchedule
+from multigpu.engine.lr_schedule import SampleSchedule
 from multigpu.strategies import build_strategy
 from tests.dist import run_command, run_in_processes
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.dist import run_in_processes
+from tests.parallel.test_context import LENGTH, positions, whole_attention
 from tests.recipes.test_finetune import write_chat, write_text
-from tests.strategies.test_context import LENGTH, positions, whole_attention
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
@@ -21,7 +21,7 @@ def ulysses_on_one_gpu() -> float:
     computation, relative to the output's largest value."""
     import torch.distributed as dist
 
-    from multigpu.strategies.context import ContextParallel
+    from multigpu.parallel.context import ContextParallel
 
     dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
     cp = ContextParallel(dist.group.WORLD, 1, 0)

@@ -21,7 +21,7 @@ import torch
 import multigpu.launch.launcher as launching
 from multigpu.core.env import free_port
 from multigpu.core.errors import UsageError
-from multigpu.core.notes import LAST_CHECKPOINT, LAUNCHER_DIR, ScriptEnd, note_for_launcher
+from multigpu.core.launcher_notes import LAST_CHECKPOINT, LAUNCHER_DIR, ScriptEnd, note_for_launcher
 from multigpu.launch import exit_watch, failures
 from multigpu.launch.launcher import LaunchConfig
 from multigpu.launch.stop import report_stop
@@ -323,12 +323,12 @@ STOPPING = f"""
 import os, sys
 import torch
 import torch.distributed as dist
-from multigpu.core.notes import LAST_CHECKPOINT, note_for_launcher
+from multigpu.core.launcher_notes import LAST_CHECKPOINT, note_for_launcher
 {WRITE_PID}
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 if rank == 0:
-    note_for_launcher(LAST_CHECKPOINT, "/checkpoints/step-7")  # as multigpu.engine.checkpoint.commit leaves it
+    note_for_launcher(LAST_CHECKPOINT, "/checkpoints/step-7")  # as multigpu.checkpoint.commit leaves it
 write_pid(str(rank))
 # Both ranks then wait inside C++ collectives that never match, where no Python signal handler runs.
 if rank == 0:

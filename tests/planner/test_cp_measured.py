@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from multigpu.core.recompute import recompute_blocks
+from multigpu.models.recompute import recompute_blocks
 from multigpu.planner.activations import transformer_activations
 from multigpu.planner.shapes import from_config
 from tests.planner.test_measured import TINY_LLAMA, saved_bytes

@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import multigpu as mg
-from multigpu.core.recompute import recompute_blocks
+from multigpu.models.recompute import recompute_blocks
 from multigpu.planner import plan
 from multigpu.planner.activations import transformer_activations
 from multigpu.planner.shapes import from_config

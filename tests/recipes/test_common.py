@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 import multigpu as mg
-from multigpu.core.notes import LAST_CHECKPOINT, LAUNCHER_DIR
+from multigpu.core.launcher_notes import LAST_CHECKPOINT, LAUNCHER_DIR
 from multigpu.recipes.common import resolve_resume
-from tests.engine.test_checkpoint import single_engine_state
+from tests.checkpoint.test_checkpoint import single_engine_state
 
 
 @dataclass

@@ -108,8 +108,8 @@ def test_adapter_trained_on_two_processes_reloads_with_peft_as_written_and_as_ex
 
 def export_adapter(save_dir: Path, out: Path) -> Path:
     """`multigpu export` of a finetune's last checkpoint, in this process; a .safetensors OUT is refused."""
+    from multigpu.checkpoint import list_checkpoints
     from multigpu.cli import main
-    from multigpu.engine.checkpoint import list_checkpoints
 
     last = list_checkpoints(save_dir / "checkpoints")[-1]
     with pytest.raises(SystemExit) as exit_info:
@@ -127,8 +127,8 @@ def adapter_settings(adapter: Path) -> dict:
 def one_step(data: str, strategy: str, batch_size: int, accum: int) -> dict:
     """One optimizer step of LoRA with SGD at lr 1, so the change in each parameter is minus its gradient."""
     import multigpu as mg
+    from multigpu.data.lm_data import collate
     from multigpu.recipes.finetune import FinetuneConfig, build, token_loss
-    from multigpu.recipes.lm_data import collate
 
     engine = mg.Engine(strategy=strategy, grad_accum_steps=accum, seed=0)
     config = FinetuneConfig(model="tiny", data=data, seq_len=48, batch_size=batch_size, method="lora")
@@ -223,8 +223,8 @@ def first_steps(data: str, strategy: str, batch_size: int) -> dict:
     """For full and LoRA finetuning: the first step's token-mean loss and the whole gradient of every trainable
     parameter, with the model built from its config on the meta device and filled from its safetensors in setup."""
     import multigpu as mg
+    from multigpu.data.lm_data import collate
     from multigpu.recipes.finetune import FinetuneConfig, build, token_loss
-    from multigpu.recipes.lm_data import collate
 
     out = {}
     for method in ("full", "lora"):

@@ -141,7 +141,8 @@ def stream_part(path: str, steps: int, state: dict | None) -> dict[str, Any]:
     """Trains `steps` steps on the streamed records (from `state`, a saved loader's, if given): the records of the
     global batches in stream order, and the loader's state after."""
     import multigpu as mg
-    from multigpu.recipes import lm_data, lm_models
+    from multigpu.data import lm_data
+    from multigpu.recipes import lm_models
     from multigpu.recipes.finetune import model_inputs, summed_token_loss
 
     lm_data.TokenStream.WINDOW = 5  # several windows, one cut by each checkpoint, each packed alone

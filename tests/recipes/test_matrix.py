@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from multigpu.core.precision import PRECISIONS
+from multigpu.config.precision import PRECISIONS
 from tests.dist import multigpu, refusal, run_in_processes
 from tests.recipes.test_train import write_uci_har
 

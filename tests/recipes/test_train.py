@@ -17,10 +17,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from multigpu import checkpoint
 from multigpu.cli import main
-from multigpu.engine import checkpoint
+from multigpu.data.activity_data import HAR_CHANNELS
 from multigpu.launch import launcher
-from multigpu.recipes.activity_data import HAR_CHANNELS
 from tests.dist import multigpu
 
 

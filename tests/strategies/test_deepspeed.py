@@ -17,13 +17,13 @@ import torch.distributed as dist
 from torch import nn
 
 import multigpu as mg
+from multigpu import checkpoint
+from multigpu.config.precision import Precision
 from multigpu.core.errors import UsageError
-from multigpu.core.modules import give_back_freed_memory
-from multigpu.core.precision import Precision
-from multigpu.engine import checkpoint
+from multigpu.models.modules import give_back_freed_memory
 from multigpu.strategies.deepspeed import DeepSpeed, read_config
+from tests.checkpoint.test_checkpoint import GLOBAL_BATCH, SAMPLES, STOP, assert_resumed_exactly
 from tests.dist import multigpu, refusal, run_command, run_each_in_processes, run_in_processes
-from tests.engine.test_checkpoint import GLOBAL_BATCH, SAMPLES, STOP, assert_resumed_exactly
 from tests.engine.test_init_module import SEED, WIDTH, Net, one_step, rss_bytes
 from tests.reference import Case, Outcome, TinyNet, dataset, train_engine, train_reference
 from tests.strategies.test_equivalence import assert_matches

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import multigpu as mg
-from multigpu.core.modules import default_units
+from multigpu.models.modules import default_units
 from multigpu.planner import plan
 from multigpu.strategies.fsdp import children_first
 from tests.dist import run_in_processes

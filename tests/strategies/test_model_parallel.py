@@ -35,7 +35,7 @@ LONG = {"data": "long.txt", "seq_len": 256, "max_steps": 3}
 PACKED = {"data": "documents.jsonl", "seq_len": 256, "max_steps": 3}
 # Compiled cells trace with aot_eager: the same graphs as inductor (FSDP's hooks, pipeline stages and checkpointing
 # included) without its code generation, which costs a minute per process on 2 CPU cores. Inductor itself is tested
-# in one process (tests/engine/test_compiled.py).
+# in one process (tests/models/test_compile.py).
 AOT = {"compile": True, "compile_backend": "aot_eager"}
 # name -> (processes, settings); batch_size is per data-parallel rank, so that every global batch is 4.
 CELLS: dict[str, tuple[int, dict]] = {
@@ -80,7 +80,7 @@ CELLS: dict[str, tuple[int, dict]] = {
     "zero3-x-pp-lora": (4, {"multi_gpu": "zero3", "pp_size": 2, "batch_size": 2, "method": "lora"}),
     # How the step is computed (activation checkpointing, per-block torch.compile) under each strategy: the same
     # numbers as the plain run, so the same reference. Checkpointing recomputes with the same kernels on the same
-    # inputs (bit for bit, tests/core/test_recompute.py); inductor fuses and reorders fp32 sums (~1e-7 relative).
+    # inputs (bit for bit, tests/models/test_recompute.py); inductor fuses and reorders fp32 sums (~1e-7 relative).
     "single-compile-selective": (1, {"multi_gpu": "single", **AOT, "activation_checkpointing": "selective"}),
     "ddp-compile-full": (2, {"batch_size": 2, "multi_gpu": "ddp", **AOT, "activation_checkpointing": "full"}),
     "zero1-compile-offload": (2, {"batch_size": 2, "multi_gpu": "zero1", **AOT, "activation_checkpointing": "offload"}),

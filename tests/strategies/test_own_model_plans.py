@@ -108,7 +108,7 @@ def test_an_own_model_lands_where_one_process_does(results: dict, layout: str) -
 
 def test_pp_layers_that_name_no_module_are_refused_in_one_sentence() -> None:
     from multigpu.core.errors import UsageError
-    from multigpu.strategies.pp_stages import stage_parts
+    from multigpu.parallel.pipeline_stages import stage_parts
 
     model = OwnLM()
     model.pp_layers = ["embed", "blocks.9", "head"]

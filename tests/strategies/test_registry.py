@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from multigpu.core.env import DistEnv
-from multigpu.core.layout import REPLICAS
-from multigpu.core.precision import PrecisionPlan
+from multigpu.config.layout import REPLICAS
+from multigpu.config.precision import PrecisionPlan
 from multigpu.strategies.base import Strategy, move_to_device
 
 

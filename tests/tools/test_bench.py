@@ -41,7 +41,7 @@ def test_script_over_process_counts_and_strategies(tmp_path: Path) -> None:
 
 
 def test_recipe_train_with_each_gradient_compression(tmp_path: Path) -> None:
-    compressions = ("none", "bf16")  # powersgd's bytes: tests/strategies/test_compression.py
+    compressions = ("none", "bf16")  # powersgd's bytes: tests/parallel/test_compression.py
     flags = ("--nproc", "2", "--repeats", "1", "--no-comm-share", "--grad-compressions", ",".join(compressions))
     report = bench(tmp_path, "--recipe", "train", *flags)
     assert [cell["grad_compression"] for cell in report["cells"]] == list(compressions)

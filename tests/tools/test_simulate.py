@@ -493,7 +493,7 @@ def test_cli_takes_the_layout(capsys: pytest.CaptureFixture) -> None:
 def test_grad_compression_sets_the_gradient_bytes_reduced() -> None:
     """bf16/fp16 send 2 bytes per gradient element; PowerSGD rank r sends r (m + n) per m x n matrix and every
     vector whole; zero2/zero3 cannot take PowerSGD and a model given by its count has no matrices to factor."""
-    from multigpu.strategies.compression import Compression, payload_bytes
+    from multigpu.parallel.compression import Compression, payload_bytes
     from multigpu.tools.simulate import strategy_comm
     from multigpu.tools.simulate_request import SimulateRequest, gradient_shapes, resolve
 

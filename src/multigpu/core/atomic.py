@@ -3,7 +3,7 @@
 A file is written as `.<name>.partial` beside its final name, synced, and renamed; a directory is built as
 `.<name>.partial/`, each file and the directory synced, and renamed (an older one at the name is moved aside as
 `.<name>.replaced` and removed only once the new one is in place). So a crash, a power loss or a full disk never
-leaves something half-written under the final name: checkpoints (engine/checkpoint.py), a run's final model,
+leaves something half-written under the final name: checkpoints (checkpoint/), a run's final model,
 adapter and merged model, `multigpu export`'s outputs and a run's config.yaml are all written this way.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from multigpu.core import faults
 from multigpu.core.errors import UsageError
-from multigpu.core.modules import instance_of
+from multigpu.core.lazy import instance_of
 
 
 def partial_path(path: Path) -> Path:

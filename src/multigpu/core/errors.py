@@ -7,7 +7,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from multigpu.core.notes import USAGE_ERROR, launched, note_for_launcher
+from multigpu.core.launcher_notes import USAGE_ERROR, launched, note_for_launcher
 
 
 class UsageError(ValueError):

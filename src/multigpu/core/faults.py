@@ -18,7 +18,7 @@ import resource
 import signal
 import time
 
-from multigpu.core.notes import attempt
+from multigpu.core.launcher_notes import attempt
 
 
 def _spec() -> tuple[str, dict[str, int]] | None:

@@ -25,7 +25,7 @@ def _monitor() -> StepObserver:
 
 
 def _compile_report() -> StepObserver:
-    from multigpu.engine.compiled import CompileReport
+    from multigpu.engine.compile_report import CompileReport
 
     return CompileReport()
 

@@ -1,5 +1,5 @@
 """The Engine's settings: EngineConfig is every group of settings the Engine reads, each defined once in the lowest
-layer that reads it (core/settings.py says how), and the few that only the Engine reads. `multigpu demo` maps them
+layer that reads it (config/settings.py says how), and the few that only the Engine reads. `multigpu demo` maps them
 flag for flag; train, finetune, bench, verify and simulate derive the ones they show."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from multigpu.config.layout import LayoutSettings, PipelineOptions, ShardingOptions, TensorParallelOptions
+from multigpu.config.settings import ComputeSettings, Settings, TrainingSettings, setting
 from multigpu.core.env import BACKENDS
 from multigpu.core.errors import UsageError, require
-from multigpu.core.layout import LayoutSettings, PipelineOptions, ShardingOptions, TensorParallelOptions
-from multigpu.core.settings import ComputeSettings, Settings, TrainingSettings, setting
 from multigpu.engine.trackers import parse_log_to
+from multigpu.parallel.compression import CompressionOptions
 from multigpu.strategies import STRATEGIES
-from multigpu.strategies.compression import CompressionOptions
 from multigpu.strategies.ddp import DDPOptions
 from multigpu.strategies.deepspeed import DeepSpeedOptions
 

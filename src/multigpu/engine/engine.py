@@ -18,26 +18,26 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset
 
+from multigpu.config.precision import Precision
 from multigpu.core import faults
-from multigpu.core.data import Batch, DistributedLoader
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
-from multigpu.core.float8 import refresh_all_gather_scales
-from multigpu.core.loss import TokenLoss, outputs_for
-from multigpu.core.modules import on_meta
-from multigpu.core.precision import Precision
-from multigpu.core.pretrained import SafetensorsCheckpoint
-from multigpu.core.schedule import SampleSchedule
-from multigpu.core.stream import Loader, StreamLoader, WindowedStream
+from multigpu.data.loader import Batch, DistributedLoader
+from multigpu.data.stream import Loader, StreamLoader, WindowedStream
 from multigpu.engine import start
-from multigpu.engine.across import AcrossRanks
 from multigpu.engine.config import EngineConfig
+from multigpu.engine.cross_rank import AcrossRanks
+from multigpu.engine.lr_schedule import SampleSchedule
 from multigpu.engine.observe import Reporting, StepObserver, StepStats, new_observers, watched, watching
 from multigpu.engine.saving import Saving
 from multigpu.engine.window import Window, accumulation_for
+from multigpu.models.float8 import refresh_all_gather_scales
+from multigpu.models.loss import TokenLoss, outputs_for
+from multigpu.models.modules import on_meta
+from multigpu.models.pretrained import SafetensorsCheckpoint
+from multigpu.parallel.context import sliced
+from multigpu.parallel.experts import MixtureOfExperts, weigh_pipeline
 from multigpu.strategies import Strategy
-from multigpu.strategies.context import sliced
-from multigpu.strategies.experts import MixtureOfExperts, weigh_pipeline
 
 
 class Engine(Saving, Reporting, AcrossRanks):
@@ -196,7 +196,7 @@ class Engine(Saving, Reporting, AcrossRanks):
         collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> Loader:
         """This rank's shard of `dataset`, `batch_size` samples per device, moved to `engine.device`; a
-        WindowedStream's (multigpu.core.stream) is endless over epochs: the loop stops on a step budget."""
+        WindowedStream's (multigpu.data.stream) is endless over epochs: the loop stops on a step budget."""
         if self.config.global_batch_size is not None:  # resolved here, where the per-device batch size is known
             steps = accumulation_for(self.config.global_batch_size, batch_size, self._data_world)
             self.config = replace(self.config, global_batch_size=None, grad_accum_steps=steps)

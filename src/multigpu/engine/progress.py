@@ -33,7 +33,7 @@ from typing import Any
 import torch.distributed as dist
 
 from multigpu.core.errors import Explained
-from multigpu.core.notes import DIVERGED, ScriptEnd, attempt, launched, note_for_launcher
+from multigpu.core.launcher_notes import DIVERGED, ScriptEnd, attempt, launched, note_for_launcher
 from multigpu.engine import divergence, stuck_stack
 from multigpu.engine.observe import StepObserver, StepStats
 from multigpu.engine.posts import Where, describe, where_of

@@ -1,4 +1,4 @@
-"""The Engine's checkpoint calls (a base class of Engine): save, load and the state dicts, over engine/checkpoint.py.
+"""The Engine's checkpoint calls (a base class of Engine): save, load and the state dicts, over checkpoint/.
 
 They read what the Engine holds: its strategy, its observers (a save or load is watched and untimed), and its step
 counters, which every checkpoint carries under COUNTERS so that reports and logs continue across a resume.
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from multigpu.engine import checkpoint
+from multigpu import checkpoint
 from multigpu.engine.observe import StepObserver, watching
 from multigpu.strategies import Strategy
 

@@ -17,13 +17,18 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from multigpu.config.layout import ParallelDims, resolve_layout
+from multigpu.config.precision import Precision, PrecisionPlan
+from multigpu.config.settings import strategy_option_fields
 from multigpu.core.env import DistEnv, check_backend, init_process_group
 from multigpu.core.errors import UsageError
-from multigpu.core.float8 import check_float8, convert_linears
-from multigpu.core.layout import ParallelDims, resolve_layout
-from multigpu.core.loss import apply_liger
-from multigpu.core.loss import check_runnable as check_loss
-from multigpu.core.modules import (
+from multigpu.engine.config import EngineConfig
+from multigpu.engine.trackers import check_servers, parse_log_to
+from multigpu.models.compile import compile_blocks
+from multigpu.models.float8 import check_float8, convert_linears
+from multigpu.models.loss import apply_liger
+from multigpu.models.loss import check_runnable as check_loss
+from multigpu.models.modules import (
     MetaValues,
     default_units,
     materialize,
@@ -32,19 +37,14 @@ from multigpu.core.modules import (
     parameters_on_meta,
     repoint,
 )
-from multigpu.core.precision import Precision, PrecisionPlan
-from multigpu.core.pretrained import SafetensorsCheckpoint
-from multigpu.core.recompute import recompute_blocks
-from multigpu.core.settings import strategy_option_fields
-from multigpu.engine.compiled import compile_blocks
-from multigpu.engine.config import EngineConfig
-from multigpu.engine.trackers import check_servers, parse_log_to
+from multigpu.models.pretrained import SafetensorsCheckpoint
+from multigpu.models.recompute import recompute_blocks
+from multigpu.parallel.context import ContextParallel
+from multigpu.parallel.context_attention import use_context_attention
+from multigpu.parallel.experts import mixture_of_experts
 from multigpu.planner import choose_strategy
 from multigpu.strategies import Strategy, build_strategy
-from multigpu.strategies.context import ContextParallel
-from multigpu.strategies.context_attention import use_context_attention
 from multigpu.strategies.dp import DataParallel
-from multigpu.strategies.experts import mixture_of_experts
 from multigpu.strategies.fsdp import quantized_owners
 
 

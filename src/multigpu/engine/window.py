@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from multigpu.core.data import Batch
 from multigpu.core.errors import UsageError
+from multigpu.data.loader import Batch
 
 
 @dataclass
@@ -72,7 +72,7 @@ class Window:
 
     def account(self, loss: torch.Tensor, count: int | torch.Tensor | None, experts: Any = None) -> float:
         """Adds a micro-step's loss (and count) to the window; returns the weight its backward starts from, which
-        `experts` (a mixture of experts, strategies/experts.py) gives its load-balancing loss too."""
+        `experts` (a mixture of experts, parallel/experts.py) gives its load-balancing loss too."""
         totals = self.totals
         totals.busy_s += time.perf_counter() - self.mark
         if self.batch is not None:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from multigpu.core.notes import (
+from multigpu.core.launcher_notes import (
     LAUNCHER_DIR,
     STACKS,
     ScriptEnd,

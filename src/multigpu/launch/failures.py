@@ -15,7 +15,15 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from multigpu.core.errors import UsageError
-from multigpu.core.notes import DIVERGED, LOST_PEER, SAID, USAGE_ERROR, ScriptEnd, launcher_note, usage_error_noted
+from multigpu.core.launcher_notes import (
+    DIVERGED,
+    LOST_PEER,
+    SAID,
+    USAGE_ERROR,
+    ScriptEnd,
+    launcher_note,
+    usage_error_noted,
+)
 from multigpu.engine.flight_recorder import explain_nccl_timeout, read_nccl_traces
 from multigpu.launch.exit_watch import STUCK, ended_after_script, stuck_lines
 from multigpu.launch.stop import checkpoint_note

@@ -21,10 +21,10 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser
 from torch.distributed.run import run as torch_run
 
+from multigpu.config.settings import Settings, setting
 from multigpu.core.env import free_port
 from multigpu.core.errors import UsageError
-from multigpu.core.notes import LAUNCHER_DIR
-from multigpu.core.settings import Settings, setting
+from multigpu.core.launcher_notes import LAUNCHER_DIR
 from multigpu.engine.flight_recorder import nccl_watchdog_environment
 from multigpu.launch.exit_watch import ending_stuck_workers, stuck_lines
 from multigpu.launch.failures import (

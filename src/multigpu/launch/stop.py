@@ -22,7 +22,6 @@ The worker side (multigpu.launch.worker calls both at start-up, before the scrip
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import sys
@@ -34,12 +33,12 @@ from types import FrameType
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from multigpu.core.atomic import causes
-from multigpu.core.notes import LAST_CHECKPOINT, launcher_note
+from multigpu.core.child_processes import die_with_parent
+from multigpu.core.launcher_notes import LAST_CHECKPOINT, launcher_note
 
 #: Set by `multigpu run` for its own workers (not a user setting): the launcher's pid.
 LAUNCHER_PID = "MULTIGPU_LAUNCHER_PID"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 STOP_GRACE_S = 10.0  # how long a stop in this process may take before it ends the process itself
 
 
@@ -53,7 +52,7 @@ class Stopped(BaseException):
 
 
 def stopped_line(signum: int) -> str:
-    from multigpu.engine import checkpoint  # here, not above: see stop_signal
+    from multigpu import checkpoint  # here, not above: see stop_signal
 
     last = checkpoint.last_committed()
     saved = f"the last complete checkpoint is {last}" if last else "no checkpoint was completed in this run"
@@ -133,41 +132,6 @@ def end_at_once_on_stop() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
-_forking_quietly = 0  # how many `children_leave_stops_to_parent` are open in this process
-
-
-def _after_fork_in_child() -> None:
-    global _forking_quietly
-    if _forking_quietly:
-        _forking_quietly = 0  # what this child forks in turn is its own business
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        _die_with_parent()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-@contextlib.contextmanager
-def children_leave_stops_to_parent() -> Iterator[None]:
-    """Within it, the processes this one forks (a multiprocessing pool's workers) ignore SIGINT, end silently on
-    SIGTERM, and die with it. Ctrl-C reaches every process of the terminal's group: each pool worker would print a
-    KeyboardInterrupt traceback of its own, while this process stops in one line and ends the pool (SIGTERM)."""
-    global _forking_quietly
-    _forking_quietly += 1
-    try:
-        yield
-    finally:
-        _forking_quietly -= 1
-
-
-def _die_with_parent() -> bool:
-    """Asks the kernel to SIGKILL this process when the thread that started it ends; False where it cannot."""
-    if not sys.platform.startswith("linux"):
-        return False
-    return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
-
-
 def die_with_launcher() -> None:
     """Asks the kernel to SIGKILL this worker when the launcher that started it ends, however it ends.
 
@@ -175,7 +139,7 @@ def die_with_launcher() -> None:
     restarted ones included, from the launcher's main thread (its agent runs there), which ends with the process.
     """
     launcher = os.environ.get(LAUNCHER_PID)
-    if launcher is None or not _die_with_parent():
+    if launcher is None or not die_with_parent():
         return  # not launched, or a kernel that refuses it: the worker lives on as before
     # The launcher may have died before prctl took effect; this process was then handed to another parent.
     # Checked on the launcher too, so that a process between them (none today: torch's numactl wrapper execs)

@@ -55,7 +55,7 @@ from torch.distributed import distributed_c10d
 
 from multigpu.core.env import destroy_process_groups
 from multigpu.core.errors import Explained, UsageError, report_usage_error
-from multigpu.core.notes import (
+from multigpu.core.launcher_notes import (
     LAUNCHER_DIR,
     LOST_PEER,
     SAID,

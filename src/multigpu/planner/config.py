@@ -6,8 +6,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from multigpu.core.errors import UsageError
-from multigpu.core.layout import (
+from multigpu.config.layout import (
     ALONE,
     HYBRID,
     OPTIMIZER_SHARDS,
@@ -24,7 +23,8 @@ from multigpu.core.layout import (
     check_schedule,
     resolve_layout,
 )
-from multigpu.core.settings import ComputeSettings, TrainingSettings, derive, setting
+from multigpu.config.settings import ComputeSettings, TrainingSettings, derive, setting
+from multigpu.core.errors import UsageError
 
 OPTIMIZERS = ("adamw", "sgd", "adamw8bit")
 
@@ -51,7 +51,7 @@ def parse_bytes(text: str | float, flag: str = "--gpu-memory") -> float:
     return value * 1024 ** "bkmgt".index((unit or "b")[0])
 
 
-#: Which strategy each of the planner's rows is, as a layout (core/layout.py): each row's degrees are resolved as the
+#: Which strategy each of the planner's rows is, as a layout (config/layout.py): each row's degrees are resolved as the
 #: strategy's own are when it runs.
 SPREADS = {
     "single": ALONE,

@@ -1,6 +1,6 @@
 """What one GPU holds under tensor and pipeline parallelism: its slice of the weights and of the activations.
 
-The layout is the mesh's (core/layout.py): pp outermost, then the data-parallel dimensions, tp innermost.
+The layout is the mesh's (config/layout.py): pp outermost, then the data-parallel dimensions, tp innermost.
   tp   Megatron-style: q/k/v and MLP gate/up split by output columns, o/down by input rows, the embedding and the
        output head by vocabulary; norm weights stay whole, and so do the norms' and the residual stream's
        activations unless sequence parallelism splits those by position.

@@ -103,7 +103,7 @@ def what_else(config: PlanConfig, per: str) -> str:
 
 def ep_degrees(shape: ModelShape, config: PlanConfig, name: str) -> list[int]:
     """The ep degrees a row's strategy can run a mixture at, smallest first: those that divide both its experts and
-    the processes its ep groups are drawn from (core/layout.py's expert_pool)."""
+    the processes its ep groups are drawn from (config/layout.py's expert_pool)."""
     pool, _ = replace(config, ep_size=None).layout(name).expert_pool
     return [ep for ep in range(1, pool + 1) if pool % ep == 0 and shape.experts % ep == 0]
 

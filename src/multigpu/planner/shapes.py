@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from multigpu.core.config import json_value, read_json
+from multigpu.config.flags import json_value, read_json
 from multigpu.core.errors import UsageError
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -60,7 +60,7 @@ def split_experts(shape: ModelShape) -> tuple[ModelShape, ModelShape | None]:
 def sharded_states(shape: ModelShape, config: PlanConfig, ranks: int, ep: int = 1) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per rank where a strategy shards them over `ranks`. The experts are first
     split over the ep group, and each slice is sharded over the ranks that hold the same experts: ranks / ep when
-    the ep group lies inside the sharding group (ep drawn from shard x cp, as core/layout.py draws it), so the
+    the ep group lies inside the sharding group (ep drawn from shard x cp, as config/layout.py draws it), so the
     experts too come to 1/ranks of their bytes per rank; ep changes what is gathered whole, not the shards."""
     rest, experts = split_experts(shape)
     params, grads, optimizer, _ = (part / ranks for part in model_states(rest, config))

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
+from multigpu import checkpoint as checkpoints
+from multigpu.config.config_file import RUN_CONFIG
 from multigpu.core.atomic import write_dir
-from multigpu.core.config_file import RUN_CONFIG
 from multigpu.core.errors import UsageError
-from multigpu.engine import checkpoint as checkpoints
 from multigpu.recipes import lm_models
 from multigpu.recipes.common import EXPORT_RESULT, check_new_output, run_record
 from multigpu.recipes.finetune import FinetuneConfig, save_pretrained

@@ -15,20 +15,22 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from multigpu.core import atomic, run_lock
-from multigpu.core.config import config_to_argv
-from multigpu.core.config_file import RUN_CONFIG, save_run_config
+from multigpu import checkpoint
+from multigpu.checkpoint import run_lock
+from multigpu.config.config_file import RUN_CONFIG, save_run_config
+from multigpu.config.flags import config_to_argv
+from multigpu.config.layout import ParallelDims
+from multigpu.config.settings import Derived, Settings, derive, setting, setting_names
+from multigpu.core import atomic
 from multigpu.core.errors import UsageError, require
-from multigpu.core.layout import ParallelDims
-from multigpu.core.notes import LAST_CHECKPOINT, LAUNCHER_DIR, attempt, launched, launcher_note
-from multigpu.core.pretrained import give_usual_mode
-from multigpu.core.schedule import SampleSchedule
-from multigpu.core.settings import Derived, Settings, derive, setting, setting_names
-from multigpu.engine import checkpoint, start
+from multigpu.core.launcher_notes import LAST_CHECKPOINT, LAUNCHER_DIR, attempt, launched, launcher_note
+from multigpu.engine import start
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
+from multigpu.engine.lr_schedule import SampleSchedule
 from multigpu.engine.monitor import peak_memory_bytes
 from multigpu.launch.launcher import LaunchConfig, launch, select_gpus
+from multigpu.models.pretrained import give_usual_mode
 from multigpu.strategies.deepspeed import DeepSpeedOptions
 
 
@@ -81,7 +83,7 @@ EVERY_RECIPE_SHOWS = (
 def recipe_settings(name: str, shown: tuple[str, ...], save_dir: str, **defaults: Any) -> type:
     """A recipe's settings made of others': the run directory's (with its default `save_dir`), and the Engine's and
     the launch's named in `shown` and EVERY_RECIPE_SHOWS, with --multi-gpu for the strategy and the recipe's own
-    `defaults`. Each keeps its one definition (core/settings.py: derive)."""
+    `defaults`. Each keeps its one definition (config/settings.py: derive)."""
     return derive(
         name,
         LaunchConfig,

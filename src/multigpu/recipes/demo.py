@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from multigpu.core.config import Parser, add_config_arguments, config_from_args, config_to_argv
+from multigpu.config.flags import Parser, add_config_arguments, config_from_args, config_to_argv
+from multigpu.config.settings import Settings, setting
 from multigpu.core.errors import UsageError, exit_on_usage_error, require
-from multigpu.core.settings import Settings, setting
 from multigpu.engine import start
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine

@@ -21,17 +21,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from multigpu.config.flags import Parser, add_config_arguments, config_from_args
+from multigpu.config.layout import ParallelDims
+from multigpu.config.settings import setting
 from multigpu.core.atomic import write_dir
-from multigpu.core.config import Parser, add_config_arguments, config_from_args
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import exit_on_usage_error, require
-from multigpu.core.layout import ParallelDims
-from multigpu.core.loss import TokenLoss, check_runnable, summed_cross_entropy
-from multigpu.core.pretrained import give_usual_mode
-from multigpu.core.schedule import SampleSchedule
-from multigpu.core.settings import setting
+from multigpu.data import lm_data, packing
 from multigpu.engine.engine import Engine
-from multigpu.recipes import lm_data, lm_fit, lm_models, packing
+from multigpu.engine.lr_schedule import SampleSchedule
+from multigpu.models.loss import TokenLoss, check_runnable, summed_cross_entropy
+from multigpu.models.pretrained import give_usual_mode
+from multigpu.recipes import lm_fit, lm_models
 from multigpu.recipes.common import (
     RUN_RESULT,
     ProgressBar,

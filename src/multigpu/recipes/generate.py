@@ -33,12 +33,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from multigpu.core.config import Parser, add_config_arguments, check_path, config_from_args, config_to_argv
+from multigpu.config.flags import Parser, add_config_arguments, check_path, config_from_args, config_to_argv
+from multigpu.config.settings import TrainingSettings, derive, setting
 from multigpu.core.env import DistEnv, init_process_group
 from multigpu.core.errors import UsageError, exit_on_usage_error
-from multigpu.core.settings import TrainingSettings, derive, setting
+from multigpu.data import lm_data
 from multigpu.launch.launcher import LaunchConfig, launch
-from multigpu.recipes import lm_data, lm_models
+from multigpu.recipes import lm_models
 from multigpu.recipes.common import check_new_output
 from multigpu.recipes.lm_models import ModelSettings
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from multigpu.core.errors import UsageError
-from multigpu.strategies.experts import find_layers
+from multigpu.parallel.experts import find_layers
 
 
 def check_experts(directory: Path, name: str, ep: int) -> None:

@@ -1,7 +1,7 @@
 """What a finetune's flags ask of a causal language model that its config.json already answers, refused in the CLI's
 process before any worker loads the model: pipeline stages against its layers, a tp degree (and a Ulysses cp degree)
 against its attention heads, --seq-len against its positions, one micro-batch against the memory of this machine's
-device. The workers' own checks (strategies/pp_stages.py, strategies/tp.py) ask the same functions of the model they
+device. The workers' own checks (parallel/pipeline_stages.py, strategies/tp.py) ask the same functions of the model they
 build."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
+from multigpu.config.layout import ParallelDims, check_stages, check_tp_heads
 from multigpu.core.errors import UsageError
-from multigpu.core.layout import ParallelDims, check_stages, check_tp_heads
+from multigpu.parallel.context import check_heads
 from multigpu.planner.config import PlanConfig
 from multigpu.planner.memory import activations_per_gpu
 from multigpu.planner.shapes import load_shape
 from multigpu.recipes.lm_models import model_dir
-from multigpu.strategies.context import check_heads
 
 
 def check_fits(config: Any, layout: ParallelDims) -> None:

@@ -21,11 +21,12 @@ from typing import Any
 
 import torch
 
-from multigpu.core.config import check_path, read_json
+from multigpu.config.flags import check_path, read_json
+from multigpu.config.precision import Precision
+from multigpu.config.settings import Settings, setting
+from multigpu.core.cache import cache_root
 from multigpu.core.errors import UsageError
-from multigpu.core.precision import Precision
-from multigpu.core.pretrained import SafetensorsCheckpoint, give_usual_mode
-from multigpu.core.settings import Settings, setting
+from multigpu.models.pretrained import SafetensorsCheckpoint, give_usual_mode
 from multigpu.recipes.lm_experts import expert_targets
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing file must fail here, never turn into a download
@@ -48,10 +49,6 @@ class ModelSettings(Settings):
 #: The dtype that holds the packed 4-bit weights: a float type, so FSDP2 shards them like any other tensor.
 QUANT_STORAGE = torch.bfloat16
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MULTIGPU_CACHE", Path.home() / ".cache" / "multigpu"))
 
 
 def smollm2_gguf() -> Path:
@@ -418,7 +415,7 @@ def uses_flash_attention(precision: str) -> bool:
 def pass_document_bounds(decoder: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
     """A flash-attention decoder's forward pre-hook: a packed batch (position_ids, no attention_mask, no cache)
     gets the varlen arguments of its documents, which transformers infers itself for one row only."""
-    from multigpu.strategies.decoder import packed_attention_kwargs
+    from multigpu.parallel.decoder import packed_attention_kwargs
 
     if kwargs.get("attention_mask") is None and kwargs.get("use_cache") is False:
         kwargs.update(packed_attention_kwargs(decoder.config, kwargs.get("position_ids")))

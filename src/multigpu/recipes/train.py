@@ -17,14 +17,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from multigpu.config.flags import Parser, add_config_arguments, config_from_args
+from multigpu.config.layout import ParallelDims
+from multigpu.config.settings import setting
 from multigpu.core import atomic
-from multigpu.core.config import Parser, add_config_arguments, config_from_args
 from multigpu.core.errors import exit_on_usage_error, require
-from multigpu.core.layout import ParallelDims
-from multigpu.core.schedule import SampleSchedule
-from multigpu.core.settings import setting
+from multigpu.data import activity_data
 from multigpu.engine.engine import Engine
-from multigpu.recipes import activity_data, activity_models
+from multigpu.engine.lr_schedule import SampleSchedule
+from multigpu.recipes import activity_models
 from multigpu.recipes.activity_models import MODES
 from multigpu.recipes.common import (
     RUN_RESULT,

@@ -2,7 +2,7 @@
 
 Adding a strategy is one file with a Strategy subclass (strategies/base.py) and one line in STRATEGY_CLASSES (its
 name, and where its class is): the Engine, the CLI's choices, config files and `multigpu demo` take it by name. Its
-constructor arguments are its options, the fields of the option groups it inherits (core/layout.py, or its own
+constructor arguments are its options, the fields of the option groups it inherits (config/layout.py, or its own
 file), and the layout.
 """
 
@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import fields
 from typing import Any
 
+from multigpu.config.layout import resolve_layout
+from multigpu.config.settings import strategy_option_fields
 from multigpu.core.errors import UsageError
-from multigpu.core.layout import resolve_layout
 from multigpu.core.lazy import imported
-from multigpu.core.settings import strategy_option_fields
 from multigpu.strategies.base import Strategy
 
 #: Each strategy's class, imported when a run uses it: pp's imports torch's pipelining (and dynamo), fsdp's FSDP2,

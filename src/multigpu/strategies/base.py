@@ -15,12 +15,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from multigpu.config.layout import ALONE, ParallelDims, Spread
+from multigpu.config.precision import Precision, PrecisionPlan
 from multigpu.core.env import DistEnv, grouped
 from multigpu.core.errors import UsageError
-from multigpu.core.layout import ALONE, ParallelDims, Spread
-from multigpu.core.modules import MetaValues, instance_of, parameters_on_meta
-from multigpu.core.precision import Precision, PrecisionPlan
-from multigpu.strategies.mesh import build_mesh
+from multigpu.core.lazy import instance_of
+from multigpu.models.modules import MetaValues, parameters_on_meta
+from multigpu.parallel.mesh import build_mesh
 
 
 @dataclass(frozen=True)
@@ -35,10 +36,10 @@ class Strategy(ABC):
     wrap the model and optimizer, skip gradient synchronisation, scale, clip, measure and save.
 
     A strategy is built whole from its constructor arguments (strategies/__init__.py: the registry): the resolved
-    layout, and its own options, which are the fields of the option groups it inherits (core/layout.py).
+    layout, and its own options, which are the fields of the option groups it inherits (config/layout.py).
     """
 
-    #: Every degree of the job, resolved from the request and the world size (core/layout.py: resolve_layout).
+    #: Every degree of the job, resolved from the request and the world size (config/layout.py: resolve_layout).
     layout: ParallelDims = field(default_factory=ParallelDims)
 
     name: ClassVar[str]
@@ -58,7 +59,7 @@ class Strategy(ABC):
     not_taken: ClassVar[tuple[str, ...]] = ()
     #: Built by `build_mesh` in setup; None until then and for strategies without mesh_dims.
     mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
-    #: The model's mixture-of-experts layers (strategies/experts.py), set before setup; None for a dense model.
+    #: The model's mixture-of-experts layers (parallel/experts.py), set before setup; None for a dense model.
     experts: Any = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod

@@ -13,14 +13,14 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from multigpu.config.layout import REPLICAS
+from multigpu.config.precision import PrecisionPlan
+from multigpu.config.settings import Settings, setting
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
-from multigpu.core.layout import REPLICAS
-from multigpu.core.precision import PrecisionPlan
-from multigpu.core.settings import Settings, setting
+from multigpu.parallel.compression import CompressionOptions
+from multigpu.parallel.mesh import with_cp
 from multigpu.strategies.base import Strategy, move_to_device
-from multigpu.strategies.compression import CompressionOptions
-from multigpu.strategies.mesh import with_cp
 
 # DDP's reducer notices a bucket left waiting only when the next forward starts, and says so in these words.
 UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
@@ -42,7 +42,7 @@ class DDPOptions(Settings):
 class DDP(CompressionOptions, DDPOptions, Strategy):
     bucket_cap_mb: float = 25.0
     static_graph: bool = False
-    #: PowerSGD's state (strategies/powersgd.py), saved per rank in checkpoints; None without powersgd.
+    #: PowerSGD's state (parallel/powersgd.py), saved per rank in checkpoints; None without powersgd.
     powersgd: Any = field(default=None, init=False, repr=False, compare=False)
 
     name = "ddp"
@@ -55,7 +55,7 @@ class DDP(CompressionOptions, DDPOptions, Strategy):
         mesh = self.build_mesh(env)
         model = move_to_device(model, env)
         if self.layout.ep > 1:
-            from multigpu.strategies.expert_parallel import replicate_experts
+            from multigpu.parallel.expert_parallel import replicate_experts
 
             replicate_experts(model, optimizer, self.experts, env.device)
         device_ids = [env.device.index] if env.device.type == "cuda" else None
@@ -73,18 +73,18 @@ class DDP(CompressionOptions, DDPOptions, Strategy):
         if not (self.find_unused_parameters or self.static_graph):  # both change what that error means
             wrapped.forward = self._explaining_unused(wrapped)
         if self.compression.kind != "none":
-            from multigpu.strategies.powersgd import register  # torch's hooks, imported only by runs that use them
+            from multigpu.parallel.powersgd import register  # torch's hooks, imported only by runs that use them
 
             self.powersgd = register(wrapped, self.compression, with_cp(mesh, ("replicate",)).get_group())
         return wrapped, optimizer
 
     def communication_state(self) -> dict[str, Any] | None:
-        """This rank's PowerSGD state for a checkpoint (engine/checkpoint.py), or None without powersgd."""
+        """This rank's PowerSGD state for a checkpoint (checkpoint/), or None without powersgd."""
         return None if self.powersgd is None else self.powersgd.state_dict()
 
     def load_communication_state(self, read: Callable[[int], Any], rank: int) -> None:
         """Puts back the PowerSGD state a checkpoint holds; `read(r)` is rank r's (None where none was saved)."""
-        from multigpu.strategies.powersgd import load_keeper_state
+        from multigpu.parallel.powersgd import load_keeper_state
 
         load_keeper_state(self.powersgd, read, rank)
 

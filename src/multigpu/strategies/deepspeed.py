@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from multigpu.core.config import json_value, read_json
+from multigpu.config.flags import json_value, read_json
+from multigpu.config.layout import OWN_GROUPS
+from multigpu.config.precision import Precision, PrecisionPlan
+from multigpu.config.settings import StrategyOptions, setting
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError, require
-from multigpu.core.layout import OWN_GROUPS
-from multigpu.core.modules import give_back_freed_memory
-from multigpu.core.precision import Precision, PrecisionPlan
-from multigpu.core.settings import StrategyOptions, setting
+from multigpu.models.modules import give_back_freed_memory
 from multigpu.strategies.base import StepOutcome, Strategy, frozen_names
 
 INSTALL = "pip install 'multigpu[deepspeed]'"

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from multigpu.config.precision import PrecisionPlan
 from multigpu.core.env import DistEnv
-from multigpu.core.precision import PrecisionPlan
 from multigpu.strategies.base import Strategy, move_to_device
 from multigpu.strategies.single import Single
 

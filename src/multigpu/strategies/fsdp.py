@@ -12,16 +12,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from multigpu.config.layout import SHARDS, ShardingOptions, TensorParallelOptions
+from multigpu.config.precision import Precision, PrecisionPlan
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError, require
-from multigpu.core.layout import SHARDS, ShardingOptions, TensorParallelOptions
-from multigpu.core.modules import MetaValues, check_ties, default_units, repoint
-from multigpu.core.precision import Precision, PrecisionPlan
+from multigpu.models.modules import MetaValues, check_ties, default_units, repoint
+from multigpu.parallel.compression import CompressionOptions, refuse_powersgd
+from multigpu.parallel.mesh import with_cp
+from multigpu.parallel.shard_fill import fill_shards
+from multigpu.parallel.tensor_parallel import check_sequence_parallel, start_alike, tensor_parallelize
 from multigpu.strategies.base import Strategy, is_quantized
-from multigpu.strategies.compression import CompressionOptions, refuse_powersgd
-from multigpu.strategies.fill import fill_shards
-from multigpu.strategies.mesh import with_cp
-from multigpu.strategies.tp import check_sequence_parallel, start_alike, tensor_parallelize
 
 UnitSelector = Callable[[nn.Module], list[nn.Module]]
 
@@ -113,7 +113,7 @@ class FSDP(CompressionOptions, ShardingOptions, TensorParallelOptions, Strategy)
         if self.layout.tp > 1:  # tp splits the layers first; fully_shard then shards each slice over "shard"
             tensor_parallelize(model, self.mesh["tp"], self.sequence_parallel)
         if self.layout.ep > 1:  # each rank's experts, sharded over the ranks that hold the same ones
-            from multigpu.strategies.expert_parallel import shard_experts
+            from multigpu.parallel.expert_parallel import shard_experts
 
             shard_experts(self.experts, env.device, plan.unit, self.reshard_after_forward)
         for unit in [*units, model]:

@@ -3,7 +3,7 @@
 Parameters, gradients and optimizer states are sharded over the processes of one replica (by default a node, where
 the all-gathers of every layer run over the fast links), and each replica's reduce-scattered gradients are then
 averaged with the other replicas' (one all-reduce of a shard per step over the slower links between nodes). How
-many replicas is the layout's replicate degree (core/layout.py: --replicate, by default one per node).
+many replicas is the layout's replicate degree (config/layout.py: --replicate, by default one per node).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from multigpu.core.layout import HYBRID
+from multigpu.config.layout import HYBRID
+from multigpu.parallel.mesh import with_cp
 from multigpu.strategies.fsdp import FSDP
-from multigpu.strategies.mesh import with_cp
 
 
 @dataclass

@@ -27,16 +27,16 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
+from multigpu.config.layout import PIPELINE, PipelineOptions, TensorParallelOptions, check_schedule
+from multigpu.config.precision import Precision, PrecisionPlan
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
-from multigpu.core.layout import PIPELINE, PipelineOptions, TensorParallelOptions, check_schedule
-from multigpu.core.modules import repoint
-from multigpu.core.precision import Precision, PrecisionPlan
+from multigpu.models.modules import repoint
+from multigpu.parallel.mesh import with_cp
+from multigpu.parallel.pipeline_stages import DecoderStage, stage_parts
+from multigpu.parallel.tensor_parallel import check_sequence_parallel, start_alike, tensor_parallelize, tied_places
 from multigpu.strategies.base import StepOutcome, Strategy, frozen_names
 from multigpu.strategies.fsdp import FSDP
-from multigpu.strategies.mesh import with_cp
-from multigpu.strategies.pp_stages import DecoderStage, stage_parts
-from multigpu.strategies.tp import check_sequence_parallel, start_alike, tensor_parallelize, tied_places
 
 #: What a stage's loss function hands back to the engine: the loss (a mean, or a sum with its count).
 LossFn = Callable[[Any, Any], Any]
@@ -159,7 +159,7 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) in held]
         if self.layout.ep > 1:  # the stages' experts over the ep ranks, before zero shards the rest
-            from multigpu.strategies.expert_parallel import spread_stage_experts
+            from multigpu.parallel.expert_parallel import spread_stage_experts
 
             policy = getattr(plan, "unit", None) if self.data is not None else None
             reshard = getattr(self.data, "reshard_after_forward", True)

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from multigpu.config.precision import PrecisionPlan
 from multigpu.core.env import DistEnv
-from multigpu.core.precision import PrecisionPlan
 from multigpu.strategies.base import Strategy, move_to_device
 
 

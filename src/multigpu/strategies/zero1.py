@@ -10,12 +10,12 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from multigpu.config.layout import OPTIMIZER_SHARDS
+from multigpu.config.precision import PrecisionPlan
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
-from multigpu.core.layout import OPTIMIZER_SHARDS
-from multigpu.core.precision import PrecisionPlan
+from multigpu.parallel.mesh import with_cp
 from multigpu.strategies.ddp import DDP
-from multigpu.strategies.mesh import with_cp
 
 
 @dataclass

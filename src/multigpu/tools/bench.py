@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from multigpu.core.config import parse_list
+from multigpu.config.flags import parse_list
+from multigpu.config.settings import derive, setting
 from multigpu.core.errors import UsageError
-from multigpu.core.settings import derive, setting
 from multigpu.engine.config import EngineConfig
+from multigpu.parallel.compression import CompressionOptions, refuse_powersgd, wire_factor
 from multigpu.strategies import STRATEGIES
-from multigpu.strategies.compression import CompressionOptions, refuse_powersgd, wire_factor
 from multigpu.tools import harness
 
 #: The strategies whose gradient collectives bench counts (bytes sent per step); tp reduces no gradients.

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from multigpu.core.config import Parser, add_config_arguments, config_from_args, config_to_argv
+from multigpu.config.flags import Parser, add_config_arguments, config_from_args, config_to_argv
 from multigpu.core.env import DistEnv, init_process_group
 from multigpu.core.errors import UsageError, exit_on_usage_error
 

@@ -4,7 +4,7 @@ holding the same slice of them share. Pure arithmetic."""
 
 from __future__ import annotations
 
-from multigpu.core.recompute import FORWARD_RUN_AGAIN
+from multigpu.models.recompute import FORWARD_RUN_AGAIN
 from multigpu.tools.links import Links, all_to_all, shared_link, span_link
 from multigpu.tools.simulate_config import SimulateConfig
 

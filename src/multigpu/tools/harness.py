@@ -23,7 +23,7 @@ from multigpu.engine import Engine, EngineConfig, StepObserver, StepStats, obser
 from multigpu.engine.monitor import Monitor, peak_memory_bytes
 from multigpu.launch import worker
 from multigpu.launch.launcher import LaunchConfig, launch
-from multigpu.strategies.compression import step_payload_bytes
+from multigpu.parallel.compression import step_payload_bytes
 
 
 @dataclass

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from multigpu.core.errors import UsageError
-from multigpu.core.recompute import FORWARD_RUN_AGAIN
+from multigpu.models.recompute import FORWARD_RUN_AGAIN
 from multigpu.planner.layout import bubble_fraction
 from multigpu.tools.context_cost import cp_comm
 from multigpu.tools.expert_cost import ep_comm, parameter_groups

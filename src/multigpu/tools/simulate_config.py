@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from multigpu.config.layout import CP_METHODS, SHARDS, LayoutSettings, ParallelDims, check_schedule, resolve_layout
 from multigpu.core.errors import UsageError
-from multigpu.core.layout import CP_METHODS, SHARDS, LayoutSettings, ParallelDims, check_schedule, resolve_layout
 from multigpu.tools.links import INTERCONNECTS
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")

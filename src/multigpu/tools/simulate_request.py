@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from multigpu.core.config import json_value, parse_list, read_json
+from multigpu.config.flags import json_value, parse_list, read_json
+from multigpu.config.settings import derive, setting
 from multigpu.core.errors import UsageError
-from multigpu.core.recompute import FORWARD_RUN_AGAIN
-from multigpu.core.settings import derive, setting
 from multigpu.engine.config import EngineConfig
-from multigpu.strategies.compression import Compression, payload_bytes, refuse_powersgd
+from multigpu.models.recompute import FORWARD_RUN_AGAIN
+from multigpu.parallel.compression import Compression, payload_bytes, refuse_powersgd
 from multigpu.tools.simulate import (
     INTERCONNECTS,
     OPS,

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
+from multigpu.config.settings import derive, setting, strategy_option_fields
 from multigpu.core.errors import UsageError
-from multigpu.core.settings import derive, setting, strategy_option_fields
 from multigpu.engine.config import EngineConfig
 from multigpu.tools import harness
 

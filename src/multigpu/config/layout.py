@@ -1,0 +1,330 @@
+"""How a job's processes are laid out: the degrees a run asks for, what the dimensions that take them do with the
+model (their options), and ParallelDims, every degree resolved once, from the request and the world size, by
+`resolve_layout`. Strategies, the data loader, the planner, the simulator and `auto` read the ParallelDims; nothing
+else derives a degree. Pure arithmetic: no process group (the DeviceMesh is built in parallel/mesh.py).
+
+The dimensions, outermost first (MESH_ORDER): pp (consecutive layers on consecutive groups of processes, across
+nodes), replicate (whole copies whose gradients are averaged), shard (slices of parameters, gradients and optimizer
+states), cp (slices of each sequence), tp (slices of each layer's matrices, between neighbouring processes, so
+inside a node). ep (experts spread over ranks) reuses processes of shard x cp rather than adding its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+
+from multigpu.config.settings import Settings, StrategyOptions, setting
+from multigpu.core.errors import UsageError, require
+
+#: Mesh dimensions outermost first. Ranks that differ only in the innermost dimension are neighbours (consecutive
+#: ranks, so the same node), which is where tp's per-layer collectives must run; pp talks least, so it spans nodes.
+MESH_ORDER = ("pp", "replicate", "shard", "cp", "tp")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+#: How attention sees a whole sequence split over the cp ranks: ulysses (all-to-all from position slices to head
+#: slices around attention and back; any device) or ring (torch's context_parallel passes keys and values round the
+#: ranks; CUDA only).
+CP_METHODS = ("ulysses", "ring")
+
+
+@dataclass
+class LayoutSettings(Settings):
+    """The degrees a run asks for; the strategy's dimension takes the processes they leave (resolve_layout)."""
+
+    replicate: int | None = setting(
+        None, "hsdp: whole model replicas, each sharded over its processes (default: one per node)"
+    )
+    tp_size: int | None = setting(
+        None,
+        "tensor parallel degree: each layer of the model's tp_plan split over this many processes, which read the "
+        "same batch (strategy tp: every process; zero2, zero3, hsdp: inside their data parallelism)",
+    )
+    pp_size: int | None = setting(
+        None,
+        "pipeline stages' processes: strategy pp over the rest as whole replicas, or zero2, zero3 or hsdp inside "
+        "each stage (default for pp: every process outside tp)",
+    )
+    cp_size: int | None = setting(
+        None,
+        "context parallel degree: each sequence split by position over this many processes, which read the same "
+        "batch (beside ddp, zero1, zero2, zero3, hsdp and pp; the sequence length a multiple of 2 x cp_size)",
+    )
+    ep_size: int | None = setting(
+        None,
+        "expert parallel degree: a mixture-of-experts model's experts spread over this many of the data-parallel "
+        "processes (times cp), tokens sent to their experts' ranks and back by all-to-all (beside ddp, zero2, zero3, "
+        "hsdp and pp; the number of experts a multiple of it)",
+    )
+    cp_method: str = setting(
+        "ulysses",
+        "with cp_size: ulysses (all-to-all to whole sequences of a slice of the heads around attention; any device) "
+        "or ring (torch's ring attention; CUDA only)",
+        choices=CP_METHODS,
+    )
+
+    def check(self) -> None:
+        require(
+            (
+                self.replicate is None or self.replicate >= 1,
+                f"replicate must be 1 or more (got {self.replicate}); leave it unset for one replica per node.",
+            ),
+            (
+                self.tp_size is None or self.tp_size >= 1,
+                f"tp_size must be 1 or more (got {self.tp_size}); leave it unset for none.",
+            ),
+            (
+                self.pp_size is None or self.pp_size >= 1,
+                f"pp_size must be 1 or more (got {self.pp_size}); leave it unset for none.",
+            ),
+            (
+                self.cp_size is None or self.cp_size >= 1,
+                f"cp_size must be 1 or more (got {self.cp_size}); leave it unset for none.",
+            ),
+            (
+                self.ep_size is None or self.ep_size >= 1,
+                f"ep_size must be 1 or more (got {self.ep_size}); leave it unset for none.",
+            ),
+        )
+
+
+@dataclass
+class TensorParallelOptions(StrategyOptions):
+    """What tensor parallelism splits besides the layers of the model's tp_plan."""
+
+    sequence_parallel: bool = setting(
+        False,
+        "with tp: also split a Hugging Face decoder's norms and residual stream by sequence position over the tp "
+        "processes (less activation memory; the sequence length must be a multiple of tp_size)",
+    )
+
+
+@dataclass
+class PipelineOptions(StrategyOptions):
+    """How a pipeline runs its stages (strategy pp, and zero2, zero3 or hsdp beside pp_size)."""
+
+    pp_schedule: str = setting(
+        "1f1b", "pp: gpipe (all forwards, then all backwards), 1f1b (less memory) or interleaved", choices=PP_SCHEDULES
+    )
+    pp_stages_per_rank: int = setting(
+        1, "pp with schedule interleaved: stages per process (2 or more; a smaller bubble)"
+    )
+    pp_microbatches: int | None = setting(
+        None, "pp: slices of each batch that flow through the pipeline one after another (default: one per stage)"
+    )
+
+    def check(self) -> None:
+        # Whether the schedule and its stages per rank fit is checked where a pipeline is built (check_schedule):
+        # under a strategy without pp, the sentence to give is that pp_schedule is pp's option, not how it fits.
+        require(
+            (
+                self.pp_microbatches is None or self.pp_microbatches >= 1,
+                f"pp_microbatches must be 1 or more (got {self.pp_microbatches}).",
+            )
+        )
+
+
+@dataclass
+class ShardingOptions(StrategyOptions):
+    """What zero2, zero3 and hsdp do with their shards (the planner counts both)."""
+
+    cpu_offload: bool = setting(False, "zero3: keep the sharded parameters in CPU memory, and step there")
+    unsharded_grad_accum: bool = setting(
+        False,
+        "zero2/zero3: accumulate whole gradients locally and reduce-scatter once per optimizer step (less "
+        "communication, a full gradient per rank) instead of on every micro-step",
+    )
+
+
+def check_schedule(schedule: str, stages_per_rank: int) -> None:
+    """Refuses an unknown schedule, or stages per rank that do not fit it (interleaved takes 2 or more, the others
+    1)."""
+    if schedule not in PP_SCHEDULES:
+        raise UsageError(f"Unknown pp_schedule {schedule!r}; choose one of {', '.join(PP_SCHEDULES)}.")
+    if stages_per_rank < 1 or (stages_per_rank > 1) != (schedule == "interleaved"):
+        raise UsageError(
+            f"pp_stages_per_rank {stages_per_rank} does not fit pp_schedule {schedule}: interleaved takes 2 or more "
+            "stages per rank, gpipe and 1f1b take 1; set them together."
+        )
+
+
+def check_stages(layers: int, stages: int) -> None:
+    """Refuses more pipeline stages than layers: each stage runs one layer at least. The CLI asks this of the model's
+    config before any process starts; strategy pp of the model it builds."""
+    if layers < stages:
+        raise UsageError(
+            f"The model's {layers} layers cannot fill {stages} pipeline stages (pp_size x pp_stages_per_rank); "
+            f"choose a pp_size and pp_stages_per_rank whose product is at most {layers}."
+        )
+
+
+def check_tp_heads(config: object, degree: int) -> None:
+    """Refuses a tp degree that does not divide a Hugging Face config's attention heads (each process must get whole
+    heads). The CLI asks this of the model's config before any process starts; strategy tp of the model it builds."""
+    for heads in ("num_attention_heads", "num_key_value_heads"):
+        count = getattr(config, heads, None)
+        if isinstance(count, int) and count % degree:
+            raise UsageError(
+                f"A tensor-parallel degree of {degree} (tp_size, or the processes of strategy tp) does not divide the "
+                f"model's {count} {heads.replace('num_', '').replace('_', ' ')}; choose a degree that divides it."
+            )
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Every degree of a job, resolved: their product is the number of processes."""
+
+    replicate: int = 1  # full model copies whose gradients are averaged (ddp)
+    shard: int = 1  # processes that each hold a slice of parameters, gradients and optimizer states (zero2/zero3)
+    cp: int = 1  # context parallel: each sequence split by position
+    tp: int = 1  # tensor parallel: each layer's matrices split across processes
+    pp: int = 1  # pipeline parallel: consecutive groups of layers on different processes
+    ep: int = 1  # expert parallel: a mixture's experts spread over data-parallel x cp ranks (no processes of its own)
+
+    def __post_init__(self) -> None:
+        for item in fields(self):
+            degree = getattr(self, item.name)
+            if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+                raise UsageError(
+                    f"The {item.name} degree must be a whole number of at least 1, not {degree!r}; "
+                    f"set {item.name} to 1 or more."
+                )
+        pool, named = self.expert_pool
+        if pool % self.ep:
+            raise UsageError(
+                f"ep_size {self.ep} spreads experts over the {pool} data-parallel processes ({named}) and does not "
+                f"divide them; choose an ep_size that divides {pool}."
+            )
+
+    @property
+    def expert_pool(self) -> tuple[int, str]:
+        """How many processes an ep group is drawn from, and which dimensions those are: the shards (x cp) where
+        parameters are sharded, else the replicas (x cp). An ep group is `ep` consecutive ranks of that pool, so
+        its all-to-alls stay inside a node as the shards' collectives do."""
+        inner = "shard" if self.shard > 1 else "replicate"
+        degree = getattr(self, inner) * self.cp
+        return degree, f"{inner} {getattr(self, inner)}" + (f" x cp {self.cp}" if self.cp > 1 else "")
+
+    @property
+    def world_size(self) -> int:
+        """The number of processes this layout needs."""
+        return math.prod(getattr(self, name) for name in MESH_ORDER)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many different batches one step trains on: replicas and shards each read their own."""
+        return self.replicate * self.shard
+
+    def data_parallel_rank(self, rank: int) -> int:
+        """Which of the data-parallel ranks global `rank` is: its index over (replicate, shard), as the mesh lays
+        ranks out (MESH_ORDER: the cp and tp ranks of one replica are consecutive and read the same batch)."""
+        return (rank // (self.cp * self.tp)) % self.data_parallel_size
+
+    def sequence_multiple(self, sequence_parallel: bool) -> int:
+        """What each batch's sequence length must be a multiple of: the tensor-parallel degree under
+        sequence_parallel (every tp process takes an equal slice of the positions) and 2 x cp under context
+        parallelism (each cp rank a head and a tail chunk)."""
+        return math.lcm(self.tp if sequence_parallel else 1, 2 * self.cp if self.cp > 1 else 1)
+
+    def in_mesh(self, keep: Sequence[str] = ()) -> tuple[tuple[str, int], ...]:
+        """(name, degree) of the mesh's dimensions, outermost first: those of degree above 1, and those in `keep`
+        whatever their degree (a strategy keeps its own, so that `mesh["shard"]` works in a one-process run)."""
+        unknown = [name for name in keep if name not in MESH_ORDER]
+        if unknown:
+            raise UsageError(f"Unknown mesh dimension(s) {unknown}; choose from {', '.join(MESH_ORDER)}.")
+        return tuple((name, getattr(self, name)) for name in MESH_ORDER if getattr(self, name) > 1 or name in keep)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The dimensions in use (degree above 1), outermost first."""
+        return tuple(name for name, _ in self.in_mesh())
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(degree for _, degree in self.in_mesh())
+
+    def check(self, world_size: int) -> None:
+        """Refuses a layout that does not use exactly the `world_size` processes launched."""
+        if self.world_size != world_size:
+            product = " x ".join(f"{name} {getattr(self, name)}" for name in ("replicate", "shard", "cp", "tp", "pp"))
+            launched = f"{world_size} was" if world_size == 1 else f"{world_size} were"
+            raise UsageError(
+                f"{product} = {self.world_size} processes, but {launched} launched; launch {self.world_size} "
+                f"(multigpu run -n {self.world_size}) or choose degrees whose product is {world_size}."
+            )
+
+
+@dataclass(frozen=True)
+class Spread:
+    """How a strategy lays processes out: `takes`, the degrees a run may ask for beside it (tp_size, pp_size,
+    replicate), and `fills`, the dimensions that take the processes those leave (the first one not asked for takes
+    them all)."""
+
+    fills: tuple[str, ...] = ()
+    takes: frozenset[str] = field(default_factory=frozenset)
+
+
+ALONE = Spread()  # one process: single, dp
+REPLICAS = Spread(("replicate",), frozenset({"cp", "ep"}))  # ddp
+# zero1: ZeroRedundancyOptimizer partitions whole parameters over the replicas, which ep's experts are not
+OPTIMIZER_SHARDS = Spread(("replicate",), frozenset({"cp"}))
+SHARDS = Spread(("shard",), frozenset({"tp", "pp", "cp", "ep"}))  # zero2, zero3
+# hsdp: replicas (one per node), shards inside
+HYBRID = Spread(("shard",), frozenset({"replicate", "tp", "pp", "cp", "ep"}))
+TENSOR = Spread(("tp",), frozenset({"tp"}))  # tp: every process splits every planned layer
+#: pp: stages over the rest, or pp_size and replicas
+PIPELINE = Spread(("pp", "replicate"), frozenset({"pp", "tp", "cp", "ep"}))
+OWN_GROUPS = Spread(("shard",))  # deepspeed: every process a ZeRO partition, in groups DeepSpeed makes itself
+
+
+def resolve_layout(request: LayoutSettings, spread: Spread, world: int, nodes: int = 1, name: str = "") -> ParallelDims:
+    """The degrees of `world` processes on `nodes` machines under a strategy `name` that spreads them so: those asked
+    for, a replicate beside the shards defaulting to one per node (per pipeline), and the rest on the strategy's
+    dimension. Refuses, with the numbers, degrees that do not divide the processes."""
+    pp, tp, cp = request.pp_size or 1, request.tp_size or 1, request.cp_size or 1
+    if world % pp:
+        raise UsageError(
+            f"pp_size {pp} does not divide the {world} processes launched; choose a pp_size that divides {world}, or "
+            f"launch a multiple of {pp}."
+        )
+    if spread.fills == ("tp",) and tp not in (1, world):  # strategy tp: the layers split over every process
+        raise UsageError(
+            f"Strategy {name} splits each layer over every process, so tp_size {tp} needs {tp} processes, but {world} "
+            f"were launched; launch {tp}, or add data parallelism with strategy zero2, zero3 or hsdp and tp_size {tp}."
+        )
+    if (world // pp) % tp:
+        what = f"pp {pp} x tp {tp}" if pp > 1 else f"{name} x tp {tp}"
+        raise UsageError(
+            f"{what} needs a multiple of {pp * tp} processes, but {world} were launched; launch a multiple of "
+            f"{pp * tp} or choose a tp_size that divides {world // pp}."
+        )
+    if (world // (pp * tp)) % cp:
+        beside = "".join(f" x {dim} {size}" for dim, size in (("pp", pp), ("tp", tp)) if size > 1)
+        raise UsageError(
+            f"cp_size {cp}{beside} needs a multiple of {pp * tp * cp} processes, but {world} were launched; launch a "
+            f"multiple of {pp * tp * cp} or choose a cp_size that divides {world // (pp * tp)}."
+        )
+    sizes = (("pp", request.pp_size), ("tp", request.tp_size), ("cp", request.cp_size))
+    degrees = {dim: size for dim, size in sizes if size is not None}
+    groups = world // (pp * tp * cp)
+    if "replicate" in spread.takes:
+        replicate = request.replicate or max(1, nodes // pp)
+        if groups % replicate:
+            divisors = ", ".join(str(d) for d in range(1, groups + 1) if groups % d == 0)
+            split = " x ".join(f"{dim} {size}" for dim, size in (("cp", cp), ("tp", tp)) if size > 1)
+            of = f"groups of {split}" if split else "processes"
+            raise UsageError(
+                f"{name} cannot split {groups} {of} into {replicate} equal replicas; choose a replicate degree that "
+                f"divides {groups} ({divisors})."
+            )
+        degrees["replicate"] = replicate
+    rest = world // math.prod(degrees.values())
+    taker = next((dim for dim in spread.fills if dim not in degrees), None)
+    if taker is not None:
+        degrees[taker] = rest
+    elif rest != 1:
+        raise UsageError(
+            f"Strategy {name} runs in one process, but {world} were launched and would each train alone; launch one "
+            "process, or use ddp/zero1/zero2/zero3."
+        )
+    return ParallelDims(**degrees, ep=request.ep_size or 1)

@@ -1,0 +1,105 @@
+"""One definition per setting: every Engine setting is declared once in the package, and every config that shows it
+derives it (config/settings.py), keeping its help, choices and checks."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+import multigpu
+from multigpu.config.settings import Derived, derive, setting_names
+from multigpu.core.errors import UsageError
+from multigpu.engine.config import EngineConfig
+from multigpu.planner.config import PlanConfig
+from multigpu.recipes.finetune import FinetuneConfig
+from multigpu.recipes.generate import GenerateConfig
+from multigpu.recipes.train import TrainConfig
+from multigpu.tools.bench import BenchConfig
+from multigpu.tools.simulate_request import SimulateRequest
+from multigpu.tools.verify import VerifyConfig
+
+PACKAGE = Path(multigpu.__file__).parent
+
+
+def declared_fields() -> list[tuple[str, str, bool]]:
+    """(name, where, is a setting) of every field declared in the body of a dataclass of the package: a setting
+    carries a help text (`setting(...)`, or a field with metadata), a plain field is a value the class holds."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef) or not any("dataclass" in ast.dump(d) for d in node.decorator_list):
+                continue
+            for statement in node.body:
+                if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
+                    value = ast.dump(statement.value) if statement.value is not None else ""
+                    is_setting = "id='setting'" in value or "metadata" in value
+                    where = f"{path.relative_to(PACKAGE)}:{node.name}"
+                    found.append((statement.target.id, where, is_setting))
+    return found
+
+
+def test_every_engine_setting_is_declared_in_one_dataclass_only() -> None:
+    """A setting is declared where its help text is written; a dataclass that only holds a value of the same name
+    (a result's `strategy`, ParallelDims' resolved `replicate`, DeepSpeed's `max_grad_norm` argument) defines
+    nothing. Every config that shows an Engine setting derives it instead (test below)."""
+    names = setting_names(EngineConfig)
+    declared: dict[str, list[str]] = {name: [] for name in names}
+    for name, where, is_setting in declared_fields():
+        if is_setting and name in declared:
+            declared[name].append(where)
+    assert {name: places for name, places in declared.items() if len(places) != 1} == {}
+
+
+def test_derived_settings_keep_their_definition() -> None:
+    """A config that shows an Engine setting shows the Engine's: the same type, choices and help (a note added, and
+    what an unset value means here in place of the source's "(default: ...)")."""
+    engine = {field.name: field for field in dataclasses.fields(EngineConfig)}
+    configs = (TrainConfig, FinetuneConfig, GenerateConfig, VerifyConfig, BenchConfig, SimulateRequest)
+    for config in configs:
+        assert issubclass(config, Derived)
+        for source, names in config.sources:
+            for ours, theirs in names.items():
+                field = next(f for f in dataclasses.fields(config) if f.name == ours)
+                original = next(f for f in dataclasses.fields(source) if f.name == theirs)
+                said_once = original.metadata["help"].split(" (default:")[0]
+                assert field.metadata["help"].startswith(said_once), (config, ours)
+                chosen = original.metadata.get("choices")
+                assert chosen is None or set(field.metadata["choices"]) <= set(chosen), (config, ours)
+                if source is EngineConfig:
+                    assert original is engine[theirs]
+
+
+def test_a_derived_setting_is_checked_by_its_definition() -> None:
+    with pytest.raises(UsageError, match=r"^grad_accum_steps must be 1 or more \(got 0\)\.$"):
+        TrainConfig(grad_accum_steps=0)
+    with pytest.raises(UsageError, match=r"^seed must be from 0 to 2\*\*32 - 1"):
+        GenerateConfig(prompts="p.jsonl", out="o.jsonl", seed=-1)
+    with pytest.raises(UsageError, match=r"^tp_size must be 1 or more \(got 0\)"):
+        VerifyConfig(strategy="zero3", tp_size=0)
+    # A renamed setting is named as the verb names it: simulate's --microbatches is the Engine's pp_microbatches.
+    with pytest.raises(UsageError, match=r"^microbatches must be 1 or more \(got 0\)\.$"):
+        SimulateRequest(microbatches=0)
+    # An override left unset keeps the script's own: no check runs on it.
+    assert VerifyConfig().values_for(EngineConfig) == {}
+
+
+def test_derive_refuses_what_its_sources_lack() -> None:
+    with pytest.raises(TypeError, match=r"no setting \['tp'\]"):
+        derive("Broken", EngineConfig, only=("tp",))
+    with pytest.raises(TypeError, match=r"are not choices of strategy"):
+        derive("Broken", EngineConfig, only=("strategy",), choices={"strategy": ("ring",)})
+
+
+@pytest.mark.parametrize(
+    ("config", "name", "value"),
+    [(TrainConfig, "mode", "lstm"), (FinetuneConfig, "method", "dora"), (PlanConfig, "optimizer", "lion")],
+)
+def test_a_value_outside_a_settings_choices_is_refused_where_the_config_is_built(
+    config: type, name: str, value: str
+) -> None:
+    """The choices a setting declares are its check, for a config built in code or read from a file alike."""
+    with pytest.raises(UsageError, match=rf"^Unknown {name} '{value}'; choose one of .+\.$"):
+        config(**{name: value})
