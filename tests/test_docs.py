@@ -160,3 +160,20 @@ def test_every_relative_link_and_repository_path_resolves(page: Path) -> None:
         if not (ROOT / path).exists():
             broken.append(f"`{path}`: no such file in the repository")
     assert not broken, f"{page.relative_to(ROOT)}:\n" + "\n".join(broken)
+
+
+def test_the_architecture_names_every_module() -> None:
+    """docs/architecture.md's map of the layers names each folder and each module in it: a new module is placed
+    in the map, and a moved one leaves no stale name behind."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text[text.index("```") : text.index("```", text.index("```") + 3)]
+    sections = re.split(r"\n (?=[a-z_]+(?:/|\.py) )", block)
+    named = {section.split()[0]: set(re.findall(r"[a-z_0-9]+", section)) for section in sections[1:]}
+    missing = []
+    for folder in sorted(p for p in (ROOT / "src" / "multigpu").iterdir() if p.is_dir() and p.name != "__pycache__"):
+        words = named.get(f"{folder.name}/", set())
+        known = words | {"__init__"}
+        missing += [f"{folder.name}/{m.stem}" for m in sorted(folder.glob("*.py")) if m.stem not in known]
+        if f"{folder.name}/" not in named:
+            missing.append(f"{folder.name}/ (the folder)")
+    assert not missing, "docs/architecture.md's map of the layers does not name: " + ", ".join(missing)
