@@ -8,7 +8,8 @@ verify's overrides default to the script's own) declares each as a field of its 
 `shown(Source)` or `override(Source)`: the field keeps the one definition (help, choices, checks), and building the
 config builds the source from those values, so the source's checks run. Every field of every config is thus
 written in a class body, where a reader or a type checker finds it. The CLI's flags, config files, `multigpu
-config VERB` and docs/cli.md are all made from the fields (config/flags.py, config/config_file.py).
+config VERB` and docs/cli.md are all made from the fields (config/flags.py, config/config_file.py and
+config/config_writer.py).
 """
 
 from __future__ import annotations

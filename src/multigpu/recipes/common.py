@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from multigpu import checkpoint
 from multigpu.checkpoint import run_lock
-from multigpu.config.config_file import RUN_CONFIG, save_run_config
+from multigpu.config.config_writer import RUN_CONFIG, save_run_config
 from multigpu.config.flags import config_to_argv
 from multigpu.config.layout import ParallelDims
 from multigpu.config.settings import Settings, setting
