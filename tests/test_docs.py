@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from multigpu.cli import build_parser
-from multigpu.config import config_file
+from multigpu.config import config_file, config_writer
 from multigpu.config.cli_reference import reference
 from multigpu.config.config_file import verb_parsers
 from tests.dist import ROOT, run_command
@@ -37,12 +37,12 @@ def test_a_flag_says_the_same_in_the_cli_the_config_file_and_the_reference(verb:
     """Each setting's help, choices and default, read from the three places a user meets them: `multigpu VERB
     --help`, the file `multigpu config VERB` writes, and docs/cli.md's row for the flag."""
     parser = verb_parsers(build_parser())[verb]
-    written = config_file.render(parser, "yaml", config_file.defaults(parser), "f.yaml")
+    written = config_writer.render(parser, "yaml", config_file.defaults(parser), "f.yaml")
     comments = re.findall(r"((?:^# .*\n)+)(?:# )?(\w+):", written, flags=re.MULTILINE)
     in_file = {key: " ".join(line[2:] for line in block.splitlines()) for block, key in comments}
     section = verb_sections((DOCS / "cli.md").read_text())[verb]
     for key, action in config_file.settings(parser).items():
-        shown = config_file.help_text(action, parser.prog)
+        shown = config_writer.help_text(action, parser.prog)
         assert in_file[key] == shown, (verb, key)
         if action.option_strings and action.default is not None and action.default is not False:
             assert yaml.safe_load(written.split(f"\n{key}:", 1)[1].split("\n", 1)[0]) == action.default, (verb, key)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from multigpu import __version__
-from multigpu.config import config_file
+from multigpu.config import config_file, config_writer
 from multigpu.config.flags import Parser, add_config_arguments, config_from_args, finite_float
 from multigpu.core.errors import UsageError, exit_on_usage_error, shown_path
 from multigpu.core.lazy import imported
@@ -102,7 +102,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bench.run(config, args.script, args.script_args, args.module)
         code = 0
     if code == 0:
-        config_file.save_settings(settings_of(args), Path(config.out) / config_file.RUN_CONFIG, "bench", "--out")
+        config_writer.save_settings(settings_of(args), Path(config.out) / config_writer.RUN_CONFIG, "bench", "--out")
     return code
 
 
@@ -132,7 +132,7 @@ def cmd_env(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     verb = config_file.verb_parsers(build_parser())[args.target]
     ask = sys.stdin.isatty() if args.ask is None else args.ask
-    config_file.write_config(verb, args.out, args.format, args.force, ask, answer_check(args.target, verb))
+    config_writer.write_config(verb, args.out, args.format, args.force, ask, answer_check(args.target, verb))
     return 0
 
 

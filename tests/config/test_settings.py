@@ -1,16 +1,18 @@
 """One definition per setting: every Engine setting is declared once in the package, and every config that shows it
-derives it (config/settings.py), keeping its help, choices and checks."""
+declares a field that keeps that definition (config/settings.py: shown), its help, choices, type and checks."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import typing
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 import multigpu
-from multigpu.config.settings import Derived, derive, setting_names
+from multigpu.config.settings import SHOWS, Settings, override, setting_names, shown, shown_sources
 from multigpu.core.errors import UsageError
 from multigpu.engine.config import EngineConfig
 from multigpu.planner.config import PlanConfig
@@ -44,7 +46,7 @@ def declared_fields() -> list[tuple[str, str, bool]]:
 def test_every_engine_setting_is_declared_in_one_dataclass_only() -> None:
     """A setting is declared where its help text is written; a dataclass that only holds a value of the same name
     (a result's `strategy`, ParallelDims' resolved `replicate`, DeepSpeed's `max_grad_norm` argument) defines
-    nothing. Every config that shows an Engine setting derives it instead (test below)."""
+    nothing, and a config that shows an Engine setting declares it `shown(...)` or `override(...)` (test below)."""
     names = setting_names(EngineConfig)
     declared: dict[str, list[str]] = {name: [] for name in names}
     for name, where, is_setting in declared_fields():
@@ -53,26 +55,57 @@ def test_every_engine_setting_is_declared_in_one_dataclass_only() -> None:
     assert {name: places for name, places in declared.items() if len(places) != 1} == {}
 
 
-def test_derived_settings_keep_their_definition() -> None:
-    """A config that shows an Engine setting shows the Engine's: the same type, choices and help (a note added, and
-    what an unset value means here in place of the source's "(default: ...)")."""
+CONFIGS = (TrainConfig, FinetuneConfig, GenerateConfig, PlanConfig, VerifyConfig, BenchConfig, SimulateRequest)
+
+
+@pytest.mark.parametrize("config", [EngineConfig, *CONFIGS], ids=lambda config: config.__name__)
+def test_every_field_of_a_config_is_declared_in_a_class_body(config: type) -> None:
+    """What a reader or a type checker finds by searching `multi_gpu:`: every field is written in the body of a
+    dataclass of the package that the config is or inherits, none made at run time."""
+    bodies: dict[str, set[str]] = {}
+    for name, where, _ in declared_fields():
+        bodies.setdefault(where, set()).add(name)
+    declared = set()
+    for cls in config.__mro__:
+        module = cls.__module__.removeprefix("multigpu.").replace(".", "/")
+        declared |= bodies.get(f"{module}.py:{cls.__name__}", set())
+        declared |= bodies.get(f"{module}/__init__.py:{cls.__name__}", set())
+    assert set(setting_names(config)) - declared == set()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda config: config.__name__)
+def test_shown_settings_keep_their_definition(config: type) -> None:
+    """A config that shows an Engine setting shows the Engine's: the same type (None added for an override), choices
+    and help (a note added, and what an unset value means here in place of the source's "(default: ...)")."""
     engine = {field.name: field for field in dataclasses.fields(EngineConfig)}
-    configs = (TrainConfig, FinetuneConfig, GenerateConfig, VerifyConfig, BenchConfig, SimulateRequest)
-    for config in configs:
-        assert issubclass(config, Derived)
-        for source, names in config.sources:
-            for ours, theirs in names.items():
-                field = next(f for f in dataclasses.fields(config) if f.name == ours)
-                original = next(f for f in dataclasses.fields(source) if f.name == theirs)
-                said_once = original.metadata["help"].split(" (default:")[0]
-                assert field.metadata["help"].startswith(said_once), (config, ours)
-                chosen = original.metadata.get("choices")
-                assert chosen is None or set(field.metadata["choices"]) <= set(chosen), (config, ours)
-                if source is EngineConfig:
-                    assert original is engine[theirs]
+    fields = {field.name: field for field in dataclasses.fields(config)}
+    hints = typing.get_type_hints(config)
+    assert shown_sources(config)
+    for source, names in shown_sources(config).items():
+        source_hints = typing.get_type_hints(source)
+        for ours, theirs in names.items():
+            field = fields[ours]
+            original = next(f for f in dataclasses.fields(source) if f.name == theirs)
+            said_once = original.metadata["help"].split(" (default:")[0]
+            assert field.metadata["help"].startswith(said_once), ours
+            chosen = original.metadata.get("choices")
+            assert chosen is None or set(field.metadata["choices"]) <= set(chosen), ours
+            override = field.metadata[SHOWS].override
+            assert hints[ours] == (source_hints[theirs] | None if override else source_hints[theirs]), ours
+            if source is EngineConfig:
+                assert original is engine[theirs]
 
 
-def test_a_derived_setting_is_checked_by_its_definition() -> None:
+def test_a_renamed_setting_keeps_its_name_for_its_source() -> None:
+    """train's --multi-gpu is the Engine's strategy: --strategy is a name of it too, and the Engine gets it as
+    strategy (with the run's save_dir as its log_dir)."""
+    field = next(f for f in dataclasses.fields(TrainConfig) if f.name == "multi_gpu")
+    assert field.metadata["aliases"] == ("strategy",)
+    engine = TrainConfig(multi_gpu="zero3", save_dir="runs/a").values_for(EngineConfig)
+    assert engine["strategy"] == "zero3" and engine["log_dir"] == "runs/a" and "multi_gpu" not in engine
+
+
+def test_a_shown_setting_is_checked_by_its_definition() -> None:
     with pytest.raises(UsageError, match=r"^grad_accum_steps must be 1 or more \(got 0\)\.$"):
         TrainConfig(grad_accum_steps=0)
     with pytest.raises(UsageError, match=r"^seed must be from 0 to 2\*\*32 - 1"):
@@ -86,11 +119,30 @@ def test_a_derived_setting_is_checked_by_its_definition() -> None:
     assert VerifyConfig().values_for(EngineConfig) == {}
 
 
-def test_derive_refuses_what_its_sources_lack() -> None:
-    with pytest.raises(TypeError, match=r"no setting \['tp'\]"):
-        derive("Broken", EngineConfig, only=("tp",))
-    with pytest.raises(TypeError, match=r"are not choices of strategy"):
-        derive("Broken", EngineConfig, only=("strategy",), choices={"strategy": ("ring",)})
+def test_a_shown_setting_its_source_lacks_or_types_otherwise_is_refused_at_import() -> None:
+    with pytest.raises(TypeError, match=r"EngineConfig has no setting 'tp'"):
+
+        @dataclass
+        class NoSuchSetting(Settings):
+            tp: int | None = shown(EngineConfig)
+
+    with pytest.raises(TypeError, match=r"\('ring',\) are not choices of strategy"):
+
+        @dataclass
+        class OtherChoices(Settings):
+            strategy: str = shown(EngineConfig, choices=("ring",))
+
+    with pytest.raises(TypeError, match=r"precision is declared <class 'int'>, but precision's type is <class 'str'>"):
+
+        @dataclass
+        class OtherType(Settings):
+            precision: int = shown(EngineConfig)
+
+    with pytest.raises(TypeError, match=r"compile is declared <class 'bool'>, but compile's type is bool \| None"):
+
+        @dataclass
+        class OverrideWithoutNone(Settings):
+            compile: bool = override(EngineConfig)
 
 
 @pytest.mark.parametrize(

@@ -46,3 +46,20 @@ def test_a_safetensors_file_past_the_file_size_limit_is_one_sentence_and_absent(
     assert not any(tmp_path.iterdir())
     atomic.write_file(out, lambda partial: save_file({"w": torch.ones(10_000)}, partial), RUN_RESULT)
     assert load_file(out)["w"].sum() == 10_000
+
+
+def test_an_interrupt_is_found_behind_the_errors_that_wrap_it() -> None:
+    """Ctrl-C inside a DCP write: the file being written fails on its way out, and DCP wraps that failure."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        try:
+            raise KeyboardInterrupt
+        finally:
+            raise RuntimeError("unexpected pos 704 vs 598")  # what torch.save's zip writer raised on its way out
+    except RuntimeError as failure:
+        wrapped = CheckpointException("write", {0: (failure, None)})
+    found = list(atomic.causes(wrapped))
+    assert any(isinstance(e, KeyboardInterrupt) for e in found) and atomic.disk_error(wrapped) is None
+    disk = CheckpointException("write", {1: (OSError(28, "No space left on device"), None)})
+    assert atomic.disk_error(disk).strerror == "No space left on device"

@@ -3,21 +3,25 @@ and its group's `check` holds its checks.
 
 Groups compose by inheritance: EngineConfig is every group the Engine reads, each defined in the lowest layer that
 reads it (the planner's in core, a strategy's own options in its file). A verb that shows settings of another
-config under its own defaults or flag names (train's `--multi-gpu` is the Engine's strategy, verify's overrides
-default to the script's own) derives them with `derive`: the fields keep their definition, and the derived group's
-check builds the source from the values, so the source's checks run. The CLI's flags, config files, `multigpu
-config VERB` and docs/cli.md are all made from the fields (config/flags.py, config/config_file.py).
+config (some of them, or under its own defaults or flag names: train's `--multi-gpu` is the Engine's strategy,
+verify's overrides default to the script's own) declares each as a field of its own config whose value is
+`shown(Source)` or `override(Source)`: the field keeps the one definition (help, choices, checks), and building the
+config builds the source from those values, so the source's checks run. Every field of every config is thus
+written in a class body, where a reader or a type checker finds it. The CLI's flags, config files, `multigpu
+config VERB` and docs/cli.md are all made from the fields (config/flags.py, config/config_file.py and
+config/config_writer.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from multigpu.config.precision import PRECISIONS, Precision
 from multigpu.core.errors import UsageError, require
@@ -51,19 +55,142 @@ def aliases(field: dataclasses.Field) -> tuple[str, ...]:
     return field.metadata.get("aliases", ())
 
 
+SHOWS = "shows"  # a shown field's metadata key: the Shown it was declared with, its source's name filled in
+SOURCE_DEFAULT: Any = object()  # the default of a shown setting that keeps its source's
+
+
+@dataclass(frozen=True)
+class Shown:
+    """A setting of another config (`source`) that a config shows: see `shown` and `override`."""
+
+    source: type
+    name: str | None = None  # the source's name for it; None: the field's own
+    default: Any = SOURCE_DEFAULT
+    note: str = ""
+    unset: str | None = None
+    choices: tuple[Any, ...] | None = None
+    override: bool = False
+
+    def field(self, owner: type, attribute: str, declared: Any) -> dataclasses.Field:
+        """The field `owner.attribute` stands for: the source's definition, with this config's default, note and
+        choices; refuses (TypeError, at import) a setting the source lacks and a type that is not the source's."""
+        theirs = self.name or attribute
+        original = {field.name: field for field in dataclasses.fields(self.source)}.get(theirs)
+        if original is None:
+            raise TypeError(f"{owner.__name__}.{attribute}: {self.source.__name__} has no setting {theirs!r}")
+        defined = _type_hints(self.source)[theirs]
+        expected = defined | None if self.override else defined
+        if declared != expected:
+            raise TypeError(f"{owner.__name__}.{attribute} is declared {declared}, but {theirs}'s type is {expected}")
+        help_text = original.metadata.get("help", "")
+        if self.unset is not None:
+            help_text = f"{help_text.split(' (default:')[0]}{self.note} (default: {self.unset})"
+        else:
+            help_text += self.note
+        metadata = {**original.metadata, "help": help_text, SHOWS: dataclasses.replace(self, name=theirs)}
+        if attribute != theirs:  # the source's name stays a name of the setting: a flag it may be known by
+            metadata["aliases"] = tuple(a for a in (theirs, *aliases(original)) if a != attribute)
+        if self.choices is not None:
+            if not set(self.choices) <= set(metadata.get("choices", ())):
+                raise TypeError(f"{owner.__name__}.{attribute}: {self.choices} are not choices of {theirs}")
+            metadata["choices"] = self.choices
+        kept = original.default if self.default is SOURCE_DEFAULT else self.default
+        default = None if self.override else kept  # an override's None: not set, the script's own
+        return dataclasses.field(default=default, metadata=metadata)
+
+
+@functools.cache
+def _type_hints(source: type) -> dict[str, Any]:
+    return typing.get_type_hints(source)
+
+
+def shown(
+    source: type,
+    name: str | None = None,
+    *,
+    default: Any = SOURCE_DEFAULT,
+    note: str = "",
+    unset: str | None = None,
+    choices: Iterable[Any] | None = None,
+) -> Any:
+    """A setting of `source` shown by another config, declared there as `field: type = shown(Source)`: the field
+    keeps `source`'s definition of the setting `name` (the field's own name, unless given): its help text and
+    choices, and its checks (the config builds `source` from the values it shows). Its type is written again, for
+    readers and type checkers, and refused at import unless it is the definition's.
+
+    A field named otherwise (train's `multi_gpu: str = shown(EngineConfig, "strategy")`) is another flag and config
+    key for the setting; the source's name stays an alias, so both work. `default` gives it another default; `note`
+    is added to its help, to say what it means here; `unset` says what its None default means here, in place of
+    the "(default: ...)" its help ends with (a recipe launches one process unless told, `multigpu run` one per
+    GPU); `choices` narrows its choices to those this config handles (simulate models the data-parallel
+    strategies)."""
+    return Shown(source, name, default, note, unset, None if choices is None else tuple(choices))
+
+
+def override(source: type, name: str | None = None, *, note: str = "") -> Any:
+    """A setting of `source` as a tool's override of what a script asks for, declared as `field: type | None =
+    override(Source)`: None, its default, means "not set" (the script keeps its own value, and no check runs on
+    it); a value given is checked as `source` checks it. Otherwise as `shown`."""
+    return Shown(source, name, note=note, override=True)
+
+
+def shown_sources(config: type) -> dict[type, dict[str, str]]:
+    """Each config whose settings `config` shows, with {name in `config`: name in the source} for each setting."""
+    found: dict[type, dict[str, str]] = {}
+    for field in dataclasses.fields(config):
+        shows = field.metadata.get(SHOWS)
+        if shows is not None:
+            found.setdefault(shows.source, {})[field.name] = shows.name
+    return found
+
+
+def _renamed(message: str, names: Mapping[str, str]) -> str:
+    """A source's message naming its settings as the config that shows them names them. Only names of several
+    words are replaced: a one-word name (strategy) is also a word of the sentences around it."""
+    for ours, theirs in names.items():
+        if ours != theirs and "_" in theirs:
+            message = re.sub(rf"\b{theirs}\b", ours, message)
+    return message
+
+
 class Settings:
-    """A group of settings (a dataclass): once built, a value outside its setting's choices is refused, then each
+    """A group of settings (a dataclass). Once built, a value outside its setting's choices is refused; each config
+    whose settings it shows (`shown`, `override`) is built from their values, so that its checks run; then each
     class's own `check` runs, base groups first, so a config made of several groups checks each of them."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Before @dataclass reads the class: each `shown(...)` becomes the field it stands for.
+        super().__init_subclass__(**kwargs)
+        marked = {name: value for name, value in vars(cls).items() if isinstance(value, Shown)}
+        if marked:
+            declared = typing.get_type_hints(cls)
+            for name, marker in marked.items():
+                setattr(cls, name, marker.field(cls, name, declared[name]))
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):  # type: ignore[arg-type]
             choices, value = field.metadata.get("choices"), getattr(self, field.name)
             if choices is not None and value is not None and value not in choices:
                 raise UsageError(f"Unknown {field.name} {value!r}; choose one of {', '.join(map(str, choices))}.")
+        for source, names in shown_sources(type(self)).items():
+            try:
+                source(**self.values_for(source))  # the source's own checks, on these values
+            except UsageError as error:
+                raise UsageError(_renamed(str(error), names)) from None
         for cls in reversed(type(self).__mro__):
             check = cls.__dict__.get("check")
             if check is not None:
                 check(self)
+
+    def values_for(self, source: type) -> dict[str, Any]:
+        """The values given to the settings of `source` this config shows, keyed by `source`'s names (an override
+        left unset is left out: what it overrides keeps its own)."""
+        values = {}
+        for field in dataclasses.fields(self):  # type: ignore[arg-type]
+            shows, value = field.metadata.get(SHOWS), getattr(self, field.name)
+            if shows is not None and shows.source is source and not (shows.override and value is None):
+                values[shows.name] = value
+        return values
 
 
 class StrategyOptions(Settings):
@@ -74,94 +201,6 @@ class StrategyOptions(Settings):
 def strategy_option_fields() -> list[tuple[type, dataclasses.Field]]:
     """(group, field) of every strategy option: each StrategyOptions group's fields (EngineConfig is made of them)."""
     return [(group, field) for group in StrategyOptions.__subclasses__() for field in dataclasses.fields(group)]
-
-
-class Derived(Settings):
-    """Settings made by `derive`: each field maps to a source config's field of its own name or of a renamed one."""
-
-    #: (source, {field here: field of the source}) for each source.
-    sources: ClassVar[tuple[tuple[type, dict[str, str]], ...]] = ()
-    #: Whether a field at None stands for "not set here" (the source's own default, or a script's own value).
-    overrides: ClassVar[bool] = False
-
-    def values_for(self, source: type) -> dict[str, Any]:
-        """The values given for `source`'s fields, keyed by its field names (overrides left unset are left out)."""
-        names = next(names for cls, names in self.sources if cls is source)
-        values = {theirs: getattr(self, ours) for ours, theirs in names.items()}
-        return {name: value for name, value in values.items() if not (self.overrides and value is None)}
-
-    def check(self) -> None:
-        for source, names in self.sources:
-            try:
-                source(**self.values_for(source))  # the source's own checks, on these values
-            except UsageError as error:
-                raise UsageError(_renamed(str(error), names)) from None
-
-
-def _renamed(message: str, names: Mapping[str, str]) -> str:
-    """A source's message naming its settings as the derived group names them. Only names of several words are
-    replaced: a one-word name (strategy) is also a word of the sentences around it."""
-    for ours, theirs in names.items():
-        if ours != theirs and "_" in theirs:
-            message = re.sub(rf"\b{theirs}\b", ours, message)
-    return message
-
-
-def derive(
-    name: str,
-    *sources: type,
-    only: Iterable[str] | None = None,
-    rename: Mapping[str, str] | None = None,
-    defaults: Mapping[str, Any] | None = None,
-    overrides: bool = False,
-    note: str | Mapping[str, str] = "",
-    choices: Mapping[str, tuple[Any, ...]] | None = None,
-    unset: Mapping[str, str] | None = None,
-    base: type[Derived] = Derived,
-) -> type:
-    """A group named `name` made of the settings of `sources` (all of them, or those named in `only`), each keeping
-    its source's type, help text, choices and checks.
-
-    `rename` shows a setting under another name (and so another flag and config key; the source's name stays an
-    alias, so both flags work), `defaults` gives it another default. With `overrides` every default is None,
-    meaning "not set": a tool's override of what a script asks for; `note` (one text, or one per setting) is added
-    to the help to say what the setting means here, and `choices` narrows a setting's choices to those a tool
-    handles (simulate models the data-parallel strategies). `unset` says what a setting's None default means here,
-    in place of the "(default: ...)" its help ends with (a recipe launches one process unless told, `multigpu run`
-    one per GPU). `base`, a subclass of Derived, may add values the sources take from elsewhere (a recipe's log_dir
-    is its save_dir).
-    """
-    rename, defaults, narrowed, unset = dict(rename or {}), dict(defaults or {}), dict(choices or {}), dict(unset or {})
-    fields, mapping = [], []
-    for source in sources:
-        hints = typing.get_type_hints(source)
-        chosen = [field for field in dataclasses.fields(source) if only is None or field.name in only]
-        for field in chosen:
-            added = note.get(field.name, "") if isinstance(note, Mapping) else note
-            help_text = field.metadata.get("help", "")
-            if field.name in unset:
-                help_text = f"{help_text.split(' (default:')[0]}{added} (default: {unset[field.name]})"
-            else:
-                help_text += added
-            metadata = {**field.metadata, "help": help_text}
-            shown = rename.get(field.name, field.name)
-            if shown != field.name:  # the source's name stays a name of the setting: a flag it may be known by
-                metadata["aliases"] = tuple(a for a in (field.name, *aliases(field)) if a != shown)
-            if field.name in narrowed:
-                if not set(narrowed[field.name]) <= set(metadata.get("choices", ())):
-                    raise TypeError(f"derive({name!r}): {narrowed[field.name]} are not choices of {field.name}")
-                metadata["choices"] = tuple(narrowed[field.name])
-            default = None if overrides else defaults.get(field.name, field.default)
-            kind = hints[field.name] | None if overrides else hints[field.name]
-            fields.append((shown, kind, dataclasses.field(default=default, metadata=metadata)))
-        mapping.append((source, {rename.get(field.name, field.name): field.name for field in chosen}))
-    found = {theirs for _, names in mapping for theirs in names.values()}
-    unknown = (set(only or ()) | set(rename) | set(defaults) | set(narrowed) | set(unset)) - found
-    if unknown:
-        raise TypeError(f"derive({name!r}): no setting {sorted(unknown)} in {[s.__name__ for s in sources]}")
-    made = dataclasses.make_dataclass(name, fields, bases=(base,))
-    made.sources, made.overrides = tuple(mapping), overrides
-    return made
 
 
 def setting_names(config: type) -> tuple[str, ...]:

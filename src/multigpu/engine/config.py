@@ -1,6 +1,7 @@
 """The Engine's settings: EngineConfig is every group of settings the Engine reads, each defined once in the lowest
 layer that reads it (config/settings.py says how), and the few that only the Engine reads. `multigpu demo` maps them
-flag for flag; train, finetune, bench, verify and simulate derive the ones they show."""
+flag for flag; train, finetune, plan, bench, verify and simulate declare the ones they show as fields of their own
+configs, each `shown(EngineConfig)` or `override(EngineConfig)`."""
 
 from __future__ import annotations
 

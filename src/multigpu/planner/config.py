@@ -23,7 +23,7 @@ from multigpu.config.layout import (
     check_schedule,
     resolve_layout,
 )
-from multigpu.config.settings import ComputeSettings, TrainingSettings, derive, setting
+from multigpu.config.settings import ComputeSettings, Settings, TrainingSettings, setting, shown
 from multigpu.core.errors import UsageError
 
 OPTIMIZERS = ("adamw", "sgd", "adamw8bit")
@@ -81,47 +81,33 @@ def takes_ep(row: str) -> bool:
     return "ep" in SPREADS[row].takes
 
 
-# The training set-up and layout are the Engine's settings, planned for a GPU cluster: bf16-mixed and no model
-# parallelism unless asked.
-_ENGINE_SETTINGS = derive(
-    "PlannedSettings",
-    TrainingSettings,
-    ShardingOptions,
-    LayoutSettings,
-    TensorParallelOptions,
-    PipelineOptions,
-    ComputeSettings,
-    only=(
-        "precision",
-        "activation_checkpointing",
-        "grad_accum_steps",
-        "unsharded_grad_accum",
-        "cpu_offload",
-        "tp_size",
-        "pp_size",
-        "cp_size",
-        "ep_size",
-        "cp_method",
-        "sequence_parallel",
-        "pp_schedule",
-        "pp_stages_per_rank",
-        "pp_microbatches",
-    ),
-    rename={"pp_microbatches": "microbatches"},
-    defaults={"precision": "bf16-mixed", "tp_size": 1, "pp_size": 1, "cp_size": 1},
-    note={
-        "grad_accum_steps": " (plan: changes memory only with --unsharded-grad-accum)",
-        "cpu_offload": " (plan: allows the zero3+offload row to be recommended)",
-        "activation_checkpointing": " (plan: offload counts what stays on the GPU)",
-        "cp_size": "; plan: also shows the longest sequence each row fits at batch size 1",
-        "ep_size": "; plan: unset, a mixture's rows take ep 1, zero3 is shown at every ep that divides its "
-        "processes and the experts, and the recommendation takes the smallest ep its strategy fits at",
-    },
-)
-
-
 @dataclass
-class PlanConfig(_ENGINE_SETTINGS):
+class PlanConfig(Settings):
+    """What `multigpu plan` is asked. The training set-up and layout are the Engine's settings, each keeping its one
+    definition (config/settings.py: shown), planned for a GPU cluster: bf16-mixed and no model parallelism unless
+    asked."""
+
+    precision: str = shown(TrainingSettings, default="bf16-mixed")
+    grad_accum_steps: int = shown(TrainingSettings, note=" (plan: changes memory only with --unsharded-grad-accum)")
+    cpu_offload: bool = shown(ShardingOptions, note=" (plan: allows the zero3+offload row to be recommended)")
+    unsharded_grad_accum: bool = shown(ShardingOptions)
+    tp_size: int | None = shown(LayoutSettings, default=1)
+    pp_size: int | None = shown(LayoutSettings, default=1)
+    cp_size: int | None = shown(
+        LayoutSettings, default=1, note="; plan: also shows the longest sequence each row fits at batch size 1"
+    )
+    ep_size: int | None = shown(
+        LayoutSettings,
+        note="; plan: unset, a mixture's rows take ep 1, zero3 is shown at every ep that divides its processes and "
+        "the experts, and the recommendation takes the smallest ep its strategy fits at",
+    )
+    cp_method: str = shown(LayoutSettings)
+    sequence_parallel: bool = shown(TensorParallelOptions)
+    pp_schedule: str = shown(PipelineOptions)
+    pp_stages_per_rank: int = shown(PipelineOptions)
+    microbatches: int | None = shown(PipelineOptions, "pp_microbatches")
+    activation_checkpointing: str = shown(ComputeSettings, note=" (plan: offload counts what stays on the GPU)")
+    # The cluster and the model's training, plan's own.
     gpus: int = setting(1, "GPUs per node")
     nodes: int = setting(1, "machines")
     gpu_memory: str = setting("80GB", "memory of one GPU, e.g. 80GB or 24GiB")

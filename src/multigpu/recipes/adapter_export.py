@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from multigpu import checkpoint as checkpoints
-from multigpu.config.config_file import RUN_CONFIG
+from multigpu.config.config_writer import RUN_CONFIG
 from multigpu.core.atomic import write_dir
 from multigpu.core.errors import UsageError
 from multigpu.recipes import lm_models

@@ -17,10 +17,10 @@ from safetensors.torch import save_file
 
 from multigpu import checkpoint
 from multigpu.checkpoint import run_lock
-from multigpu.config.config_file import RUN_CONFIG, save_run_config
+from multigpu.config.config_writer import RUN_CONFIG, save_run_config
 from multigpu.config.flags import config_to_argv
 from multigpu.config.layout import ParallelDims
-from multigpu.config.settings import Derived, Settings, derive, setting, setting_names
+from multigpu.config.settings import Settings, setting
 from multigpu.core import atomic
 from multigpu.core.errors import UsageError, require
 from multigpu.core.launcher_notes import LAST_CHECKPOINT, LAUNCHER_DIR, attempt, launched, launcher_note
@@ -31,7 +31,6 @@ from multigpu.engine.lr_schedule import SampleSchedule
 from multigpu.engine.monitor import peak_memory_bytes
 from multigpu.launch.launcher import LaunchConfig, launch, select_gpus
 from multigpu.models.pretrained import give_usual_mode
-from multigpu.strategies.deepspeed import DeepSpeedOptions
 
 
 class RunDir(Protocol):
@@ -55,47 +54,20 @@ class RunDirSettings(Settings):
         require((self.save_every >= 0, f"--save-every must be 0 or more (got {self.save_every})."))
 
 
-class RecipeSettings(Derived):
-    """A recipe's derived settings: the Engine's log_dir is the run's save_dir (its metrics go with its checkpoints)."""
+class RecipeSettings(Settings):
+    """A recipe's settings, shown from the launch's, the run directory's and the Engine's (`shown`, each keeping its
+    one definition) beside its own: the Engine's log_dir is the run's save_dir (its metrics go with its
+    checkpoints)."""
+
+    save_dir: str  # declared by each recipe's settings, shown from RunDirSettings
 
     def values_for(self, source: type) -> dict[str, Any]:
         values = super().values_for(source)
         return values | {"log_dir": self.save_dir} if source is EngineConfig else values
 
 
-# The Engine's settings every recipe shows, after those a recipe names.
-EVERY_RECIPE_SHOWS = (
-    "seed",
-    "activation_checkpointing",
-    "compile",
-    "compile_backend",
-    "float8",
-    "grad_compression",
-    "peak_tflops",
-    "timeout_s",
-    "log_every",
-    "log_to",
-    "run_name",
-    *setting_names(DeepSpeedOptions),
-)
-
-
-def recipe_settings(name: str, shown: tuple[str, ...], save_dir: str, **defaults: Any) -> type:
-    """A recipe's settings made of others': the run directory's (with its default `save_dir`), and the Engine's and
-    the launch's named in `shown` and EVERY_RECIPE_SHOWS, with --multi-gpu for the strategy and the recipe's own
-    `defaults`. Each keeps its one definition (config/settings.py: derive)."""
-    return derive(
-        name,
-        LaunchConfig,
-        RunDirSettings,
-        EngineConfig,
-        only=("nproc", "gpu_ids", "save_dir", "resume", "save_every", "strategy", *shown, *EVERY_RECIPE_SHOWS),
-        rename={"strategy": "multi_gpu"},
-        defaults={"save_dir": save_dir, **defaults},
-        note={"nproc": ", launched when not under a launcher"},
-        unset={"nproc": "1, or one per --gpu-ids"},
-        base=RecipeSettings,
-    )
+#: What a recipe's --nproc adds to the launch's help, and what its unset value means.
+NPROC_NOTE, NPROC_UNSET = ", launched when not under a launcher", "1, or one per --gpu-ids"
 
 
 # -- before any process starts ---------------------------------------------------------------------------------

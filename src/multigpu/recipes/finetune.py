@@ -23,26 +23,31 @@ from torch import nn
 
 from multigpu.config.flags import Parser, add_config_arguments, config_from_args
 from multigpu.config.layout import ParallelDims
-from multigpu.config.settings import setting
+from multigpu.config.settings import setting, shown
 from multigpu.core.atomic import write_dir
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import exit_on_usage_error, require
 from multigpu.data import lm_data, packing
+from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
 from multigpu.engine.lr_schedule import SampleSchedule
+from multigpu.launch.launcher import LaunchConfig
 from multigpu.models.loss import TokenLoss, check_runnable, summed_cross_entropy
 from multigpu.models.pretrained import give_usual_mode
 from multigpu.recipes import lm_fit, lm_models
 from multigpu.recipes.common import (
+    NPROC_NOTE,
+    NPROC_UNSET,
     RUN_RESULT,
     ProgressBar,
+    RecipeSettings,
+    RunDirSettings,
     as_launched,
     check_same_data,
     finish_complete_run,
     follow_new_plan,
     peak_memory_mb,
     recipe_engine,
-    recipe_settings,
     record_run,
     resolve_resume,
     run_recipe,
@@ -57,30 +62,48 @@ SAME_DATA = ("data", "data_split", "data_format", "data_column", "data_streaming
 SCHEDULE_LENGTH = ("max_steps", "epochs", "warmup_steps")
 
 
-# The launch's, run directory's and Engine's settings that finetune shows, each keeping its one definition.
-FinetuneSettings = recipe_settings(
-    "FinetuneSettings",
-    (
-        "precision",
-        "max_grad_norm",
-        "grad_accum_steps",
-        "unsharded_grad_accum",
-        "replicate",
-        "tp_size",
-        "sequence_parallel",
-        "pp_size",
-        "pp_schedule",
-        "pp_stages_per_rank",
-        "pp_microbatches",
-        "cp_size",
-        "cp_method",
-        "ep_size",
-        "loss",
-        "liger",
-    ),
-    save_dir="checkpoints/finetune",
-    log_every=10,
-)
+@dataclass
+class FinetuneSettings(RecipeSettings):
+    """The launch's, the run directory's and the Engine's settings that finetune shows, each keeping its one
+    definition (config/settings.py: shown); the strategy is --multi-gpu here."""
+
+    nproc: int | None = shown(LaunchConfig, note=NPROC_NOTE, unset=NPROC_UNSET)
+    gpu_ids: str | None = shown(LaunchConfig)
+    save_dir: str = shown(RunDirSettings, default="checkpoints/finetune")
+    resume: str = shown(RunDirSettings)
+    save_every: int = shown(RunDirSettings)
+    multi_gpu: str = shown(EngineConfig, "strategy")
+    precision: str = shown(EngineConfig)
+    grad_accum_steps: int = shown(EngineConfig)
+    max_grad_norm: float | None = shown(EngineConfig)
+    seed: int = shown(EngineConfig)
+    activation_checkpointing: str = shown(EngineConfig)
+    compile: bool = shown(EngineConfig)
+    compile_backend: str = shown(EngineConfig)
+    float8: str = shown(EngineConfig)
+    loss: str = shown(EngineConfig)
+    liger: bool = shown(EngineConfig)
+    replicate: int | None = shown(EngineConfig)
+    tp_size: int | None = shown(EngineConfig)
+    pp_size: int | None = shown(EngineConfig)
+    cp_size: int | None = shown(EngineConfig)
+    ep_size: int | None = shown(EngineConfig)
+    cp_method: str = shown(EngineConfig)
+    sequence_parallel: bool = shown(EngineConfig)
+    pp_schedule: str = shown(EngineConfig)
+    pp_stages_per_rank: int = shown(EngineConfig)
+    pp_microbatches: int | None = shown(EngineConfig)
+    unsharded_grad_accum: bool = shown(EngineConfig)
+    grad_compression: str = shown(EngineConfig)
+    zero_stage: int | None = shown(EngineConfig)
+    offload_optimizer: bool = shown(EngineConfig)
+    offload_param: bool = shown(EngineConfig)
+    deepspeed_config: str | None = shown(EngineConfig)
+    timeout_s: float = shown(EngineConfig)
+    log_every: int = shown(EngineConfig, default=10)
+    peak_tflops: float | None = shown(EngineConfig)
+    log_to: str = shown(EngineConfig)
+    run_name: str | None = shown(EngineConfig)
 
 
 @dataclass

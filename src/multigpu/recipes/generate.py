@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from multigpu.config.flags import Parser, add_config_arguments, check_path, config_from_args, config_to_argv
-from multigpu.config.settings import TrainingSettings, derive, setting
+from multigpu.config.settings import Settings, TrainingSettings, setting, shown
 from multigpu.core.env import DistEnv, init_process_group
 from multigpu.core.errors import UsageError, exit_on_usage_error
 from multigpu.data import lm_data
@@ -48,18 +48,12 @@ GATHER_TIMEOUT_S = 3600.0  # how long rank 0 waits for the slowest rank's last b
 PROGRESS_EVERY_S = 5.0
 
 
-# The launch's process count and the sampling seed, as the launch and the Engine define them.
-GenerateSettings = derive(
-    "GenerateSettings",
-    LaunchConfig,
-    TrainingSettings,
-    only=("nproc", "seed"),
-    note={
-        "nproc": " (when not under a launcher): one model copy each",
-        "seed": " (generate: with it a prompt's output does not depend on N)",
-    },
-    unset={"nproc": "1"},
-)
+@dataclass
+class GenerateSettings(Settings):
+    """The launch's process count and the sampling seed, as the launch and the Engine define them."""
+
+    nproc: int | None = shown(LaunchConfig, note=" (when not under a launcher): one model copy each", unset="1")
+    seed: int = shown(TrainingSettings, note=" (generate: with it a prompt's output does not depend on N)")
 
 
 @dataclass

@@ -19,24 +19,29 @@ from torch import nn
 
 from multigpu.config.flags import Parser, add_config_arguments, config_from_args
 from multigpu.config.layout import ParallelDims
-from multigpu.config.settings import setting
+from multigpu.config.settings import setting, shown
 from multigpu.core import atomic
 from multigpu.core.errors import exit_on_usage_error, require
 from multigpu.data import activity_data
+from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
 from multigpu.engine.lr_schedule import SampleSchedule
+from multigpu.launch.launcher import LaunchConfig
 from multigpu.recipes import activity_models
 from multigpu.recipes.activity_models import MODES
 from multigpu.recipes.common import (
+    NPROC_NOTE,
+    NPROC_UNSET,
     RUN_RESULT,
     ProgressBar,
+    RecipeSettings,
+    RunDirSettings,
     as_launched,
     check_same_data,
     finish_complete_run,
     follow_new_plan,
     peak_memory_mb,
     recipe_engine,
-    recipe_settings,
     record_run,
     resolve_resume,
     run_recipe,
@@ -51,21 +56,39 @@ SAME_DATA = ("data",)
 SCHEDULE_LENGTH = ("epochs", "warmup_epochs")
 
 
-# The launch's, run directory's and Engine's settings that train shows, each keeping its one definition.
-TrainSettings = recipe_settings(
-    "TrainSettings",
-    (
-        "max_restarts",
-        "precision",
-        "grad_accum_steps",
-        "unsharded_grad_accum",
-        "replicate",
-        "tp_size",
-        "max_grad_norm",
-    ),
-    save_dir="checkpoints/run",
-    log_every=100,
-)
+@dataclass
+class TrainSettings(RecipeSettings):
+    """The launch's, the run directory's and the Engine's settings that train shows, each keeping its one definition
+    (config/settings.py: shown); the strategy is --multi-gpu here."""
+
+    nproc: int | None = shown(LaunchConfig, note=NPROC_NOTE, unset=NPROC_UNSET)
+    gpu_ids: str | None = shown(LaunchConfig)
+    max_restarts: int = shown(LaunchConfig)
+    save_dir: str = shown(RunDirSettings)
+    resume: str = shown(RunDirSettings)
+    save_every: int = shown(RunDirSettings)
+    multi_gpu: str = shown(EngineConfig, "strategy")
+    precision: str = shown(EngineConfig)
+    grad_accum_steps: int = shown(EngineConfig)
+    max_grad_norm: float | None = shown(EngineConfig)
+    seed: int = shown(EngineConfig)
+    activation_checkpointing: str = shown(EngineConfig)
+    compile: bool = shown(EngineConfig)
+    compile_backend: str = shown(EngineConfig)
+    float8: str = shown(EngineConfig)
+    replicate: int | None = shown(EngineConfig)
+    tp_size: int | None = shown(EngineConfig)
+    unsharded_grad_accum: bool = shown(EngineConfig)
+    grad_compression: str = shown(EngineConfig)
+    zero_stage: int | None = shown(EngineConfig)
+    offload_optimizer: bool = shown(EngineConfig)
+    offload_param: bool = shown(EngineConfig)
+    deepspeed_config: str | None = shown(EngineConfig)
+    timeout_s: float = shown(EngineConfig)
+    log_every: int = shown(EngineConfig, default=100)
+    peak_tflops: float | None = shown(EngineConfig)
+    log_to: str = shown(EngineConfig)
+    run_name: str | None = shown(EngineConfig)
 
 
 @dataclass

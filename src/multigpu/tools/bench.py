@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from multigpu.config.flags import parse_list
-from multigpu.config.settings import derive, setting
+from multigpu.config.settings import Settings, override, setting
 from multigpu.core.errors import UsageError
 from multigpu.engine.config import EngineConfig
 from multigpu.parallel.compression import CompressionOptions, refuse_powersgd, wire_factor
@@ -39,32 +39,24 @@ RECIPES = {
 }
 
 
+# What a setting bench imposes means there.
+EVERY_RUN = "; bench: every run's (default: the script's own)"
+EVERY_MULTI_PROCESS_RUN = "; bench: every multi-process run's (each process count a multiple of it)"
+
+
 @dataclass
-class BenchConfig(
-    derive(
-        "BenchOverrides",
-        EngineConfig,
-        only=(
-            "precision",
-            "activation_checkpointing",
-            "compile",
-            "compile_backend",
-            "float8",
-            "loss",
-            "cp_size",
-            "ep_size",
-        ),
-        overrides=True,
-        note={
-            **dict.fromkeys(
-                ("precision", "activation_checkpointing", "compile", "compile_backend", "float8", "loss"),
-                "; bench: every run's (default: the script's own)",
-            ),
-            "cp_size": "; bench: every multi-process run's (each process count a multiple of it)",
-            "ep_size": "; bench: every multi-process run's (each process count a multiple of it)",
-        },
-    )
-):
+class BenchConfig(Settings):
+    """`multigpu bench`'s flags: the Engine settings it imposes on every run (each unset by default: the script's
+    own; config/settings.py: override), then its own."""
+
+    precision: str | None = override(EngineConfig, note=EVERY_RUN)
+    activation_checkpointing: str | None = override(EngineConfig, note=EVERY_RUN)
+    compile: bool | None = override(EngineConfig, note=EVERY_RUN)
+    compile_backend: str | None = override(EngineConfig, note=EVERY_RUN)
+    float8: str | None = override(EngineConfig, note=EVERY_RUN)
+    loss: str | None = override(EngineConfig, note=EVERY_RUN)
+    cp_size: int | None = override(EngineConfig, note=EVERY_MULTI_PROCESS_RUN)
+    ep_size: int | None = override(EngineConfig, note=EVERY_MULTI_PROCESS_RUN)
     nproc: str = setting("1,2", "comma-separated process counts, e.g. 1,2,4")
     # --strategy and --multi-gpu as well: the strategy's flags on the other verbs, here taking a list.
     strategies: str = setting(

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from multigpu.config.flags import json_value, parse_list, read_json
-from multigpu.config.settings import derive, setting
+from multigpu.config.settings import Settings, setting, shown
 from multigpu.core.errors import UsageError
 from multigpu.engine.config import EngineConfig
 from multigpu.models.recompute import FORWARD_RUN_AGAIN
@@ -124,42 +124,38 @@ def format_table(predictions: list[Prediction], title: str | None = None) -> str
     return console.file.getvalue()
 
 
-# The strategy and layout simulated are the Engine's settings; simulate models the data-parallel strategies.
-SimulatedLayout = derive(
-    "SimulatedLayout",
-    EngineConfig,
-    only=(
-        "strategy",
-        "tp_size",
-        "pp_size",
-        "cp_size",
-        "ep_size",
-        "cp_method",
-        "pp_schedule",
-        "pp_stages_per_rank",
-        "pp_microbatches",
-        "activation_checkpointing",
-        "grad_compression",
-    ),
-    rename={"pp_microbatches": "microbatches"},
-    defaults={"strategy": "ddp", "tp_size": 1, "pp_size": 1, "cp_size": 1, "ep_size": 1},
-    choices={"strategy": STRATEGIES},
-    note={
-        "strategy": "; simulate: the data-parallel one",
-        "tp_size": "; simulate: inside a node",
-        "cp_size": "; simulate: inside a node beside tp where they fit; --gpus lists multiples of tp x pp x cp",
-        "ep_size": "; simulate: each mixture layer's dispatch and combine all-to-alls, the experts' gradients reduced "
-        "over the data-parallel ranks / ep, compute from the active parameters; --gpus lists multiples of tp x pp x ep",
-        "activation_checkpointing": " (simulate: full runs the forward again, a third more compute with --tflops, "
-        "and tp's forward all-reduces again; offload's copies to host memory are not modelled)",
-    },
-)
-
-
 @dataclass
-class SimulateRequest(SimulatedLayout):
-    """`multigpu simulate`'s flags, one to one; `resolve` turns them into a SimulateConfig and its links."""
+class SimulateRequest(Settings):
+    """`multigpu simulate`'s flags, one to one; `resolve` turns them into a SimulateConfig and its links. The strategy
+    and layout simulated are the Engine's settings (config/settings.py: shown); simulate models the data-parallel
+    strategies."""
 
+    strategy: str = shown(EngineConfig, default="ddp", note="; simulate: the data-parallel one", choices=STRATEGIES)
+    activation_checkpointing: str = shown(
+        EngineConfig,
+        note=" (simulate: full runs the forward again, a third more compute with --tflops, and tp's forward "
+        "all-reduces again; offload's copies to host memory are not modelled)",
+    )
+    tp_size: int | None = shown(EngineConfig, default=1, note="; simulate: inside a node")
+    pp_size: int | None = shown(EngineConfig, default=1)
+    cp_size: int | None = shown(
+        EngineConfig,
+        default=1,
+        note="; simulate: inside a node beside tp where they fit; --gpus lists multiples of tp x pp x cp",
+    )
+    ep_size: int | None = shown(
+        EngineConfig,
+        default=1,
+        note="; simulate: each mixture layer's dispatch and combine all-to-alls, the experts' gradients reduced "
+        "over the data-parallel ranks / ep, compute from the active parameters; --gpus lists multiples of tp x pp "
+        "x ep",
+    )
+    cp_method: str = shown(EngineConfig)
+    pp_schedule: str = shown(EngineConfig)
+    pp_stages_per_rank: int = shown(EngineConfig)
+    microbatches: int | None = shown(EngineConfig, "pp_microbatches")
+    grad_compression: str = shown(EngineConfig)
+    # The model, the cluster and the step, simulate's own.
     model: str | None = setting(None, "a built-in model name or a config.json (or its dir)")
     params: float | None = setting(None, "parameter count instead of --model, e.g. 7e9")
     layers: int | None = setting(None, "with --params: layers (zero3's units)")

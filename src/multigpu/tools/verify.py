@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from multigpu.config.settings import derive, setting, strategy_option_fields
+from multigpu.config.settings import Settings, override, setting, strategy_option_fields
 from multigpu.core.errors import UsageError
 from multigpu.engine.config import EngineConfig
 from multigpu.tools import harness
@@ -67,27 +67,30 @@ def default_tolerances(dist: dict[str, Any], config: VerifyConfig) -> tuple[floa
 
 # The settings given to verify that the 1-process run takes too: what is computed, not how the processes split it.
 BOTH_RUNS_TAKE = ("precision", "activation_checkpointing", "compile", "compile_backend", "float8", "loss")
-# The Engine settings verify imposes on the script; unset, the script's own.
-VerifyOverrides = derive(
-    "VerifyOverrides",
-    EngineConfig,
-    only=("strategy", "tp_size", "pp_size", "cp_size", "cp_method", "ep_size", "grad_compression", *BOTH_RUNS_TAKE),
-    overrides=True,
-    note={
-        "strategy": "; verify: the N-process run's (default: the script's own)",
-        **{name: "; verify: both runs' (default: the script's own)" for name in BOTH_RUNS_TAKE},
-        "tp_size": "; verify: the N-process run's, with --strategy",
-        "pp_size": "; verify: the N-process run's, with --strategy",
-        "cp_size": "; verify: the N-process run's, with --strategy",
-        "cp_method": "; verify: the N-process run's",
-        "ep_size": "; verify: the N-process run's, with --strategy",
-        "grad_compression": "; verify: the N-process run's (default: the script's own)",
-    },
-)
+# What a setting verify imposes means there.
+BOTH_RUNS = "; verify: both runs' (default: the script's own)"
+N_PROCESS_RUN = "; verify: the N-process run's"
+WITH_STRATEGY = "; verify: the N-process run's, with --strategy"
 
 
 @dataclass
-class VerifyConfig(VerifyOverrides):
+class VerifyConfig(Settings):
+    """`multigpu verify`'s flags: the Engine settings it imposes on the script (each unset by default: the script's
+    own; config/settings.py: override), then its own."""
+
+    strategy: str | None = override(EngineConfig, note=f"{N_PROCESS_RUN} (default: the script's own)")
+    precision: str | None = override(EngineConfig, note=BOTH_RUNS)
+    activation_checkpointing: str | None = override(EngineConfig, note=BOTH_RUNS)
+    compile: bool | None = override(EngineConfig, note=BOTH_RUNS)
+    compile_backend: str | None = override(EngineConfig, note=BOTH_RUNS)
+    float8: str | None = override(EngineConfig, note=BOTH_RUNS)
+    loss: str | None = override(EngineConfig, note=BOTH_RUNS)
+    tp_size: int | None = override(EngineConfig, note=WITH_STRATEGY)
+    pp_size: int | None = override(EngineConfig, note=WITH_STRATEGY)
+    cp_size: int | None = override(EngineConfig, note=WITH_STRATEGY)
+    ep_size: int | None = override(EngineConfig, note=WITH_STRATEGY)
+    cp_method: str | None = override(EngineConfig, note=N_PROCESS_RUN)
+    grad_compression: str | None = override(EngineConfig, note=f"{N_PROCESS_RUN} (default: the script's own)")
     nproc: int | None = setting(
         None, "processes to compare with one (default: 2, or 1 under dp; 1 with --strategy, for one GPU)"
     )
