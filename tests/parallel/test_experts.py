@@ -29,6 +29,7 @@ TOLERANCE = {"32": 2e-5, "bf16-mixed": 2e-2}
 # reduction move it by far more.
 GRAD_NORM_TOLERANCE = {2e-5: 2e-4, 2e-2: 5e-3}
 LORA = {"method": "lora", "lora_experts": True}
+AOT = {"compile": True, "compile_backend": "aot_eager"}
 # name -> (processes, settings, reference cell); batch_size is per data-parallel rank: every global batch is 4.
 CELLS: dict[str, tuple[int, dict, str]] = {
     "single": (1, {"multi_gpu": "single"}, ""),
@@ -58,6 +59,11 @@ CELLS: dict[str, tuple[int, dict, str]] = {
         {"multi_gpu": "ddp", "batch_size": 2, "ep_size": 2, "method": "qlora", "lora_experts": True},
         "single-qlora",
     ),
+    # Each block compiled (aot_eager: inductor's graphs without its code generation, as in test_model_parallel.py),
+    # the routers' hooks traced inside them: their token counts all-reduced over the data-parallel ranks, and with ep
+    # the tokens' all-to-alls.
+    "ddp-compile": (2, {"multi_gpu": "ddp", "batch_size": 2, **AOT}, "single"),
+    "ep-2-compile": (2, {"multi_gpu": "ddp", "batch_size": 2, "ep_size": 2, **AOT}, "single"),
     "zero3-x-ep-2": (4, {"multi_gpu": "zero3", "batch_size": 1, "ep_size": 2}, "single"),
     "zero3-x-tp-x-ep-2": (4, {"multi_gpu": "zero3", "batch_size": 2, "tp_size": 2, "ep_size": 2}, "single"),
     # Pipelines of 2 stages, each stage's experts over 2 ranks: whole replicas (their experts averaged over the
@@ -83,10 +89,13 @@ CELLS: dict[str, tuple[int, dict, str]] = {
 def run_cells(workdir: str, names: list[str]) -> dict:
     """Fine-tunes tiny-moe under each cell in turn (save directory: its name): the validation losses, the last
     step's load-balancing loss, and the routed tokens per expert and per ep rank of the last forward."""
+    import torch._dynamo
+
     from multigpu.recipes.finetune import FinetuneConfig, finetune
 
     out = {}
     for name in names:
+        torch._dynamo.reset()  # a compiled cell's blocks and their guards are its own, as in a run of its own
         options = {"batch_size": 4, "max_steps": STEPS, "resume": "none", "method": "full", **CELLS[name][1]}
         if options["resume"] != "none":
             options["resume"] = str(Path(workdir) / options["resume"])

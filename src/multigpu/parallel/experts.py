@@ -16,6 +16,7 @@ which the per-rank token counts show).
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,6 +103,27 @@ def expert_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     return DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "tp"))
 
 
+# id -> mixture, for _aux_weight, which takes no Python object.
+_MIXTURES: weakref.WeakValueDictionary[int, MixtureOfExperts] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("multigpu::moe_aux_weight", mutates_args=())
+def _aux_weight(grad: torch.Tensor, key: int) -> torch.Tensor:
+    """The gradient of a layer's load-balancing loss: its weight as the mixture (`_MIXTURES[key]`) holds it when
+    backward runs. An op of its own because a compiled block traces _InjectAux's backward with its forward: a
+    weight read in Python there is the one `weigh` left before the forward (the last micro-step's; 1.0 in the first
+    step), a constant of the graph that is compiled again whenever it changes, while the op's body runs at each
+    backward."""
+    mixture = _MIXTURES[key]
+    weight = mixture.coefficient * mixture.backward_weight / len(mixture.layers)
+    return torch.full((), weight, dtype=torch.float32, device=grad.device)
+
+
+@_aux_weight.register_fake
+def _(grad: torch.Tensor, key: int) -> torch.Tensor:
+    return grad.new_empty((), dtype=torch.float32)
+
+
 class _InjectAux(torch.autograd.Function):
     """Returns the block's output as it is; in backward, gives the layer's load-balancing loss the gradient the
     Engine set for this micro-step (its weight beside the main loss), so the loss needs no place in loss_fn and
@@ -109,14 +131,12 @@ class _InjectAux(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, output: torch.Tensor, aux: torch.Tensor, mixture: MixtureOfExperts) -> torch.Tensor:
-        ctx.mixture = mixture
+        ctx.key = id(mixture)
         return output.view_as(output)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        mixture = ctx.mixture
-        weight = mixture.coefficient * mixture.backward_weight / len(mixture.layers)
-        return grad, torch.full((), weight, dtype=torch.float32, device=grad.device), None
+        return grad, _aux_weight(grad, ctx.key), None
 
 
 @dataclass
@@ -133,6 +153,10 @@ class MixtureOfExperts:
     tokens: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> global tokens per expert, last forward
     counted: bool = False  # under pp: whether weigh_pipeline knew the step's token count
     _pending: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _data_group: Any = field(default=None, repr=False)  # data_group's, resolved by attach
+
+    def __post_init__(self) -> None:
+        _MIXTURES[id(self)] = self
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """The parameters ep spreads: each layer's experts' own (LoRA adapters on them stay whole)."""
@@ -146,16 +170,19 @@ class MixtureOfExperts:
         """Builds the groups (every rank must call it) and hooks each router and block."""
         if self.dims.world_size > 1:
             self.mesh = expert_mesh(self.dims, device_type)
+            if self.dims.replicate * self.dims.shard * self.dims.cp > 1:
+                # Resolved here, eagerly, and not at each call: the router's hook runs inside a compiled block,
+                # where dynamo would trace the mesh's slicing and _flatten (a new process group, made on its first
+                # call) on fake tensors and fail; a process group it is handed traces as a constant.
+                self._data_group = self.mesh["edp", "ep"]._flatten("edp_ep").get_group()
         for index, layer in enumerate(self.layers):
             layer.router.register_forward_hook(self._routed(index))
             layer.block.register_forward_hook(self._carry_aux(index))
 
     def data_group(self) -> Any:
         """The ranks whose tokens one step's load-balancing loss counts: data-parallel x cp (not tp, whose ranks
-        see the same tokens, nor pp, whose stages hold other layers)."""
-        if self.mesh is None or self.dims.replicate * self.dims.shard * self.dims.cp == 1:
-            return None
-        return self.mesh["edp", "ep"]._flatten("edp_ep").get_group()  # flattened once, the same mesh after
+        see the same tokens, nor pp, whose stages hold other layers); None where they are one rank."""
+        return self._data_group
 
     def _routed(self, index: int) -> Callable[..., None]:
         layer = self.layers[index]
