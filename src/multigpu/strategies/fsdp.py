@@ -5,12 +5,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
 
 from multigpu.config.layout import SHARDS, ShardingOptions, TensorParallelOptions
 from multigpu.config.precision import Precision, PrecisionPlan
@@ -37,6 +40,29 @@ def children_first(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
 def quantized_owners(model: nn.Module) -> list[nn.Module]:
     """The modules that hold packed low-bit weights (bitsandbytes' 4-bit layers) as their own parameters."""
     return [module for module in model.modules() if any(is_quantized(p) for p in module.parameters(recurse=False))]
+
+
+class DTensorGradScaler(ShardedGradScaler):
+    """fp16's loss scaler for gradients that are DTensors, beside plain ones or on several meshes.
+
+    One foreach unscale cannot take plain tensors and DTensors together (torch raises "got mixed torch.Tensor and
+    DTensor"), and tp leaves whole whatever its plan does not split (norms). Unscaling is elementwise, so each rank
+    unscales the elements it holds, without DTensor's collective per group of gradients; unscale_ then sums the
+    overflow flags over every rank, so all skip the same steps (one slice alone may overflow)."""
+
+    def _unscale_grads_(
+        self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool = True
+    ) -> dict[torch.device, torch.Tensor]:
+        # The parent reads only param_groups' gradients: a DTensor's stands in as its local tensor, which shares its
+        # storage (a plain gradient's parameter is passed as it is: the parent may replace a sparse gradient).
+        with torch.no_grad():
+            params = [
+                SimpleNamespace(grad=param.grad.to_local()) if isinstance(param.grad, DTensor) else param
+                for group in optimizer.param_groups
+                for param in group["params"]
+            ]
+        local = SimpleNamespace(param_groups=[{"params": params}])
+        return super()._unscale_grads_(local, inv_scale, found_inf, allow_fp16)
 
 
 @dataclass(frozen=True)
@@ -98,7 +124,7 @@ class FSDP(CompressionOptions, ShardingOptions, TensorParallelOptions, Strategy)
             }
         elif reduce is not None:
             policies = {name: MixedPrecisionPolicy(reduce_dtype=reduce) for name in ("unit", "root", "whole")}
-        scaler = (lambda: ShardedGradScaler(device=device.type)) if precision.needs_grad_scaler else None
+        scaler = (lambda: DTensorGradScaler(device=device.type)) if precision.needs_grad_scaler else None
         return FSDPPrecision(precision, None, precision.param_dtype, scaler, **policies)
 
     def setup(

@@ -28,11 +28,12 @@ class TensorParallel(TensorParallelOptions, Strategy):
         check_sequence_parallel(self)
 
     def precision_plan(self, precision: Precision, device: torch.device) -> PrecisionPlan:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        from multigpu.strategies.fsdp import DTensorGradScaler
 
-        # Split gradients are DTensors: an overflow found in one process's slice must skip the step everywhere.
+        # Split gradients are DTensors beside whole ones: an overflow found in one process's slice must skip the step
+        # everywhere.
         plan = super().precision_plan(precision, device)
-        return replace(plan, scaler=lambda: ShardedGradScaler(device=device.type)) if plan.scaler else plan
+        return replace(plan, scaler=lambda: DTensorGradScaler(device=device.type)) if plan.scaler else plan
 
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, plan: PrecisionPlan
