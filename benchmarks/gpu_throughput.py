@@ -165,7 +165,7 @@ def set_up_row(row: str, args: argparse.Namespace) -> tuple[Any, Any, Any, Calla
     import torch
 
     import multigpu as mg
-    from multigpu.recipes.finetune import lm_loss, unwrap
+    from multigpu.recipes.finetune import lm_loss
 
     # The eager row counts one step's FLOPs with the Engine's own counter (the monitor's, on the second step; a
     # log_every it never reaches reports nothing); every row does the same model arithmetic, so MFU uses that count.
@@ -183,7 +183,7 @@ def set_up_row(row: str, args: argparse.Namespace) -> tuple[Any, Any, Any, Calla
     inputs = {"input_ids": torch.randint(0, vocab, shape, generator=generator).to(engine.device)}
     labels = torch.randint(0, vocab, shape, generator=generator).to(engine.device)
     loss_fn = lm_loss(engine, model)
-    watch = LogitsWatch(unwrap(model).get_output_embeddings(), vocab)
+    watch = LogitsWatch(engine.unwrap(model).get_output_embeddings(), vocab)
 
     def step() -> Any:
         loss = engine.forward_backward(model, inputs, labels, loss_fn)

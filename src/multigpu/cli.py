@@ -33,10 +33,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from multigpu.engine.config import EngineConfig
     from multigpu.recipes import demo
 
-    return demo.run(config_from_args(demo.DemoConfig, args), config_from_args(EngineConfig, args), args.nproc)
+    return demo.run(config_from_args(demo.DemoRun, args))
 
 
 def cmd_train(args: argparse.Namespace) -> int:

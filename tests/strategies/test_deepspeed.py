@@ -21,7 +21,7 @@ from multigpu import checkpoint
 from multigpu.config.precision import Precision
 from multigpu.core.errors import UsageError
 from multigpu.models.modules import give_back_freed_memory
-from multigpu.strategies.deepspeed import DeepSpeed, read_config
+from multigpu.strategies.deepspeed import DeepSpeed
 from tests.checkpoint.test_checkpoint import GLOBAL_BATCH, SAMPLES, STOP, assert_resumed_exactly
 from tests.dist import multigpu, refusal, run_command, run_each_in_processes, run_in_processes
 from tests.engine.test_init_module import SEED, WIDTH, Net, one_step, rss_bytes
@@ -124,42 +124,6 @@ def test_a_users_config_is_kept_and_completed(tmp_path: Path) -> None:
 def test_conflicts_are_refused(tmp_path: Path, options: dict, settings: dict, message: str) -> None:
     with pytest.raises(UsageError, match=message):
         config(tmp_path, options, settings)
-
-
-@pytest.mark.parametrize(
-    ("text", "message"),
-    [
-        ('{"train_micro_batch_size_per_gpu": NaN}', "train_micro_batch_size_per_gpu is NaN, but a finite number"),
-        ('{"gradient_clipping": Infinity}', "gradient_clipping is Infinity, but a finite number"),
-        ('{"train_batch_size": "32"}', 'train_batch_size is "32", but an integer of 1 or more or "auto" is expected'),
-        ('{"gradient_accumulation_steps": 0}', "gradient_accumulation_steps is 0, but an integer of 1 or more"),
-        ('{"train_micro_batch_size_per_gpu": true}', "train_micro_batch_size_per_gpu is true, but an integer"),
-        ('{"zero_optimization": [2]}', "zero_optimization is a list, but an object is expected"),
-        ('{"zero_optimization": {"stage": "3"}}', 'zero_optimization.stage is "3", but an integer from 0 to 3'),
-        ('{"zero_optimization": {"stage": 4}}', "zero_optimization.stage is 4, but an integer from 0 to 3"),
-        ('{"zero_optimization": {"offload_optimizer": "cpu"}}', 'zero_optimization.offload_optimizer is "cpu", but an'),
-        ('{"bf16": true}', 'bf16 is true, but an object or "auto" is expected'),
-        ('{"fp16": {"enabled": "yes"}}', 'fp16.enabled is "yes", but true or false or "auto" is expected'),
-        ('{"optimizer": "adam"}', 'optimizer is "adam", but an object is expected'),
-        ("[]", "the top level is an empty list, but an object is expected"),
-    ],
-)
-def test_a_bad_config_file_is_one_sentence_naming_the_key(tmp_path: Path, text: str, message: str) -> None:
-    file = tmp_path / "ds.json"
-    file.write_text(text)
-    with pytest.raises(UsageError) as refused:
-        read_config(str(file))
-    assert str(refused.value).startswith(f"{file}: {message}")
-
-
-def test_a_config_path_of_the_wrong_kind_is_named(tmp_path: Path) -> None:
-    with pytest.raises(UsageError, match=r"--deepspeed-config \S+ is a directory, but a DeepSpeed config is expected"):
-        read_config(str(tmp_path))
-    with pytest.raises(UsageError, match=r"--deepspeed-config \S+ does not exist; pass the path of a DeepSpeed"):
-        read_config(str(tmp_path / "none.json"))
-    auto = {"train_batch_size": "auto", "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 3}}
-    (tmp_path / "auto.json").write_text(json.dumps(auto))
-    assert read_config(str(tmp_path / "auto.json")) == auto  # Hugging Face's "auto" values are valid
 
 
 def test_cli_refuses_what_deepspeed_cannot_do(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from multigpu.core.env import all_gather_rows, grouped
 from multigpu.core.errors import UsageError
@@ -167,6 +167,7 @@ class LoaderBase:
         *,
         batch_size: int,
         shuffle: bool,
+        drop_last: bool = False,
         num_workers: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         rank: int,
@@ -183,8 +184,9 @@ class LoaderBase:
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle = shuffle
+        self.drop_last = drop_last  # an epoch's short last global batch; a stream, endless, has none to drop
         self.num_workers = num_workers
-        self.collate_fn = collate_fn
+        self.collate_fn = collate_fn if collate_fn is not None else default_collate  # the DataLoader's own default
         self.rank = rank
         self.world_size = world_size
         self.grad_accum_steps = grad_accum_steps
@@ -207,10 +209,9 @@ class LoaderBase:
 class DistributedLoader(LoaderBase):
     """Iterates this rank's shard of each epoch, on the engine's device; reshuffles every epoch by itself."""
 
-    def __init__(self, dataset: Dataset, *, drop_last: bool, **settings: Any) -> None:
-        """`settings`: LoaderBase's (batch_size, shuffle, num_workers, collate_fn, rank, world_size, ...)."""
+    def __init__(self, dataset: Dataset, **settings: Any) -> None:
+        """`settings`: LoaderBase's (batch_size, shuffle, drop_last, num_workers, collate_fn, rank, world_size, ...)."""
         super().__init__(dataset, **settings)
-        self.drop_last = drop_last
         self.epoch = 0
         self.position = 0  # real samples of this epoch already handed out, counted over all ranks
         self._started = False  # a pass is under way (a new __iter__ before it ends abandons it)

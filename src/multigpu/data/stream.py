@@ -14,12 +14,11 @@ another world size continues at the exact sample: every sample of every epoch is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
-from torch.utils.data import default_collate
 
 from multigpu.core.errors import UsageError
 from multigpu.core.tensor_trees import move_to
@@ -56,17 +55,10 @@ class StreamLoader(LoaderBase):
     """Iterates this rank's share of each global batch of a WindowedStream, on the engine's device, epoch after
     epoch without end: the training loop stops it (a step budget, SampleSchedule.done)."""
 
-    def __init__(
-        self,
-        dataset: WindowedStream,
-        *,
-        drop_last: bool = False,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
-        **settings: Any,
-    ) -> None:
-        """`settings`: LoaderBase's (batch_size, shuffle, num_workers, rank, world_size, ...)."""
-        # drop_last changes nothing: a stream without end has no short last batch to drop.
-        super().__init__(dataset, collate_fn=collate_fn if collate_fn is not None else default_collate, **settings)
+    def __init__(self, dataset: WindowedStream, **settings: Any) -> None:
+        """`settings`: LoaderBase's (batch_size, shuffle, num_workers, collate_fn, rank, world_size, ...); drop_last
+        changes nothing: a stream without end has no short last batch to drop."""
+        super().__init__(dataset, **settings)
         if self.num_workers != 0:
             raise UsageError(
                 "A streamed dataset is read in the training process, so num_workers must be 0 (got "

@@ -134,23 +134,7 @@ def _stage_memory(name: str, whole: ModelShape, config: PlanConfig, batch: int, 
     fsdp_grads = grads if _accumulates_unsharded(config) else shard_grads  # whole while reduce-scatters wait
     compute = 4 if config.precision == "32" else 2
     unit = (held.largest_unit or held.params // 10) * compute
-    cp = config.cp_size if takes_cp(name) else 1
-    if config.model_parallel:
-        activations = stage_activations(
-            shape,
-            stage,
-            config.tp_size,
-            batch,
-            config.seq_len,
-            config.precision,
-            config.activation_checkpointing,
-            config.sequence_parallel,
-            cp,
-            config.cp_method,
-            ep,
-        )
-    else:
-        activations = activations_per_gpu(shape, config, batch, cp, ep)
+    activations = _activations(name, shape, config, batch, stage, ep)
     memory = StrategyMemory(
         name, params, grads, optim, activations, 0.0, FRAMEWORK_OVERHEAD, pp_rank=stage.rank, ep_size=ep
     )
@@ -188,6 +172,26 @@ def _stage_memory(name: str, whole: ModelShape, config: PlanConfig, batch: int, 
     )
     memory.fits = memory.total <= config.gpu_bytes
     return memory
+
+
+def _activations(name: str, shape: ModelShape, config: PlanConfig, batch: int, stage: Stage, ep: int) -> float:
+    """A GPU's activations under row `name`: its pipeline stage's share (tp's slice) under model parallelism."""
+    cp = config.cp_size if takes_cp(name) else 1
+    if not config.model_parallel:
+        return activations_per_gpu(shape, config, batch, cp, ep)
+    return stage_activations(
+        shape,
+        stage,
+        config.tp_size,
+        batch,
+        config.seq_len,
+        config.precision,
+        config.activation_checkpointing,
+        config.sequence_parallel,
+        cp,
+        config.cp_method,
+        ep,
+    )
 
 
 def filled_row(name: str, shape: ModelShape, config: PlanConfig) -> StrategyMemory:

@@ -37,76 +37,78 @@ def layout(plan: Plan) -> str:
     return f"; {' x '.join(parts)}, data parallel {c.data_parallel}{cp}"
 
 
-def print_table(plan: Plan) -> None:
-    from rich.console import Console
-    from rich.table import Table
+#: The table's columns after the strategy (and ep, where experts are): GiB per GPU, setup, fit and the limits.
+COLUMNS = ("params", "grads", "optimizer", "activations", "temporary", "overhead", "total", "setup", "init_module",
+           "fits", "max batch", "max seq", "cpu")  # fmt: skip
 
+
+def title(plan: Plan) -> str:
+    """The model, the hardware and the training setup the table is for."""
     c = plan.config
     checkpointing = "" if c.activation_checkpointing == "none" else f", {c.activation_checkpointing} checkpointing"
     active = f", {plan.active_params / 1e9:.3g}B active in {plan.experts} experts" if plan.experts else ""
-    title = (
+    return (
         f"{plan.model}: {plan.params / 1e9:.3g}B parameters ({plan.trainable / 1e6:,.1f}M trainable{active}), "
         f"{c.world} GPU(s) of {c.gpu_bytes / 2**30:.0f} GiB, {c.precision}, {c.optimizer}, "
         f"batch {c.batch_size} x {c.seq_len} tokens{checkpointing}" + layout(plan)
     )
-    experts = plan.experts or any(m.ep_size > 1 for m in plan.strategies)
+
+
+def row(m: StrategyMemory, experts: bool) -> tuple[str, ...]:
+    """One strategy's cells, in the order of its columns."""
+    return (
+        m.strategy,
+        *((str(m.ep_size),) if experts else ()),
+        *(gib(value) for value in (m.params, m.grads, m.optimizer, m.activations, m.temporary, m.overhead)),
+        gib(m.total),
+        gib(m.setup),
+        gib(m.setup_init_module) if m.setup_init_module != m.setup else "",
+        fits(m),
+        str(m.max_batch_size),
+        f"{m.max_seq_len:,}" if m.max_seq_len else "",
+        gib(m.cpu) if m.cpu else "",
+    )
+
+
+def print_table(plan: Plan) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    experts = bool(plan.experts) or any(m.ep_size > 1 for m in plan.strategies)
     table = Table(
-        title=title,
+        title=title(plan),
         caption="GiB per GPU (cpu: host memory per process). setup: a rank's tensors while the model is built whole, "
         "init_module: under engine.init_module() (blank: the same); zero3+offload sets up in host memory. "
         "max seq: the longest sequence that fits at batch size 1"
         + ("; ep: the experts split over ep ranks, each slice sharded over the rest" if experts else ""),
     )
-    for column in (
-        "strategy",
-        *(("ep",) if experts else ()),
-        "params",
-        "grads",
-        "optimizer",
-        "activations",
-        "temporary",
-        "overhead",
-        "total",
-        "setup",
-        "init_module",
-        "fits",
-        "max batch",
-        "max seq",
-        "cpu",
-    ):
+    for column in ("strategy", *(("ep",) if experts else ()), *COLUMNS):
         table.add_column(column, justify="right")
     for m in plan.strategies:
-        table.add_row(
-            m.strategy,
-            *((str(m.ep_size),) if experts else ()),
-            gib(m.params),
-            gib(m.grads),
-            gib(m.optimizer),
-            gib(m.activations),
-            gib(m.temporary),
-            gib(m.overhead),
-            gib(m.total),
-            gib(m.setup),
-            gib(m.setup_init_module) if m.setup_init_module != m.setup else "",
-            fits(m),
-            str(m.max_batch_size),
-            f"{m.max_seq_len:,}" if m.max_seq_len else "",
-            gib(m.cpu) if m.cpu else "",
-        )
+        table.add_row(*row(m, experts))
     console = Console(width=None if sys.stdout.isatty() else 160)  # a log or a pipe gets the whole table
     console.print(table)
-    if plan.config.pp_size > 1:
+    for line in notes(plan):
+        console.print(line)
+
+
+def notes(plan: Plan) -> list[str]:
+    """What the table leaves unsaid: the pipeline rank shown, what was not estimated or left out, and the
+    recommendation."""
+    c, lines = plan.config, []
+    if c.pp_size > 1:
         ranks = ", ".join(f"{m.strategy} {m.pp_rank}" for m in plan.strategies)
-        console.print(f"pipeline rank shown (the one whose total binds): {ranks}")
+        lines.append(f"pipeline rank shown (the one whose total binds): {ranks}")
     if not any(m.activations for m in plan.strategies):
-        console.print(
+        lines.append(
             "activations not estimated: give --model (or --layers --hidden --heads --vocab with --params), "
             "or call multigpu.plan(module, sample_input=...) to measure them"
         )
     if plan.left_out:
-        console.print(f"left out: {plan.left_out}")
+        lines.append(f"left out: {plan.left_out}")
     cp = f" with --cp-size {plan.cp_size}" if plan.recommendation and plan.cp_size != c.cp_size else ""
     cp += f" with --ep-size {plan.ep_size}" if plan.recommendation and plan.ep_size != (c.ep_size or 1) else ""
-    console.print(f"recommendation: {plan.recommendation or 'none'}{cp} ({plan.reason})")
+    lines.append(f"recommendation: {plan.recommendation or 'none'}{cp} ({plan.reason})")
     if plan.setup_warning:
-        console.print(f"warning: {plan.setup_warning}")
+        lines.append(f"warning: {plan.setup_warning}")
+    return lines

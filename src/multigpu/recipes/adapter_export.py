@@ -13,7 +13,8 @@ from multigpu.core.atomic import write_dir
 from multigpu.core.errors import UsageError
 from multigpu.recipes import lm_models
 from multigpu.recipes.common import EXPORT_RESULT, check_new_output, run_record
-from multigpu.recipes.finetune import FinetuneConfig, save_pretrained
+from multigpu.recipes.finetune import FinetuneConfig
+from multigpu.recipes.lm_results import save_pretrained
 
 
 def holds_adapter(checkpoint: Path, key: str = "model") -> bool:

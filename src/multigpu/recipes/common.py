@@ -74,29 +74,32 @@ NPROC_NOTE, NPROC_UNSET = ", launched when not under a launcher", "1, or one per
 def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Callable[[Any, ParallelDims], None]) -> int:
     """Runs a recipe in this process (under a launcher already, or 1 process), or launches --nproc of `module`.
 
-    `config` is a recipe's (TrainConfig, FinetuneConfig); `check(config, layout)` refuses its bad input before
-    anything starts (`layout`: the degrees the workers would resolve), as the GPUs named and the Engine's settings
-    are refused here, so that a mistake is one line rather than one per worker.
+    `config` is a recipe's (TrainConfig, FinetuneConfig, the demo's DemoRun); `check(config, layout)` refuses its
+    bad input before anything starts (`layout`: the degrees the workers would resolve), as the GPUs named and the
+    Engine's settings are refused here, so that a mistake is one line rather than one per worker.
     """
     if "RANK" in os.environ:  # already under torchrun / multigpu run / accelerate launch
         run(as_launched(config))
         return 0
+    settings = engine_settings(config)
     # dp drives every GPU named from one process; the others run a process per GPU.
     named_gpus = [part for part in (config.gpu_ids or "").split(",") if part.strip()]
-    nproc = config.nproc or (1 if config.multi_gpu == "dp" else len(named_gpus)) or 1
+    nproc = config.nproc or (1 if settings["strategy"] == "dp" else len(named_gpus)) or 1
     restarts = getattr(config, "max_restarts", 0)
     launch_config = LaunchConfig(nproc=nproc, gpu_ids=config.gpu_ids, max_restarts=restarts)
     if config.gpu_ids is not None:  # GPUs that are not there, before the strategies count them
         select_gpus(launch_config, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
-    layout = start.check(EngineConfig(**engine_settings(config)), nproc)
+    layout = start.check(EngineConfig(**settings), nproc)
+    save_dir = getattr(config, "save_dir", None)  # None: a run that writes nothing to keep (the demo)
     with contextlib.ExitStack() as held:
         # One run per --save-dir, held by this process for the run's life (its workers inherit it). Taken before
         # `check` where the directory exists, since check reads its checkpoints (and moves damaged ones aside);
         # a new directory is made only once the run is known good.
-        if os.access(config.save_dir, os.W_OK) and Path(config.save_dir).is_dir():
-            held.enter_context(run_lock.holding(config.save_dir))
+        if save_dir is not None and os.access(save_dir, os.W_OK) and Path(save_dir).is_dir():
+            held.enter_context(run_lock.holding(save_dir))
         check(config, layout)
-        held.enter_context(run_lock.holding(config.save_dir))  # nothing more where held already
+        if save_dir is not None:
+            held.enter_context(run_lock.holding(save_dir))  # nothing more where held already
         if nproc == 1 and config.gpu_ids is None and restarts == 0:
             run(config)
             return 0

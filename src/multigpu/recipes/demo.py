@@ -14,13 +14,14 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from multigpu.config.flags import Parser, add_config_arguments, config_from_args, config_to_argv
-from multigpu.config.settings import Settings, setting
+from multigpu.config.flags import Parser, add_config_arguments, config_from_args
+from multigpu.config.layout import ParallelDims
+from multigpu.config.settings import Derived, Settings, derive, setting, setting_names
 from multigpu.core.errors import UsageError, exit_on_usage_error, require
-from multigpu.engine import start
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
-from multigpu.launch.launcher import LaunchConfig, launch
+from multigpu.launch.launcher import LaunchConfig
+from multigpu.recipes.common import run_recipe
 
 
 @dataclass
@@ -91,22 +92,54 @@ def hits(logits: torch.Tensor, label: torch.Tensor) -> tuple[torch.Tensor, torch
     return ((logits.argmax(dim=1) == label) & real).sum().float(), real.sum()
 
 
-def run(config: DemoConfig, engine_config: EngineConfig, nproc: int) -> int:
-    """What `multigpu demo` does: refuse what the Engine would refuse, then launch `nproc` processes of this."""
-    launch_config = LaunchConfig(nproc=nproc)  # refuses a count of processes no launch can start
-    if engine_config.loss != "plain" or engine_config.liger:
-        raise UsageError(
-            "loss and liger change a language model's output head and cross-entropy, and the demo trains a small "
-            "classifier; drop them (multigpu finetune takes them)."
-        )
-    start.check(engine_config, nproc)
-    if (engine_config.cp_size or 1) > 1:  # after the layout's own checks, which hold for any model
+class DemoRunChecks(Derived):
+    """What the demo's run refuses beyond its settings' own checks: a language model's loss settings."""
+
+    def check(self) -> None:
+        if self.loss != "plain" or self.liger:
+            raise UsageError(
+                "loss and liger change a language model's output head and cross-entropy, and the demo trains a small "
+                "classifier; drop them (multigpu finetune takes them)."
+            )
+
+
+# The demo's run as one recipe config for run_recipe: its settings and the Engine's, flag for flag (the CLI's demo
+# verb takes them all), and the processes.
+DemoRun = derive(
+    "DemoRun",
+    DemoConfig,
+    EngineConfig,
+    LaunchConfig,
+    only=(*setting_names(DemoConfig), *setting_names(EngineConfig), "nproc", "gpu_ids"),
+    base=DemoRunChecks,
+)
+
+
+def check(config: DemoRun, layout: ParallelDims) -> None:
+    """What the demo refuses once the Engine's settings passed (they hold for any model): a split of sequences."""
+    if (config.cp_size or 1) > 1:
         raise UsageError(
             "cp_size splits each sequence of a batch, and the demo trains on points, which have none; drop "
             "--cp-size (multigpu finetune splits its sequences)."
         )
-    argv = config_to_argv(config) + config_to_argv(engine_config)
-    return launch(launch_config, ["multigpu.recipes.demo", *argv], module=True)
+
+
+def train_here(config: DemoRun) -> None:
+    """The demo in this process, from run_recipe (1 process, or already under a launcher)."""
+    run_demo(DemoConfig(**config.values_for(DemoConfig)), EngineConfig(**config.values_for(EngineConfig)))
+
+
+def run_demo(config: DemoConfig, engine_config: EngineConfig) -> None:
+    """The demo's Engine, then its training: what each process runs."""
+    engine = Engine(**vars(engine_config))
+    engine.log_config(asdict(config))
+    train(engine, config)
+
+
+def run(config: DemoRun) -> int:
+    """What `multigpu demo` does: refuse what the Engine would refuse, then train here (1 process, or already under
+    a launcher) or launch --nproc processes of this."""
+    return run_recipe(config, "multigpu.recipes.demo", train_here, check)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -114,10 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     add_config_arguments(parser, DemoConfig)
     add_config_arguments(parser, EngineConfig)
     args = parser.parse_args(argv)
-    engine = Engine(**vars(config_from_args(EngineConfig, args)))
-    config = config_from_args(DemoConfig, args)
-    engine.log_config(asdict(config))
-    train(engine, config)
+    run_demo(config_from_args(DemoConfig, args), config_from_args(EngineConfig, args))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from torch import nn
 from multigpu.config.flags import Parser, add_config_arguments, config_from_args
 from multigpu.config.layout import ParallelDims
 from multigpu.config.settings import setting, shown
-from multigpu.core.atomic import write_dir
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import exit_on_usage_error, require
 from multigpu.data import lm_data, packing
@@ -33,12 +32,10 @@ from multigpu.engine.engine import Engine
 from multigpu.engine.lr_schedule import SampleSchedule
 from multigpu.launch.launcher import LaunchConfig
 from multigpu.models.loss import TokenLoss, check_runnable, summed_cross_entropy
-from multigpu.models.pretrained import give_usual_mode
 from multigpu.recipes import lm_fit, lm_models
 from multigpu.recipes.common import (
     NPROC_NOTE,
     NPROC_UNSET,
-    RUN_RESULT,
     ProgressBar,
     RecipeSettings,
     RunDirSettings,
@@ -55,6 +52,7 @@ from multigpu.recipes.common import (
     step_checkpoint,
 )
 from multigpu.recipes.lm_experts import check_experts, expert_progress, expert_summary
+from multigpu.recipes.lm_results import outputs, save_result
 
 # What a resume must keep (its loader counts samples of that data), and what it may change (the schedule follows).
 SAME_DATA = ("data", "data_split", "data_format", "data_column", "data_streaming", "seq_len", "packing",
@@ -190,7 +188,7 @@ def summed_token_loss(output: Any, labels: torch.Tensor) -> tuple[torch.Tensor, 
 def lm_loss(engine: Engine, model: nn.Module) -> TokenLoss:
     """The loss of the engine's `loss` setting, with the set-up model's output head (under pp, the whole model's:
     the last stage holds it)."""
-    return engine.lm_loss(unwrap(model).get_output_embeddings())
+    return engine.lm_loss(engine.unwrap(model).get_output_embeddings())
 
 
 def build(config: FinetuneConfig, engine: Engine) -> tuple[nn.Module, torch.optim.Optimizer, Any, lm_data.LMData]:
@@ -218,16 +216,10 @@ def build(config: FinetuneConfig, engine: Engine) -> tuple[nn.Module, torch.opti
     return model, optimizer, tokenizer, data
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The HF / peft model inside a DDP, DataParallel or DeepSpeed wrapper (FSDP2 keeps the module itself)."""
-    wrapped = isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel))
-    return model.module if wrapped or type(model).__name__ in ("DeepSpeedEngine", "PipelineModel") else model
-
-
 @torch.no_grad()
 def sample(model: nn.Module, tokenizer: Any, prompt: str, engine: Engine, new_tokens: int = 40) -> str:
     """Greedy continuation; every rank runs it (sharded models gather weights in forward)."""
-    inner = unwrap(model)
+    inner = engine.unwrap(model)
     inner.eval()
     ids = tokenizer(prompt, return_tensors="pt").input_ids.to(engine.device)
     out = inner.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
@@ -274,43 +266,33 @@ def describe(data: lm_data.LMData) -> str:
     )
 
 
-def save_result(config: FinetuneConfig, engine: Engine, model: nn.Module, tokenizer: Any) -> Path:
-    """A peft adapter directory (lora, qlora) or an HF model directory (full), from any strategy, and with --merge
-    the merged model; each written whole or not at all (a full disk: one sentence, and a rerun writes it).
+@dataclass
+class FinetuneRun:
+    """What the training loop works on: the set-up model and optimizer, the tokenizer, data and loaders, the loss,
+    the lr schedule and its plan (warm-up and total samples), and the state checkpoints hold."""
 
-    The full state dict is gathered collectively (DTensors under zero3 become whole tensors on rank 0); peft's
-    own save would read sharded storage and fail, or write an empty adapter.
-    """
-    out, *merged = outputs(config)
-    state = engine.full_state_dict(model, trainable_only=config.method != "full")
-    if engine.is_main_process:
-        write_dir(out, functools.partial(save_pretrained, unwrap(model), tokenizer, state=state), RUN_RESULT)
-        if merged:
-            from peft import PeftModel
+    engine: Engine
+    config: FinetuneConfig
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    tokenizer: Any
+    data: lm_data.LMData
+    loss_fn: TokenLoss
+    train_loader: Any
+    val_loader: Any
+    scheduler: SampleSchedule
+    plan: tuple[int, int]
+    state: dict[str, Any]
 
-            base = lm_models.load_model(config.model, "full")
-            whole = PeftModel.from_pretrained(base, out).merge_and_unload()
-            write_dir(merged[0], functools.partial(save_pretrained, whole, tokenizer), RUN_RESULT)
-    engine.barrier()
-    return out
+    def validate(self, note: str = "") -> dict[str, Any]:
+        return validate(self.engine, self.model, self.val_loader, self.config, self.loss_fn, self.state["step"], note)
 
-
-def outputs(config: FinetuneConfig) -> list[Path]:
-    """What a finetune writes as its result: its model (full) or adapter, then with --merge the merged model."""
-    save_dir = Path(config.save_dir)
-    return [save_dir / ("model" if config.method == "full" else "adapter")] + [save_dir / "merged"] * config.merge
+    def sample(self) -> str:
+        return sample(self.model, self.tokenizer, self.config.sample_prompt, self.engine)
 
 
-def save_pretrained(model: Any, tokenizer: Any, directory: Path, state: dict[str, torch.Tensor] | None = None) -> None:
-    """`model` (its `state`, if given) and `tokenizer` as a directory transformers and peft load, readable by all."""
-    model.save_pretrained(directory, state_dict=state)
-    tokenizer.save_pretrained(directory)
-    give_usual_mode(directory.glob("*.safetensors"))
-
-
-def finetune(config: FinetuneConfig) -> dict[str, Any]:
-    engine = recipe_engine(config)
-    engine.log_config(asdict(config))
+def set_up(config: FinetuneConfig, engine: Engine) -> FinetuneRun:
+    """The model, optimizer and data (build), their loaders, the loss and the lr schedule."""
     model, optimizer, tokenizer, data = build(config, engine)
     loss_fn = lm_loss(engine, model)
     collate = data.collate_fn(engine.sequence_multiple)
@@ -330,41 +312,94 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     plan = (steps_samples(config.warmup_steps), total_samples)
     scheduler = SampleSchedule(optimizer, train_loader, *plan)
     state = {"model": model, "optimizer": optimizer, "loader": train_loader, "scheduler": scheduler, "step": 0}
-    resume_from = resolve_resume(config, engine.print)
-    if resume_from is not None:
-        record = check_same_data(config, resume_from, SAME_DATA)
-        engine.load(resume_from, state)
-        engine.print(f"resumed from {resume_from} at step {state['step']} ({scheduler.seen} samples done)")
-        replanned = follow_new_plan(scheduler, config, record, SCHEDULE_LENGTH, plan)
-        if replanned:
-            engine.print(replanned)
-        if scheduler.done:  # nothing to train: the adapter or model written at its end stays, or is written now
-            finish = functools.partial(save_result, config, engine, model, tokenizer)
-            finish_complete_run(engine, config, state["step"], "--max-steps or --epochs", outputs(config), finish)
-            return {"history": [], "steps": state["step"], "skipped_steps": 0, "output": None, "model": model}
-    if engine.is_main_process:  # once the save dir and the checkpoint resumed from are known good
-        record_run(config, "finetune")
+    return FinetuneRun(
+        engine, config, model, optimizer, tokenizer, data, loss_fn, train_loader, val_loader, scheduler, plan, state
+    )
+
+
+def resume(run: FinetuneRun, resume_from: Path) -> bool:
+    """Loads the checkpoint `resume_from` into the run; whether its training is complete already (the adapter or
+    model written at its end then stays, or is written now)."""
+    engine, config, scheduler = run.engine, run.config, run.scheduler
+    record = check_same_data(config, resume_from, SAME_DATA)
+    engine.load(resume_from, run.state)
+    engine.print(f"resumed from {resume_from} at step {run.state['step']} ({scheduler.seen} samples done)")
+    replanned = follow_new_plan(scheduler, config, record, SCHEDULE_LENGTH, run.plan)
+    if replanned:
+        engine.print(replanned)
+    if not scheduler.done:
+        return False
+    finish = functools.partial(save_result, config, engine, run.model, run.tokenizer)
+    finish_complete_run(engine, config, run.state["step"], "--max-steps or --epochs", outputs(config), finish)
+    return True
+
+
+def announce(run: FinetuneRun) -> int:
+    """Prints what trains and on what; returns the steps left to train (for the progress bar)."""
+    engine, config, scheduler = run.engine, run.config, run.scheduler
     global_batch = config.batch_size * engine.data_parallel_size * config.grad_accum_steps
-    total = state["step"] + math.ceil((scheduler.total_samples - scheduler.seen) / global_batch)  # for the bar
+    total = run.state["step"] + math.ceil((scheduler.total_samples - scheduler.seen) / global_batch)
     # ZeRO-3 under DeepSpeed leaves each parameter empty outside forward; ds_numel is its real size.
-    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in unwrap(model).parameters() if p.requires_grad)
+    parameters = engine.unwrap(run.model).parameters()
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in parameters if p.requires_grad)
     engine.print(
-        f"{describe(data)}, {config.model} {config.method}: {trainable:,} trainable parameters; strategy "
+        f"{describe(run.data)}, {config.model} {config.method}: {trainable:,} trainable parameters; strategy "
         f"{engine.strategy}, {engine.world_size} process(es), {total} steps"
     )
-    if data.report:
-        engine.print(data.report)
+    if run.data.report:
+        engine.print(run.data.report)
+    return total
+
+
+def finetune(config: FinetuneConfig) -> dict[str, Any]:
+    engine = recipe_engine(config)
+    engine.log_config(asdict(config))
+    run = set_up(config, engine)
+    resume_from = resolve_resume(config, engine.print)
+    if resume_from is not None and resume(run, resume_from):  # nothing to train
+        return {"history": [], "steps": run.state["step"], "skipped_steps": 0, "output": None, "model": run.model}
+    if engine.is_main_process:  # once the save dir and the checkpoint resumed from are known good
+        record_run(config, "finetune")
+    total = announce(run)
     if config.sample_prompt:
-        engine.print(f"before: {config.sample_prompt}{sample(model, tokenizer, config.sample_prompt, engine)}")
-    history = [validate(engine, model, val_loader, config, loss_fn, state["step"])]
-    progress = ProgressBar(engine, total)
+        engine.print(f"before: {config.sample_prompt}{run.sample()}")
+    history = [run.validate()]
+    expert_load = train_steps(run, ProgressBar(engine, total))
+    save_step(engine, config, run.state)
+    if isinstance(run.data.train, lm_data.TokenStream) and run.data.train.report():
+        engine.print(run.data.train.report())
+    history.append(run.validate(skipped_note(engine)))
+    if expert_load is not None:
+        engine.print(expert_summary(expert_load))
+        history[-1]["aux_loss"] = expert_load["moe_aux_loss"]
+    validated = {"val_loss": history[-1]["val_loss"]} if "val_loss" in history[-1] else {}
+    engine.log(run.state["step"], {**validated, "skipped_steps": engine.skipped_steps})
+    if config.sample_prompt:
+        engine.print(f"after: {config.sample_prompt}{run.sample()}")
+    out = save_result(config, engine, run.model, run.tokenizer)
+    engine.print(f"wrote {out}; peak memory per rank (MB): {peak_memory_mb(engine)}")
+    return {
+        "history": history,
+        "expert_load": expert_load,
+        "grad_norm": engine.last_grad_norm,  # the last step's, before clipping
+        "steps": run.state["step"],
+        "skipped_steps": engine.skipped_steps,
+        "output": str(out),
+        "model": run.model,
+    }
+
+
+def train_steps(run: FinetuneRun, progress: ProgressBar) -> dict[str, Any] | None:
+    """Trains until the schedule's samples are done, checkpointing every --save-every steps; returns the last
+    step's expert load (None for a dense model)."""
+    engine, config, state, scheduler = run.engine, run.config, run.state, run.scheduler
     start, tokens, expert_load = time.perf_counter(), 0.0, None
     while not scheduler.done:
-        for batch in train_loader:
-            loss = engine.forward_backward(model, model_inputs(batch), batch["labels"], loss_fn)
+        for batch in run.train_loader:
+            loss = engine.forward_backward(run.model, model_inputs(batch), batch["labels"], run.loss_fn)
             count = (batch["labels"] != -100).sum()
             tokens += float(count) * engine.data_parallel_size
-            if engine.step(optimizer, scheduler):
+            if engine.step(run.optimizer, scheduler):
                 state["step"] += 1
                 rate = tokens / (time.perf_counter() - start)
                 status = f"loss {loss.item() / max(float(count), 1):.3f} lr {scheduler.get_last_lr()[0]:.2e} "
@@ -376,28 +411,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
                 if scheduler.done:
                     break
     progress.close()
-    save_step(engine, config, state)
-    if isinstance(data.train, lm_data.TokenStream) and data.train.report():
-        engine.print(data.train.report())
-    history.append(validate(engine, model, val_loader, config, loss_fn, state["step"], skipped_note(engine)))
-    if expert_load is not None:
-        engine.print(expert_summary(expert_load))
-        history[-1]["aux_loss"] = expert_load["moe_aux_loss"]
-    validated = {"val_loss": history[-1]["val_loss"]} if "val_loss" in history[-1] else {}
-    engine.log(state["step"], {**validated, "skipped_steps": engine.skipped_steps})
-    if config.sample_prompt:
-        engine.print(f"after: {config.sample_prompt}{sample(model, tokenizer, config.sample_prompt, engine)}")
-    out = save_result(config, engine, model, tokenizer)
-    engine.print(f"wrote {out}; peak memory per rank (MB): {peak_memory_mb(engine)}")
-    return {
-        "history": history,
-        "expert_load": expert_load,
-        "grad_norm": engine.last_grad_norm,  # the last step's, before clipping
-        "steps": state["step"],
-        "skipped_steps": engine.skipped_steps,
-        "output": str(out),
-        "model": model,
-    }
+    return expert_load
 
 
 def save_step(engine: Engine, config: FinetuneConfig, state: dict[str, Any]) -> None:

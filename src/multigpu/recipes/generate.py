@@ -25,6 +25,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -245,23 +246,13 @@ def generate(config: GenerateConfig) -> None:
             "--device-map to run one model copy per process)."
         )
     prompts = check_inputs(config)
-    tokenizer = lm_models.load_tokenizer(config.model)
-    tokenizer.padding_side = "left"  # right padding puts pads between a prompt and its new tokens
-    if (config.chat or any("messages" in p for p in prompts)) and not tokenizer.chat_template:
-        raise UsageError(
-            f"--model {config.model} has no chat template; drop --chat and give plain prompts, not messages."
-        )
+    tokenizer = prompt_tokenizer(config, prompts)
     if env.world_size > 1:
         init_process_group(env, env.default_backend(), timedelta(seconds=GATHER_TIMEOUT_S))
 
-    mine = list(range(env.rank, len(prompts), env.world_size))  # round robin: every rank gets similar work
+    mine = range(env.rank, len(prompts), env.world_size)  # round robin: every rank gets similar work
     encoded = {i: encode(tokenizer, prompts[i], config.chat) for i in mine}
-    if config.device_map is not None:
-        model = load_split_model(config.model, config.adapter, config.device_map)
-    else:
-        model = lm_models.load_model(config.model, adapter=config.adapter).to(env.device)
-    model.eval()
-    eos = eos_ids(model, tokenizer)
+    model = generation_model(config, env)
     say = print if env.rank == 0 else (lambda *_, **__: None)
     say(
         f"generating {len(prompts)} prompts with {config.model}"
@@ -270,33 +261,8 @@ def generate(config: GenerateConfig) -> None:
         f"up to {config.max_new_tokens} new tokens",
         flush=True,
     )
-
-    # Longest first, so a batch holds prompts of similar length and wastes little on padding.
-    order = sorted(mine, key=lambda i: -len(encoded[i]))
-    results: dict[int, tuple[str, int]] = {}
-    start = printed = time.perf_counter()
-    tokens = 0
-    with torch.inference_mode():
-        for first in range(0, len(order), config.batch_size):
-            indices = order[first : first + config.batch_size]
-            outputs = generate_batch(model, tokenizer, [encoded[i] for i in indices], indices, config, eos)
-            for index, new in zip(indices, outputs, strict=True):
-                results[index] = (tokenizer.decode(new, skip_special_tokens=True), len(new))
-                tokens += len(new)
-            now = time.perf_counter()
-            if now - printed >= PROGRESS_EVERY_S or len(results) == len(mine):
-                printed = now
-                say(
-                    f"rank 0: {len(results)}/{len(mine)} prompts, {tokens} tokens, "
-                    f"{tokens / (now - start):.1f} tokens/s",
-                    flush=True,
-                )
-
-    if env.world_size > 1:
-        gathered: list[Any] | None = [None] * env.world_size if env.rank == 0 else None
-        dist.gather_object(results, gathered, dst=0)
-    else:
-        gathered = [results]
+    start = time.perf_counter()
+    gathered = gather_on_rank_0(generate_all(model, tokenizer, encoded, config, say, start), env)
     if env.rank != 0:
         return
     merged = {index: result for part in gathered for index, result in part.items()}
@@ -309,6 +275,69 @@ def generate(config: GenerateConfig) -> None:
         f"{duration(time.perf_counter() - began)} in all, with loading the model",
         flush=True,
     )
+
+
+def prompt_tokenizer(config: GenerateConfig, prompts: list[dict[str, Any]]) -> Any:
+    """The model's tokenizer, padding on the left; refuses chat prompts for a model without a chat template."""
+    tokenizer = lm_models.load_tokenizer(config.model)
+    tokenizer.padding_side = "left"  # right padding puts pads between a prompt and its new tokens
+    if (config.chat or any("messages" in p for p in prompts)) and not tokenizer.chat_template:
+        raise UsageError(
+            f"--model {config.model} has no chat template; drop --chat and give plain prompts, not messages."
+        )
+    return tokenizer
+
+
+def generation_model(config: GenerateConfig, env: DistEnv) -> Any:
+    """The model (with its adapter) in eval mode, on this process's device or split over its GPUs (--device-map)."""
+    if config.device_map is not None:
+        model = load_split_model(config.model, config.adapter, config.device_map)
+    else:
+        model = lm_models.load_model(config.model, adapter=config.adapter).to(env.device)
+    model.eval()
+    return model
+
+
+def generate_all(
+    model: Any,
+    tokenizer: Any,
+    encoded: dict[int, list[int]],
+    config: GenerateConfig,
+    say: Callable[..., None],
+    start: float,
+) -> dict[int, tuple[str, int]]:
+    """(text, new tokens) of each prompt in `encoded` (index -> its tokens), in batches of --batch-size; the
+    progress since `start` said every PROGRESS_EVERY_S seconds."""
+    eos = eos_ids(model, tokenizer)
+    # Longest first, so a batch holds prompts of similar length and wastes little on padding.
+    order = sorted(encoded, key=lambda i: -len(encoded[i]))
+    results: dict[int, tuple[str, int]] = {}
+    printed, tokens = start, 0
+    with torch.inference_mode():
+        for first in range(0, len(order), config.batch_size):
+            indices = order[first : first + config.batch_size]
+            outputs = generate_batch(model, tokenizer, [encoded[i] for i in indices], indices, config, eos)
+            for index, new in zip(indices, outputs, strict=True):
+                results[index] = (tokenizer.decode(new, skip_special_tokens=True), len(new))
+                tokens += len(new)
+            now = time.perf_counter()
+            if now - printed >= PROGRESS_EVERY_S or len(results) == len(encoded):
+                printed = now
+                say(
+                    f"rank 0: {len(results)}/{len(encoded)} prompts, {tokens} tokens, "
+                    f"{tokens / (now - start):.1f} tokens/s",
+                    flush=True,
+                )
+    return results
+
+
+def gather_on_rank_0(results: dict[int, Any], env: DistEnv) -> list[dict[int, Any]] | None:
+    """Every rank's `results` on rank 0 (None on the others)."""
+    if env.world_size == 1:
+        return [results]
+    gathered: list[Any] | None = [None] * env.world_size if env.rank == 0 else None
+    dist.gather_object(results, gathered, dst=0)
+    return gathered
 
 
 def duration(seconds: float) -> str:

@@ -312,14 +312,38 @@ def load_model(
     engine.init_module(meta=True), engine.load_pretrained(model, model_dir(name)) then fills it in setup, straight
     into each rank's shards. Its LoRA adapters then get peft's initial values there, from the same random draws.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     quiet_transformers()
     if method not in METHODS:
         raise UsageError(f"Unknown --method {method!r}; choose one of {', '.join(METHODS)}.")
+    options = loading_options(method, precision)
+    if skeleton and (method == "qlora" or adapter is not None):
+        raise UsageError("Only full and lora models are built as skeletons; qlora quantises as it reads the weights.")
+    if skeleton:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir(name)), **options)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir(name), **options)
+    if method == "qlora":
+        keep_4bit_layout(model)
+    if options.get("attn_implementation") == "flash_attention_2":  # packed documents need their bounds passed
+        model.get_decoder().register_forward_pre_hook(pass_document_bounds, with_kwargs=True)
+    if adapter is not None:
+        from peft import PeftModel
+
+        return PeftModel.from_pretrained(model, adapter, is_trainable=method != "full")
+    if method == "full":
+        return model
+    return with_lora(model, lora_r, lora_alpha, lora_experts, skeleton)
+
+
+def loading_options(method: str, precision: str) -> dict[str, Any]:
+    """transformers' options for building the model: fp32 weights, flash attention where the precision runs it,
+    and for qlora nf4 weights computing in the precision's dtype, on this process's device."""
+    from transformers import BitsAndBytesConfig
+
     options: dict[str, Any] = {"dtype": torch.float32}
-    flash = uses_flash_attention(precision)
-    if flash:
+    if uses_flash_attention(precision):
         options["attn_implementation"] = "flash_attention_2"
     if method == "qlora":
         options["quantization_config"] = BitsAndBytesConfig(
@@ -329,22 +353,11 @@ def load_model(
             bnb_4bit_quant_storage=QUANT_STORAGE,
         )
         options["device_map"] = {"": torch.cuda.current_device() if torch.cuda.is_available() else "cpu"}
-    if skeleton and (method == "qlora" or adapter is not None):
-        raise UsageError("Only full and lora models are built as skeletons; qlora quantises as it reads the weights.")
-    if skeleton:
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir(name)), **options)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir(name), **options)
-    if method == "qlora":
-        keep_4bit_layout(model)
-    if flash:
-        model.get_decoder().register_forward_pre_hook(pass_document_bounds, with_kwargs=True)
-    if adapter is not None:
-        from peft import PeftModel
+    return options
 
-        return PeftModel.from_pretrained(model, adapter, is_trainable=method != "full")
-    if method == "full":
-        return model
+
+def with_lora(model: Any, lora_r: int, lora_alpha: int, lora_experts: bool, skeleton: bool) -> Any:
+    """`model` with new LoRA adapters (peft) on its projections, and with `lora_experts` its experts and router."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(

@@ -13,6 +13,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -159,11 +160,46 @@ def outputs(save_dir: Path) -> list[Path]:
     return [save_dir / "model.safetensors", save_dir / "model_config.json"]
 
 
-def train(config: TrainConfig) -> dict:
-    engine = recipe_engine(config)
-    engine.log_config(asdict(config))
-    resume_from = resolve_resume(config, engine.print)
-    record = check_same_data(config, resume_from, SAME_DATA)
+@dataclass
+class TrainRun:
+    """What the training loop works on: the set-up model and optimizer, the loaders, the lr schedule and its plan
+    (warm-up and total samples), and the state checkpoints hold."""
+
+    engine: Engine
+    config: TrainConfig
+    data: activity_data.ActivityData
+    spec: list
+    parameters: int  # the model's, counted before setup (sharding may leave a rank's parameters empty)
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    train_loader: Any
+    val_loader: Any
+    scheduler: SampleSchedule
+    plan: tuple[int, int]
+    lr: float
+    state: dict[str, Any]
+    # This rank's loss sum and real samples in the running epoch, on the engine's device: adding a GPU loss into a
+    # CPU tensor fails, and .item() would sync every step.
+    epoch_loss: torch.Tensor | None = None
+
+    @property
+    def save_dir(self) -> Path:
+        return Path(self.config.save_dir)
+
+    @property
+    def total_steps(self) -> int:
+        return math.ceil(len(self.train_loader) / self.config.grad_accum_steps) * self.config.epochs
+
+    def save(self) -> None:
+        engine, state = self.engine, self.state
+        state["epoch_loss"] = engine.reduce(self.epoch_loss, "sum").tolist()
+        engine.save(step_checkpoint(self.save_dir, state["step"]), state, self.config.async_save, self.config.keep_last)
+        if engine.is_main_process:
+            record_run(self.config, "train", after_save=True)
+
+
+def set_up(config: TrainConfig, engine: Engine) -> TrainRun:
+    """The data, the model and optimizer set up for the engine's strategy, the loaders and the lr schedule."""
     data = activity_data.load(config.data)
     spec = activity_models.layer_spec(config.mode, data.channels, data.window, len(data.labels))
     model = activity_models.build(spec)
@@ -178,8 +214,6 @@ def train(config: TrainConfig) -> dict:
         data.train, batch_size=config.batch_size, shuffle=True, num_workers=config.num_workers
     )
     val_loader = engine.dataloader(data.validation, batch_size=256, shuffle=False)
-    steps_per_epoch = math.ceil(len(train_loader) / config.grad_accum_steps)
-    total_steps = steps_per_epoch * config.epochs
     epoch_samples = len(data.train)
     plan = (round(config.warmup_epochs * epoch_samples), config.epochs * epoch_samples)
     scheduler = SampleSchedule(optimizer, train_loader, *plan)
@@ -194,86 +228,104 @@ def train(config: TrainConfig) -> dict:
         "step": 0,
         "epoch_loss": [0.0, 0.0],
     }
-    if resume_from is not None:
-        engine.load(resume_from, state)
-        engine.print(
-            f"resumed from {resume_from} at step {state['step']} (epoch {train_loader.epoch + 1}, "
-            f"{train_loader.position} of {epoch_samples} samples done)"
-        )
-        if scheduler.base_lrs[0] != lr:
-            engine.print(f"the lr schedule keeps the run's planned lr {scheduler.base_lrs[0]:g} (not {lr:g})")
-        replanned = follow_new_plan(scheduler, config, record, SCHEDULE_LENGTH, plan)
-        if replanned:
-            engine.print(replanned)
-        if scheduler.done:  # nothing to train: the model exported at its end stays as it is, or is written now
-            save_dir = Path(config.save_dir)
-            finish = functools.partial(export, engine, model, save_dir, spec, data)
-            finish_complete_run(engine, config, state["step"], "--epochs", outputs(save_dir), finish)
-            return {"history": [], "steps": state["step"], "world_size": engine.world_size}
-    if engine.is_main_process:  # once the save dir and the checkpoint resumed from are known good
-        record_run(config, "train")
+    return TrainRun(
+        engine, config, data, spec, parameters, model, optimizer, train_loader, val_loader, scheduler, plan, lr, state
+    )
+
+
+def resume(run: TrainRun, resume_from: Path, record: dict[str, Any]) -> bool:
+    """Loads the checkpoint `resume_from` into the run; whether its training is complete already (its result then
+    stays as it is, or is written now)."""
+    engine, scheduler, loader = run.engine, run.scheduler, run.train_loader
+    engine.load(resume_from, run.state)
     engine.print(
+        f"resumed from {resume_from} at step {run.state['step']} (epoch {loader.epoch + 1}, "
+        f"{loader.position} of {len(run.data.train)} samples done)"
+    )
+    if scheduler.base_lrs[0] != run.lr:
+        engine.print(f"the lr schedule keeps the run's planned lr {scheduler.base_lrs[0]:g} (not {run.lr:g})")
+    replanned = follow_new_plan(scheduler, run.config, record, SCHEDULE_LENGTH, run.plan)
+    if replanned:
+        engine.print(replanned)
+    if not scheduler.done:
+        return False
+    finish = functools.partial(export, engine, run.model, run.save_dir, run.spec, run.data)
+    finish_complete_run(engine, run.config, run.state["step"], "--epochs", outputs(run.save_dir), finish)
+    return True
+
+
+def describe(run: TrainRun) -> str:
+    data, config, engine = run.data, run.config, run.engine
+    return (
         f"{data.source}: {len(data.train)} training / {len(data.validation)} validation windows of "
         f"{data.channels}x{data.window}, {len(data.labels)} classes; {config.mode} model, "
-        f"{parameters:,} parameters; "
+        f"{run.parameters:,} parameters; "
         f"strategy {engine.strategy}, {engine.world_size} process(es)"
     )
 
-    save_dir = Path(config.save_dir)
-    progress = ProgressBar(engine, total_steps)
 
-    def save() -> None:
-        state["epoch_loss"] = engine.reduce(epoch_loss, "sum").tolist()
-        engine.save(step_checkpoint(save_dir, state["step"]), state, config.async_save, config.keep_last)
-        if engine.is_main_process:
-            record_run(config, "train", after_save=True)
-
+def train(config: TrainConfig) -> dict:
+    engine = recipe_engine(config)
+    engine.log_config(asdict(config))
+    resume_from = resolve_resume(config, engine.print)
+    record = check_same_data(config, resume_from, SAME_DATA)
+    run = set_up(config, engine)
+    if resume_from is not None and resume(run, resume_from, record):  # nothing to train
+        return {"history": [], "steps": run.state["step"], "world_size": engine.world_size}
+    if engine.is_main_process:  # once the save dir and the checkpoint resumed from are known good
+        record_run(config, "train")
+    engine.print(describe(run))
+    progress = ProgressBar(engine, run.total_steps)
     history = []
-    while train_loader.epoch < config.epochs:
-        epoch, start, samples = train_loader.epoch, time.perf_counter(), 0
-        # This rank's loss sum and real samples in the epoch, carried over from the checkpoint on rank 0 only (it
-        # holds the sums of all ranks). On the engine's device: adding a GPU loss into a CPU tensor fails, and
-        # .item() would sync every step.
-        carried = state["epoch_loss"] if engine.is_main_process else [0.0, 0.0]
-        epoch_loss = torch.tensor(carried, dtype=torch.float64, device=engine.device)
-        state["epoch_loss"] = [0.0, 0.0]
-        for x, y in train_loader:
-            real = train_loader.yielded[-1].real
-            loss = engine.forward_backward(model, x, y, nn.functional.cross_entropy)
-            epoch_loss += torch.stack([loss.double() * real, epoch_loss.new_tensor(float(real))])
-            samples += train_loader.yielded[-1].global_size
-            update_lr = optimizer.param_groups[0]["lr"]  # of this update: the schedule gives the next one on its step
-            if engine.step(optimizer, scheduler):
-                state["step"] += 1
-                progress.advance(state["step"], f"epoch {epoch + 1} loss {loss.item():.3f}")
-                if config.save_every and state["step"] % config.save_every == 0:
-                    save()
-        totals = engine.reduce(epoch_loss, "sum")
-        epoch_loss = torch.zeros_like(epoch_loss)  # the epoch is over: its checkpoint carries nothing on
-        seconds = time.perf_counter() - start
-        record = {
-            "epoch": epoch + 1,
-            "train_loss": (totals[0] / totals[1]).item(),
-            "val_accuracy": evaluate(engine, model, val_loader),
-            "samples_per_s": samples / seconds,
-            "lr": update_lr,  # the epoch's last update's: at the epoch's end in the data, at any world size
-            "skipped_steps": engine.skipped_steps,
-            "peak_memory_mb": peak_memory_mb(engine, ndigits=1),
-        }
-        history.append(record)
-        engine.log(state["step"], {k: v for k, v in record.items() if k != "peak_memory_mb"})
-        engine.print(
-            f"epoch {record['epoch']}/{config.epochs}  loss {record['train_loss']:.4f}  "
-            f"val acc {record['val_accuracy']:.3f}  {record['samples_per_s']:.0f} samples/s  lr {record['lr']:.2e}  "
-            f"peak MB per rank {record['peak_memory_mb']}" + skipped_note(engine)
-        )
-        save()
+    while run.train_loader.epoch < config.epochs:
+        history.append(train_epoch(run, progress))
+        run.save()
     engine.wait_for_checkpoint()
     progress.close()
-    export(engine, model, save_dir, spec, data)
+    export(engine, run.model, run.save_dir, run.spec, run.data)
     if engine.is_main_process and history:
-        print_summary(history, save_dir)
-    return {"history": history, "steps": state["step"], "world_size": engine.world_size}
+        print_summary(history, run.save_dir)
+    return {"history": history, "steps": run.state["step"], "world_size": engine.world_size}
+
+
+def train_epoch(run: TrainRun, progress: ProgressBar) -> dict[str, Any]:
+    """One epoch (the rest of it, on resume) and its history entry, logged and printed."""
+    engine, config, state, loader = run.engine, run.config, run.state, run.train_loader
+    epoch, start, samples = loader.epoch, time.perf_counter(), 0
+    # The epoch's loss carried over from the checkpoint on rank 0 only (it holds the sums of all ranks).
+    carried = state["epoch_loss"] if engine.is_main_process else [0.0, 0.0]
+    run.epoch_loss = torch.tensor(carried, dtype=torch.float64, device=engine.device)
+    state["epoch_loss"] = [0.0, 0.0]
+    for x, y in loader:
+        real = loader.yielded[-1].real
+        loss = engine.forward_backward(run.model, x, y, nn.functional.cross_entropy)
+        run.epoch_loss += torch.stack([loss.double() * real, run.epoch_loss.new_tensor(float(real))])
+        samples += loader.yielded[-1].global_size
+        update_lr = run.optimizer.param_groups[0]["lr"]  # of this update: the schedule gives the next one on its step
+        if engine.step(run.optimizer, run.scheduler):
+            state["step"] += 1
+            progress.advance(state["step"], f"epoch {epoch + 1} loss {loss.item():.3f}")
+            if config.save_every and state["step"] % config.save_every == 0:
+                run.save()
+    totals = engine.reduce(run.epoch_loss, "sum")
+    run.epoch_loss = torch.zeros_like(run.epoch_loss)  # the epoch is over: its checkpoint carries nothing on
+    seconds = time.perf_counter() - start
+    record = {
+        "epoch": epoch + 1,
+        "train_loss": (totals[0] / totals[1]).item(),
+        "val_accuracy": evaluate(engine, run.model, run.val_loader),
+        "samples_per_s": samples / seconds,
+        "lr": update_lr,  # the epoch's last update's: at the epoch's end in the data, at any world size
+        "skipped_steps": engine.skipped_steps,
+        "peak_memory_mb": peak_memory_mb(engine, ndigits=1),
+    }
+    engine.log(state["step"], {k: v for k, v in record.items() if k != "peak_memory_mb"})
+    engine.print(
+        f"epoch {record['epoch']}/{config.epochs}  loss {record['train_loss']:.4f}  "
+        f"val acc {record['val_accuracy']:.3f}  {record['samples_per_s']:.0f} samples/s  lr {record['lr']:.2e}  "
+        f"peak MB per rank {record['peak_memory_mb']}" + skipped_note(engine)
+    )
+    return record
 
 
 def print_summary(history: list[dict], save_dir: Path) -> None:

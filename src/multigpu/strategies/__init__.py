@@ -87,7 +87,7 @@ def build_strategy(
     pipeline = strategy_class("pp") if layout.pp > 1 and not cls.pipelined else None
     _refuse_options_not_taken(name, [cls, *([pipeline] if pipeline else [])], settings)
     strategy = cls.build(say, layout=layout, **_options(cls, settings))
-    return pipeline(layout=layout, data=strategy, **_options(pipeline, settings)) if pipeline else strategy
+    return pipeline(layout=layout, inner=strategy, **_options(pipeline, settings)) if pipeline else strategy
 
 
 def _options(cls: type[Strategy], settings: Any) -> dict[str, Any]:

@@ -20,26 +20,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from multigpu.config.flags import json_value, read_json
 from multigpu.config.layout import OWN_GROUPS
 from multigpu.config.precision import Precision, PrecisionPlan
 from multigpu.config.settings import StrategyOptions, setting
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError, require
 from multigpu.models.modules import give_back_freed_memory
+from multigpu.parallel.deepspeed_config import completed_config
 from multigpu.strategies.base import StepOutcome, Strategy, frozen_names
 
 INSTALL = "pip install 'multigpu[deepspeed]'"
-# Config keys the Engine sets, and the Engine option to use instead. "auto" (as in HF configs) always fits.
-ENGINE_OWNED = {
-    "gradient_accumulation_steps": "grad_accum_steps",
-    "gradient_clipping": "max_grad_norm",
-    "fp16": "precision",
-    "bf16": "precision",
-    "torch_autocast": "precision",
-}
-# DeepSpeed needs these for its own bookkeeping only; engine.dataloader's batch_size decides the batches.
-BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu")
 
 
 @dataclass
@@ -108,41 +98,9 @@ class DeepSpeed(DeepSpeedOptions, Strategy):
         self.config(plan)  # the user's config file, read and checked
 
     def config(self, plan: DeepSpeedPrecision) -> dict[str, Any]:
-        """The DeepSpeed config: the user's file, if any, with the Engine's settings and the flags applied."""
-        config = read_config(self.deepspeed_config)
-        for key, option in ENGINE_OWNED.items():
-            value = config.pop(key, "auto")
-            if value != "auto" and not _disabled(value):
-                raise UsageError(
-                    f"The DeepSpeed config sets {key!r}, which the Engine controls; remove it and set the Engine's "
-                    f"{option} instead."
-                )
-        for key in BATCH_KEYS:
-            config.pop(key, None)
-        zero = dict(config.get("zero_optimization", {}))
-        stage = zero.get("stage", 2) if self.zero_stage is None else self.zero_stage
-        if zero.get("stage", stage) != stage:
-            raise UsageError(
-                f"zero_stage {stage} contradicts the DeepSpeed config's stage {zero['stage']}; pass one of them."
-            )
-        require((stage in (1, 2, 3), f"strategy deepspeed runs ZeRO stage 1, 2 or 3, not {stage}; use ddp for 0."))
-        if self.offload_optimizer:
-            zero["offload_optimizer"] = {"device": "cpu"}
-        if self.offload_param:
-            require((stage == 3, "offload_param needs ZeRO stage 3, where parameters are partitioned."))
-            zero["offload_param"] = {"device": "cpu"}
-        if "offload_optimizer" in zero:
-            # The Engine's users bring a torch optimizer; DeepSpeed would insist on its compiled CPU Adam.
-            config.setdefault("zero_force_ds_cpu_optimizer", False)
-        config.update(
-            gradient_clipping=self.max_grad_norm or 0.0,
-            gradient_accumulation_steps=1,  # the Engine marks each boundary itself
-            train_micro_batch_size_per_gpu=1,
-            zero_optimization={**zero, "stage": stage},
-        )
-        config.setdefault("zero_allow_untested_optimizer", True)
-        config.setdefault("steps_per_print", 2**62)  # the Engine reports progress itself
-        return {**config, **plan.section}
+        """The DeepSpeed config: the user's file, if any, with the Engine's settings, the flags and `plan` applied."""
+        options = (self.zero_stage, self.offload_optimizer, self.offload_param, self.max_grad_norm)
+        return {**completed_config(self.deepspeed_config, *options), **plan.section}
 
     def build_context(self, env: DistEnv, plan: PrecisionPlan) -> contextlib.AbstractContextManager[None]:
         """ZeRO-3: deepspeed.zero.Init, which partitions each layer's parameters as soon as the layer is built, so
@@ -389,29 +347,6 @@ def import_deepspeed(env: DistEnv) -> Any:
     return deepspeed
 
 
-def read_config(source: str | None) -> dict[str, Any]:
-    """The user's DeepSpeed config, with the keys multigpu reads or merges and the types DeepSpeed would otherwise
-    trip over deep inside its engine checked; the rest of its schema is DeepSpeed's to check."""
-    if source is None:
-        return {}
-    config = read_json(source, "pass the path of a DeepSpeed JSON config", "--deepspeed-config", "a DeepSpeed config")
-    get = functools.partial(json_value, file=source, optional=True, advice="fix the DeepSpeed config")
-    get(config, None, dict)
-    auto = ("auto",)  # as in Hugging Face's configs: the integration fills it in
-    for key in (*BATCH_KEYS, "gradient_accumulation_steps"):
-        get(config, key, (int, str), minimum=1, choices=auto)
-    get(config, "gradient_clipping", (float, str), minimum=0, choices=auto)
-    for key in ("fp16", "bf16"):
-        if isinstance(get(config, key, (dict, str), choices=auto), dict):
-            get(config, f"{key}.enabled", (bool, str), choices=auto)
-    if get(config, "zero_optimization", dict) is not None:
-        get(config, "zero_optimization.stage", int, minimum=0, maximum=3)
-        for key in ("offload_optimizer", "offload_param"):
-            get(config, f"zero_optimization.{key}", dict)
-    get(config, "optimizer", dict)
-    return config
-
-
 def _owns(index: int) -> bool:
     """Whether this rank keeps the `index`-th whole tensor of a checkpoint (round robin over the ranks)."""
     return index % dist.get_world_size() == dist.get_rank()
@@ -419,10 +354,6 @@ def _owns(index: int) -> bool:
 
 def _full_shape(param: torch.Tensor) -> torch.Size:
     return getattr(param, "ds_shape", param.shape)  # ZeRO-3 leaves an empty tensor and keeps the shape aside
-
-
-def _disabled(section: Any) -> bool:
-    return isinstance(section, dict) and not section.get("enabled", False)
 
 
 def _persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -71,10 +71,10 @@ class PipelineModel(nn.Module):
 
 @dataclass
 class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
-    """Pipeline stages over the layout's pp ranks; over the rest, whole replicas of the pipeline, or `data`'s
+    """Pipeline stages over the layout's pp ranks; over the rest, whole replicas of the pipeline, or `inner`'s
     shards (zero2/zero3/hsdp shard each stage: the registry puts a strategy that runs beside pp inside one)."""
 
-    data: FSDP | None = None
+    inner: FSDP | None = None
     _schedules: dict = field(default_factory=dict, repr=False)
     _spread: set[int] = field(default_factory=set, repr=False)  # ep's experts' parameter ids: not the replicas'
 
@@ -84,19 +84,19 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
     def check(self) -> None:
         check_schedule(self.pp_schedule, self.pp_stages_per_rank)
         check_sequence_parallel(self)
-        if self.data is not None and (self.data.cpu_offload or self.data.unsharded_grad_accum):
+        if self.inner is not None and (self.inner.cpu_offload or self.inner.unsharded_grad_accum):
             raise UsageError(
                 f"pp_size runs pipeline stages with zero2, zero3 or hsdp inside them (or whole replicas with strategy "
-                f"pp), not {self.data.name} with cpu_offload or unsharded_grad_accum; drop those or pp_size."
+                f"pp), not {self.inner.name} with cpu_offload or unsharded_grad_accum; drop those or pp_size."
             )
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        return "pp" if self.data is None else f"{self.data.name} x pp"
+        return "pp" if self.inner is None else f"{self.inner.name} x pp"
 
     @property
     def mesh_dims(self) -> tuple[str, ...]:  # type: ignore[override]
-        return ("pp", *(self.data.mesh_dims if self.data is not None else ()))
+        return ("pp", *(self.inner.mesh_dims if self.inner is not None else ()))
 
     def precision_plan(self, precision: Precision, device: torch.device) -> PrecisionPlan:
         """The plan of the strategy inside the stages (zero's stages cast their own parameters); no loss scaling."""
@@ -105,14 +105,14 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
                 "fp16-mixed's loss scaling needs every pipeline stage to see the loss, which only the last one "
                 "computes; use bf16-mixed or 32 under strategy pp."
             )
-        if self.data is not None:
-            return self.data.precision_plan(precision, device)
+        if self.inner is not None:
+            return self.inner.precision_plan(precision, device)
         return super().precision_plan(precision, device)
 
     def build_mesh(self, env: DistEnv) -> DeviceMesh | None:
         mesh = super().build_mesh(env)
-        if self.data is not None:
-            self.data.mesh = mesh  # one mesh: zero's "shard" (and "replicate") dimensions are slices of it
+        if self.inner is not None:
+            self.inner.mesh = mesh  # one mesh: zero's "shard" (and "replicate") dimensions are slices of it
         return mesh
 
     def local_stages(self) -> list[nn.Module]:
@@ -128,7 +128,7 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
         pp, rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
         self._grid = mesh.mesh.reshape(pp, -1)  # a column: the ranks of one pipeline, stage by stage
         self._column = int((self._grid == dist.get_rank()).nonzero()[0, 1])
-        replicated = self.data is None and {"replicate", "cp"} & set(mesh.mesh_dim_names)
+        replicated = self.inner is None and {"replicate", "cp"} & set(mesh.mesh_dim_names)
         self._replicas = with_cp(mesh, ("replicate",)).get_group() if replicated else None
         self._stages = pp * self.pp_stages_per_rank
         self._mine = list(range(rank, self._stages, pp))  # interleaved: stages r, r + pp, ...
@@ -161,12 +161,12 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
         if self.layout.ep > 1:  # the stages' experts over the ep ranks, before zero shards the rest
             from multigpu.parallel.expert_parallel import spread_stage_experts
 
-            policy = getattr(plan, "unit", None) if self.data is not None else None
-            reshard = getattr(self.data, "reshard_after_forward", True)
+            policy = getattr(plan, "unit", None) if self.inner is not None else None
+            reshard = getattr(self.inner, "reshard_after_forward", True)
             self._spread = spread_stage_experts(self.experts, env.device, policy, reshard)
-        if self.data is not None:
+        if self.inner is not None:
             self._shard_stages(model, plan)
-        if self.data is not None or self.layout.ep > 1:
+        if self.inner is not None or self.layout.ep > 1:
             repoint(optimizer, names, pipeline)
         current = dict(pipeline.named_parameters())  # sharding replaced the Parameters; the names stay
         self._ties = [(current[names[id(p)]], group, count) for p, group, count in ties]
@@ -175,11 +175,11 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
     def _shard_stages(self, model: nn.Module, plan: PrecisionPlan) -> None:
         """zero2/zero3/hsdp inside each stage: the whole model's units that the stage holds, then the stage as
         their root (which the schedule tells when a step's last backward has run)."""
-        units = self.data.units(model)
+        units = self.inner.units(model)
         tied = [(place, first, getattr(*first)) for place, first in tied_places(model)]
         for forward in self._forwards:
             inside = {id(m) for m in forward.modules()}
-            self.data.shard_stage(forward, [u for u in units if id(u) in inside], plan)
+            self.inner.shard_stage(forward, [u for u in units if id(u) in inside], plan)
         # A tied weight's name outside this rank's stages (the embedding's, on the last stage) follows the
         # Parameter that sharding put in place of the one both names held.
         for place, first, old in tied:
@@ -245,7 +245,7 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
         run = schedule.step if train else schedule.eval
         # A new schedule's first run infers its shapes by a real forward and backward, after which torch drops the
         # sharded stages' gradients: those of this accumulation's earlier batches wait aside meanwhile.
-        aside = self._gradients_aside() if new and train and self.data is not None else []
+        aside = self._gradients_aside() if new and train and self.inner is not None else []
         if self.experts is not None and train:
             self.experts.pipeline_slices(micro, summed=False)
         run(*args, target=targets, losses=[], **kwargs)

@@ -178,6 +178,18 @@ def layout_step(config: SimulateConfig, n: int, intra: Links, inter: Links, comp
     busy = compute + tp_exposed + cp_exposed + ep_exposed
     fraction = bubble_fraction(pp, m, v)
     bubble = busy * fraction / (1 - fraction)
+    dp_comm, dp_exposed = data_parallel_comm(config, dp, layers, intra, inter, compute)
+    comm = tp_comm + pp_comm + cp_comm_s + ep_comm_s + dp_comm
+    return comm, tp_exposed + pp_exposed + cp_exposed + ep_exposed + dp_exposed, bubble, ep_comm_s
+
+
+def data_parallel_comm(
+    config: SimulateConfig, dp: int, layers: float, intra: Links, inter: Links, compute: float
+) -> tuple[float, float]:
+    """(comm, exposed comm) seconds of the data-parallel strategy's collectives of one GPU under a tp x pp x cp
+    (x ep) layout of `dp` replicas, each group of ranks reducing the same parameters costed as a run of its own
+    whose compute is its share of `compute` (see layout_step)."""
+    tp, gpn = config.tp_size, config.gpus_per_node
     dp_comm = dp_exposed = 0.0
     reducing = dp * config.cp_size
     groups = parameter_groups(config, reducing)
@@ -203,8 +215,7 @@ def layout_step(config: SimulateConfig, n: int, intra: Links, inter: Links, comp
         )
         comm, exposed = strategy_comm(rank, ranks, links, compute * part)
         dp_comm, dp_exposed = dp_comm + comm, dp_exposed + exposed
-    comm = tp_comm + pp_comm + cp_comm_s + ep_comm_s + dp_comm
-    return comm, tp_exposed + pp_exposed + cp_exposed + ep_exposed + dp_exposed, bubble, ep_comm_s
+    return dp_comm, dp_exposed
 
 
 def flops_per_token(shape: ModelShape, seq_len: int) -> float:

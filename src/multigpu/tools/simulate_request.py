@@ -185,50 +185,15 @@ class SimulateRequest(Settings):
 
 
 def resolve(request: SimulateRequest) -> tuple[SimulateConfig, Link | None, Link | None]:
-    from multigpu.planner.shapes import from_counts, load_shape
-
-    if (request.model is None) == (request.params is None):
-        raise UsageError("Give the model as --model (a name or config.json) or as --params, not both.")
-    if request.model is not None:
-        shape = load_shape(request.model)
-    else:
-        shape = from_counts(request.params, None, None, None, None)
-    layers = shape.transformer.layers if shape.transformer else (request.layers or 1)
-    sources = [request.compute_s is not None, request.bench is not None, request.tflops is not None]
-    if sum(sources) != 1:
-        raise UsageError("Give the compute time one way: --compute-s (with --units-per-step), --bench or --tflops.")
-    unit = "samples"
-    mp = request.tp_size * request.pp_size * request.cp_size
-    if (mp > 1 or request.ep_size > 1) and shape.transformer is None:
-        raise UsageError(
-            "--tp-size, --pp-size, --cp-size and --ep-size move activations, so they need the model's width: give "
-            "--model."
-        )
-    cp = request.cp_size
-    if cp > 1 and request.seq_len % (2 * cp):
-        raise UsageError(
-            f"--seq-len {request.seq_len} is not a multiple of 2 x --cp-size {cp} = {2 * cp} (each cp rank holds a "
-            f"head and a tail chunk of every sequence); choose a multiple of {2 * cp}."
-        )
-    gpus = tuple(parse_list(request.gpus, "--gpus", int))
-    divides = math.lcm(mp, request.tp_size * request.pp_size * request.ep_size)  # ep: of the dp x cp ranks
-    if divides > 1 and request.gpus == SimulateRequest.gpus:  # the default list: keep the counts the layout divides
-        gpus = tuple(n for n in gpus if n % divides == 0) or (divides,)
-    if request.compute_s is not None:
-        if request.units_per_step is None:
-            raise UsageError("--compute-s needs --units-per-step, the samples one device trains per step.")
-        compute, units = request.compute_s, request.units_per_step
-    elif request.bench is not None:
-        compute, units, unit = from_bench(Path(request.bench), request.strategy)
-    else:
-        units, unit = request.batch_size * request.seq_len, "tokens"
-        compute = compute_time(flops_per_token(shape, request.seq_len), units, request.tflops, request.mfu)
-        compute *= 1 + FORWARD_RUN_AGAIN[request.activation_checkpointing] / 3  # a forward: a third of the FLOPs
+    shape = requested_shape(request)
+    check_layout(request, shape)
+    gpus = gpu_counts(request)
+    compute, units, unit = step_compute(request, shape)
     config = SimulateConfig(
         params=shape.params,
         compute_s=compute,
         units_per_step=units,
-        layers=layers,
+        layers=shape.transformer.layers if shape.transformer else (request.layers or 1),
         unit=unit,
         gpus=gpus,
         gpus_per_node=request.gpus_per_node,
@@ -264,6 +229,60 @@ def resolve(request: SimulateRequest) -> tuple[SimulateConfig, Link | None, Link
     intra = load_calibration(request.calibration) if request.calibration else None
     inter = load_calibration(request.inter_calibration, "--inter-calibration") if request.inter_calibration else None
     return config, intra, inter
+
+
+def requested_shape(request: SimulateRequest) -> ModelShape:
+    """The model's shape, from --model or --params (one of them)."""
+    from multigpu.planner.shapes import from_counts, load_shape
+
+    if (request.model is None) == (request.params is None):
+        raise UsageError("Give the model as --model (a name or config.json) or as --params, not both.")
+    if request.model is not None:
+        return load_shape(request.model)
+    return from_counts(request.params, None, None, None, None)
+
+
+def check_layout(request: SimulateRequest, shape: ModelShape) -> None:
+    """Refuses a compute time given other than one way, and a layout the model's shape cannot be split by."""
+    sources = [request.compute_s is not None, request.bench is not None, request.tflops is not None]
+    if sum(sources) != 1:
+        raise UsageError("Give the compute time one way: --compute-s (with --units-per-step), --bench or --tflops.")
+    mp = request.tp_size * request.pp_size * request.cp_size
+    if (mp > 1 or request.ep_size > 1) and shape.transformer is None:
+        raise UsageError(
+            "--tp-size, --pp-size, --cp-size and --ep-size move activations, so they need the model's width: give "
+            "--model."
+        )
+    cp = request.cp_size
+    if cp > 1 and request.seq_len % (2 * cp):
+        raise UsageError(
+            f"--seq-len {request.seq_len} is not a multiple of 2 x --cp-size {cp} = {2 * cp} (each cp rank holds a "
+            f"head and a tail chunk of every sequence); choose a multiple of {2 * cp}."
+        )
+
+
+def gpu_counts(request: SimulateRequest) -> tuple[int, ...]:
+    """The GPU counts of --gpus; of the default list, those the layout divides."""
+    gpus = tuple(parse_list(request.gpus, "--gpus", int))
+    mp = request.tp_size * request.pp_size * request.cp_size
+    divides = math.lcm(mp, request.tp_size * request.pp_size * request.ep_size)  # ep: of the dp x cp ranks
+    if divides > 1 and request.gpus == SimulateRequest.gpus:  # the default list: keep the counts the layout divides
+        gpus = tuple(n for n in gpus if n % divides == 0) or (divides,)
+    return gpus
+
+
+def step_compute(request: SimulateRequest, shape: ModelShape) -> tuple[float, float, str]:
+    """(seconds of one step on one device, the units it trains, their name) from --compute-s, --bench or --tflops."""
+    if request.compute_s is not None:
+        if request.units_per_step is None:
+            raise UsageError("--compute-s needs --units-per-step, the samples one device trains per step.")
+        return request.compute_s, request.units_per_step, "samples"
+    if request.bench is not None:
+        return from_bench(Path(request.bench), request.strategy)
+    units = request.batch_size * request.seq_len
+    compute = compute_time(flops_per_token(shape, request.seq_len), units, request.tflops, request.mfu)
+    compute *= 1 + FORWARD_RUN_AGAIN[request.activation_checkpointing] / 3  # a forward: a third of the FLOPs
+    return compute, units, "tokens"
 
 
 def attention_fraction(shape: ModelShape, seq_len: int) -> float:

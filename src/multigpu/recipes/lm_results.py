@@ -1,0 +1,54 @@
+"""What a finetune writes as its result: a peft adapter directory (lora, qlora) or an HF model directory (full), and
+with --merge the base model with the adapter merged in; `multigpu export` writes an adapter the same way."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from multigpu.core.atomic import write_dir
+from multigpu.engine.engine import Engine
+from multigpu.models.pretrained import give_usual_mode
+from multigpu.recipes import lm_models
+from multigpu.recipes.common import RUN_RESULT
+
+if TYPE_CHECKING:  # finetune imports this module
+    from multigpu.recipes.finetune import FinetuneConfig
+
+
+def save_result(config: FinetuneConfig, engine: Engine, model: nn.Module, tokenizer: Any) -> Path:
+    """A peft adapter directory (lora, qlora) or an HF model directory (full), from any strategy, and with --merge
+    the merged model; each written whole or not at all (a full disk: one sentence, and a rerun writes it).
+
+    The full state dict is gathered collectively (DTensors under zero3 become whole tensors on rank 0); peft's
+    own save would read sharded storage and fail, or write an empty adapter.
+    """
+    out, *merged = outputs(config)
+    state = engine.full_state_dict(model, trainable_only=config.method != "full")
+    if engine.is_main_process:
+        write_dir(out, functools.partial(save_pretrained, engine.unwrap(model), tokenizer, state=state), RUN_RESULT)
+        if merged:
+            from peft import PeftModel
+
+            base = lm_models.load_model(config.model, "full")
+            whole = PeftModel.from_pretrained(base, out).merge_and_unload()
+            write_dir(merged[0], functools.partial(save_pretrained, whole, tokenizer), RUN_RESULT)
+    engine.barrier()
+    return out
+
+
+def outputs(config: FinetuneConfig) -> list[Path]:
+    """What a finetune writes as its result: its model (full) or adapter, then with --merge the merged model."""
+    save_dir = Path(config.save_dir)
+    return [save_dir / ("model" if config.method == "full" else "adapter")] + [save_dir / "merged"] * config.merge
+
+
+def save_pretrained(model: Any, tokenizer: Any, directory: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """`model` (its `state`, if given) and `tokenizer` as a directory transformers and peft load, readable by all."""
+    model.save_pretrained(directory, state_dict=state)
+    tokenizer.save_pretrained(directory)
+    give_usual_mode(directory.glob("*.safetensors"))
