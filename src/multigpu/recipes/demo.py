@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,7 +17,7 @@ from torch.utils.data import TensorDataset
 
 from multigpu.config.flags import Parser, add_config_arguments, config_from_args
 from multigpu.config.layout import ParallelDims
-from multigpu.config.settings import Derived, Settings, derive, setting, setting_names
+from multigpu.config.settings import Settings, setting, shown
 from multigpu.core.errors import UsageError, exit_on_usage_error, require
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
@@ -92,27 +93,26 @@ def hits(logits: torch.Tensor, label: torch.Tensor) -> tuple[torch.Tensor, torch
     return ((logits.argmax(dim=1) == label) & real).sum().float(), real.sum()
 
 
-class DemoRunChecks(Derived):
-    """What the demo's run refuses beyond its settings' own checks: a language model's loss settings."""
+@dataclass
+class DemoRun(DemoConfig, EngineConfig):
+    """The demo's run as one recipe config for run_recipe: its settings and the Engine's (inherited, flag for flag:
+    the CLI's demo verb takes them all), and the processes."""
+
+    nproc: int | None = shown(LaunchConfig)
+    gpu_ids: str | None = shown(LaunchConfig)
+
+    def values_for(self, source: type) -> dict[str, Any]:
+        if source in (DemoConfig, EngineConfig):  # inherited whole, so held under their own names
+            return {field.name: getattr(self, field.name) for field in fields(source)}
+        return super().values_for(source)
 
     def check(self) -> None:
+        """What the demo's run refuses beyond its settings' own checks: a language model's loss settings."""
         if self.loss != "plain" or self.liger:
             raise UsageError(
                 "loss and liger change a language model's output head and cross-entropy, and the demo trains a small "
                 "classifier; drop them (multigpu finetune takes them)."
             )
-
-
-# The demo's run as one recipe config for run_recipe: its settings and the Engine's, flag for flag (the CLI's demo
-# verb takes them all), and the processes.
-DemoRun = derive(
-    "DemoRun",
-    DemoConfig,
-    EngineConfig,
-    LaunchConfig,
-    only=(*setting_names(DemoConfig), *setting_names(EngineConfig), "nproc", "gpu_ids"),
-    base=DemoRunChecks,
-)
 
 
 def check(config: DemoRun, layout: ParallelDims) -> None:
