@@ -162,3 +162,16 @@ def test_an_upward_import_is_seen(tmp_path: Path) -> None:
     )
     known = modules()
     assert imports(source, known) == {"multigpu.tools.harness", "multigpu.core.errors"}
+
+
+def test_files_and_functions_are_short_enough_to_read() -> None:
+    """No module over 450 lines and no function over 60: each reads in one sitting."""
+    long = []
+    for path in sorted((SRC / "multigpu").rglob("*.py")):
+        source = path.read_text()
+        if len(source.splitlines()) > 450:
+            long.append(f"{path.relative_to(SRC)}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1}")
+    assert not long, "split these:\n" + "\n".join(long)
