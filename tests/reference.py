@@ -83,6 +83,16 @@ def _final_loss(params: dict[str, torch.Tensor], samples: int) -> float:
         return nn.functional.cross_entropy(model(x), y).item()
 
 
+def initial_loss(case: Case) -> float:
+    """The loss over the whole dataset of the model every run of `case` starts from (seed 0, as the Engine's and the
+    reference's), before any step: what training must move."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    if case.precision == "bf16-true":  # the reference and the Engine hold it in bf16 from the start
+        model.to(torch.bfloat16)
+    return _final_loss(_full_params(model), case.samples)
+
+
 def train_engine(
     case: Case, save_to: str | None = None, stop_after: int | None = None, resume_from: str | None = None
 ) -> Outcome:

@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import stat
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from multigpu import checkpoint
 from multigpu.cli import main
 from multigpu.data.activity_data import HAR_CHANNELS
 from multigpu.launch import launcher
-from tests.dist import multigpu
+from tests.dist import multigpu, run_command
 
 
 def write_uci_har(root: Path, windows: dict[str, int], subjects: dict[str, list[int]], seed: int = 0) -> Path:
@@ -95,8 +94,9 @@ model.load_state_dict(load_file({str(uninterrupted / "model.safetensors")!r}))
 x = torch.ones(1, config["input"]["channels"], config["input"]["window"])
 print(repr(model(x).sum().item()), "multigpu" in sys.modules)
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
-    assert out[1] == "False"
+    loaded = run_command([sys.executable, "-c", script], timeout=60)
+    assert loaded.returncode == 0, loaded.stdout
+    assert loaded.stdout.split()[-1] == "False", loaded.stdout
     # ...and equals the model in the last checkpoint.
     last = checkpoint.list_checkpoints(uninterrupted / "checkpoints")[-1]
     assert all(
@@ -142,44 +142,49 @@ def metrics(save_dir: Path) -> list[dict]:
     return [r for r in records if "epoch" in r]
 
 
-def test_a_resume_at_another_world_size_follows_the_planned_lr_schedule(
-    har: Path, uninterrupted: Path, tmp_path: Path
-) -> None:
-    """The schedule is over samples: at 3 or 1 processes the resumed run has the lr the 2-process run had at each
-    epoch's end (the same sample position, the same arithmetic: equal exactly) and ends at lr 0 with the data."""
-    crashed = tmp_path / "crashed"
-    result = multigpu(
-        *train_args(har, crashed, "--nproc", "2", "--save-every", "4"), env={"MULTIGPU_FAULT": "crash,step=5,rank=1"}
+@pytest.fixture(scope="module")
+def killed_in_save(har: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run SIGKILLed while it writes the checkpoint of step 4 (of --save-every 2), mid-epoch (6 steps), after the
+    one of step 2: its directory, which the tests below copy before resuming from it."""
+    save_dir = tmp_path_factory.mktemp("killed-in-save")
+    killed = multigpu(
+        *train_args(har, save_dir, "--nproc", "2", "--save-every", "2"),
+        env={"MULTIGPU_FAULT": "kill-in-save,step=4"},
+        timeout=180,
     )
-    assert result.returncode != 0 and "injected crash at step 5" in result.stdout
-    for nproc in ("3", "1"):
-        save_dir = tmp_path / f"resumed-at-{nproc}"
-        shutil.copytree(crashed, save_dir)
-        resumed = multigpu(*train_args(har, save_dir, "--nproc", nproc), timeout=180)
-        assert resumed.returncode == 0, resumed.stdout
-        assert "resumed from" in resumed.stdout and "step-00000004" in resumed.stdout
-        lrs = [r["lr"] for r in metrics(save_dir)]
-        assert lrs == [r["lr"] for r in metrics(uninterrupted)]
-        assert lrs[-1] == 0.0
+    assert killed.returncode != 0, killed.stdout
+    return save_dir
 
 
 def test_sigkill_during_a_checkpoint_write_keeps_the_previous_one(
-    har: Path, uninterrupted: Path, tmp_path: Path
+    har: Path, uninterrupted: Path, killed_in_save: Path, tmp_path: Path
 ) -> None:
-    killed = multigpu(
-        *train_args(har, tmp_path, "--nproc", "2", "--save-every", "3"),
-        env={"MULTIGPU_FAULT": "kill-in-save,step=6"},
-        timeout=180,
-    )
-    assert killed.returncode != 0
+    shutil.copytree(killed_in_save, tmp_path, dirs_exist_ok=True)
     checkpoints = tmp_path / "checkpoints"
-    assert [p.name for p in checkpoint.list_checkpoints(checkpoints)] == ["step-00000003"]
-    assert (checkpoints / ".step-00000006.partial").is_dir()  # the interrupted write, never picked up
-    resumed = multigpu(*train_args(har, tmp_path, "--nproc", "2", "--save-every", "3"), timeout=180)
+    assert [p.name for p in checkpoint.list_checkpoints(checkpoints)] == ["step-00000002"]
+    assert (checkpoints / ".step-00000004.partial").is_dir()  # the interrupted write, never picked up
+    resumed = multigpu(*train_args(har, tmp_path, "--nproc", "2", "--save-every", "2"), timeout=180)
     assert resumed.returncode == 0, resumed.stdout
-    assert "resumed from" in resumed.stdout and "step-00000003" in resumed.stdout
+    assert "resumed from" in resumed.stdout and "step-00000002" in resumed.stdout
     want, got = final_weights(uninterrupted), final_weights(tmp_path)
     assert all((got[name] == want[name]).all() for name in want)
+
+
+def test_a_resume_at_another_world_size_follows_the_planned_lr_schedule(
+    har: Path, uninterrupted: Path, killed_in_save: Path, tmp_path: Path
+) -> None:
+    """The schedule is over samples: at 3 or 1 processes the resumed run has the lr the 2-process run had at each
+    epoch's end (the same sample position, the same arithmetic: equal exactly) and ends at lr 0 with the data. Step
+    2 of 2 processes is sample 32, which 3 processes' batches of 24 do not divide."""
+    for nproc in ("3", "1"):
+        save_dir = tmp_path / f"resumed-at-{nproc}"
+        shutil.copytree(killed_in_save, save_dir)
+        resumed = multigpu(*train_args(har, save_dir, "--nproc", nproc), timeout=180)
+        assert resumed.returncode == 0, resumed.stdout
+        assert "resumed from" in resumed.stdout and "step-00000002" in resumed.stdout
+        lrs = [r["lr"] for r in metrics(save_dir)]
+        assert lrs == [r["lr"] for r in metrics(uninterrupted)]
+        assert lrs[-1] == 0.0
 
 
 # hang: rank 1's main thread sleeps forever after optimizer step 2, its heartbeat posting: named at that exact step,
@@ -213,9 +218,9 @@ def test_a_rank_that_stops_reaching_collectives_is_named_in_one_sentence_its_sta
 
 
 def test_export_cli_consolidates_a_checkpoint(uninterrupted: Path, tmp_path: Path) -> None:
+    """In this process (`multigpu export` as typed, in a process of its own: the README's, in tests/test_docs.py)."""
     last = checkpoint.list_checkpoints(uninterrupted / "checkpoints")[-1]
-    result = multigpu("export", str(last), str(tmp_path / "out.safetensors"))
-    assert result.returncode == 0, result.stdout
+    assert main(["export", str(last), str(tmp_path / "out.safetensors")]) == 0
     exported, want = load_file(tmp_path / "out.safetensors"), final_weights(uninterrupted)
     assert set(exported) == set(want) and all((exported[n] == want[n]).all() for n in want)
     umask = os.umask(0)

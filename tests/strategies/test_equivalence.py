@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.dist import run_each_in_processes
-from tests.reference import Case, Outcome, train_engine, train_reference
+from tests.reference import Case, Outcome, initial_loss, train_engine, train_reference
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 MATRIX = [
@@ -35,6 +35,13 @@ def assert_matches(case: Case, got: Outcome, want: Outcome) -> None:
         # Low-precision rounding differs with the split; the trained model must still land where one process does.
         tolerance = 2e-2 if case.precision == "bf16-mixed" else 5e-2
         assert abs(got.loss - want.loss) <= tolerance, f"{case}: loss {got.loss:.4f} vs one process {want.loss:.4f}"
+        # ...and training must move the loss by more than that tolerance, or a run that never stepped would pass
+        # (measured: 1.415 -> 1.29, 0.12, in every low-precision cell).
+        initial = initial_loss(case)
+        for run, loss in (("one process", want.loss), ("the strategy", got.loss)):
+            assert initial - loss > tolerance, (
+                f"{case}: {run} moved the loss from {initial:.4f} to {loss:.4f}, not by more than {tolerance}"
+            )
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +96,13 @@ def test_three_processes_uneven_dataset() -> None:
 def test_one_process_strategies_match_reference(strategy: str, accum: int) -> None:
     case = Case(strategy, grad_accum_steps=accum)
     assert_matches(case, train_engine(case), train_reference(case, world_size=1))
+
+
+def test_a_low_precision_comparison_fails_runs_that_did_not_train() -> None:
+    """Two runs that never stepped (lr 0: both at the initial loss) agree within any tolerance; the comparison must
+    still fail them."""
+    case = Case("ddp", "bf16-mixed", 2, lr=0.0)
+    still = train_reference(case, world_size=2)
+    assert still.loss == pytest.approx(initial_loss(case), abs=1e-3)  # lr 0: nothing moved
+    with pytest.raises(AssertionError, match=r"one process moved the loss from 1\.41"):
+        assert_matches(case, still, still)

@@ -177,19 +177,34 @@ def test_fit_link_clamps_negative_latency() -> None:
     assert link.bandwidth_Bps == pytest.approx(10e9, rel=0.02)
 
 
+TWO_SIZES = "Calibration needs timings at two or more message sizes; rerun the benchmark with more."
+
+
 @pytest.mark.parametrize(
-    ("rows", "world_size"),
+    ("rows", "world_size", "message"),
     [
-        ([{"op": "all_reduce", "bytes": 1024, "time_s": 1e-5}], 2),  # one point
-        ([{"op": "all_reduce", "bytes": 1024, "time_s": t} for t in (1e-5, 2e-5)], 2),  # one size
-        ([{"op": "all_reduce", "bytes": b, "time_s": t} for b, t in ((1e3, 1e-3), (1e6, 1e-4))], 2),  # shrinking
-        (timings(2, 1e-5, 1e9), 1),  # one rank
-        ([{"op": "broadcast", "bytes": 1024, "time_s": 1e-5}], 2),
-        ([{"op": "all_reduce", "bytes": 1024}], 2),
+        ([{"op": "all_reduce", "bytes": 1024, "time_s": 1e-5}], 2, TWO_SIZES),  # one point
+        ([{"op": "all_reduce", "bytes": 1024, "time_s": t} for t in (1e-5, 2e-5)], 2, TWO_SIZES),  # one size
+        (
+            [{"op": "all_reduce", "bytes": b, "time_s": t} for b, t in ((1e3, 1e-3), (1e6, 1e-4))],
+            2,
+            "The timings do not grow with message size, so no bandwidth fits",
+        ),  # shrinking
+        (timings(2, 1e-5, 1e9), 1, "Calibration needs timings from 2 or more ranks (got world_size 1)."),  # one rank
+        (
+            [{"op": "broadcast", "bytes": 1024, "time_s": 1e-5}],
+            2,
+            "A calibration result needs op, bytes and time_s (UsageError(\"Unknown collective 'broadcast'",
+        ),
+        (
+            [{"op": "all_reduce", "bytes": 1024}],
+            2,
+            "A calibration result needs op, bytes and time_s (KeyError('time_s')",
+        ),
     ],
 )
-def test_fit_link_refuses_what_cannot_fit(rows: list[dict[str, object]], world_size: int) -> None:
-    with pytest.raises(UsageError):
+def test_fit_link_refuses_what_cannot_fit(rows: list[dict[str, object]], world_size: int, message: str) -> None:
+    with pytest.raises(UsageError, match=f"^{re.escape(message)}"):
         fit_link(rows, world_size)
 
 
@@ -218,30 +233,30 @@ def test_load_calibration(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(
-    "changes",
+    ("changes", "message"),
     [
-        {"params": 0},
-        {"layers": 0},
-        {"compute_s": 0.0},
-        {"units_per_step": -1},
-        {"gpus": ()},
-        {"gpus": (0, 8)},
-        {"gpus_per_node": 0},
-        {"interconnect": "carrier-pigeon"},
-        {"intra": "infiniband-ish"},
-        {"strategy": "zero4"},
-        {"grad_bytes": 0},
-        {"param_bytes": 0},
-        {"bucket_mb": 0},
-        {"backward_fraction": 1.0},
-        {"compute_slots_per_node": 0},
-        {"compute_s": math.inf},
-        {"units_per_step": math.inf},
-        {"bucket_mb": math.inf},
+        ({"params": 0}, "--params must be positive and finite (got 0)."),
+        ({"layers": 0}, "--layers must be 1 or more (got 0)."),
+        ({"compute_s": 0.0}, "--compute-s must be positive and finite (got 0)."),
+        ({"units_per_step": -1}, "--units-per-step must be positive and finite (got -1)."),
+        ({"gpus": ()}, "--gpus must list GPU counts of 1 or more (got [])."),
+        ({"gpus": (0, 8)}, "--gpus must list GPU counts of 1 or more (got [0, 8])."),
+        ({"gpus_per_node": 0}, "--gpus-per-node must be 1 or more (got 0)."),
+        ({"interconnect": "carrier-pigeon"}, "--interconnect must be one of nvlink, pcie, infiniband, ethernet"),
+        ({"intra": "infiniband-ish"}, "--intra must be one of nvlink, pcie, infiniband, ethernet"),
+        ({"strategy": "zero4"}, "--strategy must be one of ddp, zero1, zero2, zero3, fsdp (got 'zero4')."),
+        ({"grad_bytes": 0}, "--grad-bytes must be 1 or more (got 0)."),
+        ({"param_bytes": 0}, "--param-bytes must be 1 or more (got 0)."),
+        ({"bucket_mb": 0}, "--bucket-mb must be positive and finite (got 0)."),
+        ({"backward_fraction": 1.0}, "--backward-fraction must lie between 0 and 1 (got 1)."),
+        ({"compute_slots_per_node": 0}, "--compute-slots-per-node must be 1 or more (got 0)."),
+        ({"compute_s": math.inf}, "--compute-s must be positive and finite (got inf)."),
+        ({"units_per_step": math.inf}, "--units-per-step must be positive and finite (got inf)."),
+        ({"bucket_mb": math.inf}, "--bucket-mb must be positive and finite (got inf)."),
     ],
 )
-def test_bad_configs_are_usage_errors(changes: dict[str, object]) -> None:
-    with pytest.raises(UsageError):
+def test_bad_configs_are_usage_errors(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(UsageError, match=f"^{re.escape(message)}"):
         config(**changes)
 
 
@@ -251,9 +266,9 @@ def test_gpus_per_node_message_says_what_to_do() -> None:
 
 
 def test_bad_links_are_usage_errors() -> None:
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError, match=re.escape("needs latency >= 0 and bandwidth > 0 (got -1e-06 s, 1e+09 B/s)")):
         Link(-1e-6, 1e9)
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError, match=re.escape("needs latency >= 0 and bandwidth > 0 (got 1e-06 s, 0 B/s)")):
         Link(1e-6, 0)
 
 
@@ -267,9 +282,9 @@ def test_flops_per_token_and_compute_time() -> None:
     seconds = compute_time(flops, 16384, tflops=989, mfu=0.4)
     assert seconds == pytest.approx(flops * 16384 / (989e12 * 0.4))
     assert math.isclose(compute_time(1e12, 1, 1, 1), 1.0)
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError, match=re.escape("--tflops must be positive and --mfu in (0, 1] (got 989 and 0).")):
         compute_time(flops, 1, tflops=989, mfu=0)
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError, match=re.escape("--seq-len must be 1 or more (got 0).")):
         flops_per_token(shape, 0)
 
 
