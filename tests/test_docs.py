@@ -121,6 +121,17 @@ def test_each_readme_command_runs(index: int, session: ReadmeSession) -> None:
         assert result.returncode != 0, f"{command} is marked GPU only but ran without a GPU:\n{result.stdout}"
 
 
+@pytest.mark.timeout(COMMAND_TIMEOUT * 2)
+def test_the_readmes_demo_trains_on_two_processes(session: ReadmeSession) -> None:
+    """What `multigpu demo` says of its run, read from the README's own command (run once, by the test above)."""
+    index = next(i for i, command in enumerate(COMMANDS) if command.startswith("multigpu demo --nproc 2 --epochs 1 "))
+    result = session.result(index)
+    assert result.returncode == 0, result.stdout
+    assert re.search(r"^strategy \w+, precision 32, 2 process\(es\)$", result.stdout, flags=re.MULTILINE), result.stdout
+    epoch = r"^epoch 1/1  train loss [\d.]+  val accuracy [\d.]+ \(1024 samples\)"
+    assert re.search(epoch, result.stdout, flags=re.MULTILINE), result.stdout
+
+
 # -- links -----------------------------------------------------------------------------------------------------
 def without_code_blocks(text: str) -> str:
     return re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
