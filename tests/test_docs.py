@@ -171,3 +171,15 @@ def test_every_relative_link_and_repository_path_resolves(page: Path) -> None:
         if not (ROOT / path).exists():
             broken.append(f"`{path}`: no such file in the repository")
     assert not broken, f"{page.relative_to(ROOT)}:\n" + "\n".join(broken)
+
+
+# -- the suite's order -----------------------------------------------------------------------------------------
+def test_the_suites_order_reads_the_module_times_in_the_architecture_doc() -> None:
+    """tests/conftest.py starts the longest files first, by docs/architecture.md's table of module times: the
+    table must be there in the form it reads (else every file counts as unknown and the order is collection's)."""
+    from tests.conftest import recorded_seconds
+
+    seconds = recorded_seconds()
+    listed = re.findall(r"^\| `(tests/\S+\.py)` \|", (DOCS / "architecture.md").read_text(), flags=re.MULTILINE)
+    assert len(seconds) == len(listed) >= 20, sorted(set(listed) - set(seconds))
+    assert all((ROOT / path).is_file() for path in seconds), [path for path in seconds if not (ROOT / path).is_file()]
