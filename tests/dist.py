@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import torch
+
 from multigpu.core.env import free_port
 from multigpu.core.lazy import imported
 
@@ -191,10 +193,15 @@ def start_forkserver() -> None:
 
 
 # What every rank imports, imported once in the server.
+PRELOAD = ["torch", "torch.distributed", "multigpu.launch.worker", "multigpu.engine.engine", "tests.dist"]
+# ...and what a LoRA or QLoRA rank imports on top, where no GPU is: peft (with transformers, accelerate and
+# bitsandbytes) and the Llama classes take ~3.4 s of CPU in each such rank otherwise (measured), and ~10 of the suite's
+# launches start them. Left out: datasets and deepspeed start a thread as they load (pyarrow's and DeepSpeed's
+# jemalloc), and a server with a thread beside its own is no safe one to fork from; and GPU machines, where
+# bitsandbytes queries CUDA as it loads, and a rank forked from a server that initialised CUDA cannot use it.
+HEAVY = ["peft", "transformers.models.llama.modeling_llama"]
 _FORKS = multiprocessing.get_context("forkserver")
-_FORKS.set_forkserver_preload(
-    ["torch", "torch.distributed", "multigpu.launch.worker", "multigpu.engine.engine", "tests.dist"]
-)
+_FORKS.set_forkserver_preload(PRELOAD + ([] if torch.cuda.is_available() else HEAVY))
 
 
 def refusal(*args: str) -> str:

@@ -121,6 +121,17 @@ def test_each_readme_command_runs(index: int, session: ReadmeSession) -> None:
         assert result.returncode != 0, f"{command} is marked GPU only but ran without a GPU:\n{result.stdout}"
 
 
+@pytest.mark.timeout(COMMAND_TIMEOUT * 2)
+def test_the_readmes_demo_trains_on_two_processes(session: ReadmeSession) -> None:
+    """What `multigpu demo` says of its run, read from the README's own command (run once, by the test above)."""
+    index = next(i for i, command in enumerate(COMMANDS) if command.startswith("multigpu demo --nproc 2 --epochs 1 "))
+    result = session.result(index)
+    assert result.returncode == 0, result.stdout
+    assert re.search(r"^strategy \w+, precision 32, 2 process\(es\)$", result.stdout, flags=re.MULTILINE), result.stdout
+    epoch = r"^epoch 1/1  train loss [\d.]+  val accuracy [\d.]+ \(1024 samples\)"
+    assert re.search(epoch, result.stdout, flags=re.MULTILINE), result.stdout
+
+
 # -- links -----------------------------------------------------------------------------------------------------
 def without_code_blocks(text: str) -> str:
     return re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
@@ -177,3 +188,15 @@ def test_the_architecture_names_every_module() -> None:
         if f"{folder.name}/" not in named:
             missing.append(f"{folder.name}/ (the folder)")
     assert not missing, "docs/architecture.md's map of the layers does not name: " + ", ".join(missing)
+
+
+# -- the suite's order -----------------------------------------------------------------------------------------
+def test_the_suites_order_reads_the_module_times_in_the_architecture_doc() -> None:
+    """tests/conftest.py starts the longest files first, by docs/architecture.md's table of module times: the
+    table must be there in the form it reads (else every file counts as unknown and the order is collection's)."""
+    from tests.conftest import recorded_seconds
+
+    seconds = recorded_seconds()
+    listed = re.findall(r"^\| `(tests/\S+\.py)` \|", (DOCS / "architecture.md").read_text(), flags=re.MULTILINE)
+    assert len(seconds) == len(listed) >= 20, sorted(set(listed) - set(seconds))
+    assert all((ROOT / path).is_file() for path in seconds), [path for path in seconds if not (ROOT / path).is_file()]

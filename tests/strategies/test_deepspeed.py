@@ -23,7 +23,7 @@ from multigpu.core.errors import UsageError
 from multigpu.models.modules import give_back_freed_memory
 from multigpu.strategies.deepspeed import DeepSpeed
 from tests.checkpoint.test_checkpoint import GLOBAL_BATCH, SAMPLES, STOP, assert_resumed_exactly
-from tests.dist import multigpu, refusal, run_command, run_each_in_processes, run_in_processes
+from tests.dist import refusal, run_command, run_each_in_processes, run_in_processes
 from tests.engine.test_init_module import SEED, WIDTH, Net, one_step, rss_bytes
 from tests.reference import Case, Outcome, TinyNet, dataset, train_engine, train_reference
 from tests.strategies.test_equivalence import assert_matches
@@ -86,9 +86,11 @@ def test_a_zero3_checkpoint_resumes_under_deepspeed(tmp_path: Path) -> None:
 
 
 def test_export_consolidates_a_deepspeed_checkpoint(saved, tmp_path: Path) -> None:
+    """In this process (`multigpu export` as typed, in a process of its own: the README's, in tests/test_docs.py)."""
+    from multigpu.cli import main
+
     path, first = saved
-    result = multigpu("export", str(path), str(tmp_path / "model.safetensors"))
-    assert result.returncode == 0, result.stdout
+    assert main(["export", str(path), str(tmp_path / "model.safetensors")]) == 0
     params = checkpoint.full_model_state(path)
     assert set(params) == set(first[0].params)
     for name, tensor in params.items():
