@@ -57,5 +57,4 @@ class AcrossRanks:
         totals = totals.to(collective_device(self.device))
         with watching(self.observers, "step totals"):
             dist.all_reduce(totals)
-        layout = self._strategy.layout
-        return totals / (layout.tp * layout.pp)
+        return totals / (self.world_size // (self._data_world * self._strategy.layout.cp))
