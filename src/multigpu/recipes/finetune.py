@@ -1,7 +1,8 @@
-"""`multigpu finetune`: full, LoRA or QLoRA fine-tuning of a causal language model with the Engine
-(`python -m multigpu.recipes.finetune --model smollm2 --data shakespeare --method lora ...`). The loss of each step is the mean over the target tokens of its whole global batch: every micro-batch backs
-up its *summed* token loss with its token count (`loss_fn` returns both to `engine.forward_backward`), so 1 process x 8
-sequences, 2 x 4 and 2 x 2 x 2 accumulation give the same gradients.
+"""`multigpu finetune`: full, LoRA or QLoRA fine-tuning of a causal language model with the Engine (`python -m
+multigpu.recipes.finetune --model smollm2 --data shakespeare --method lora ...`). The loss of each step is the mean
+over the target tokens of its whole global batch: every micro-batch backs up its *summed* token loss with its token
+count (`loss_fn` returns both to `engine.forward_backward`), so 1 process x 8 sequences, 2 x 4 and 2 x 2 x 2
+accumulation give the same gradients.
 """
 
 from __future__ import annotations
