@@ -114,12 +114,13 @@ sys.exit(int(sys.argv[2]))
 """
 
 
-@pytest.mark.parametrize(("how", "code"), [("0", 0), ("5", 5), ("raise", 1)])
+@pytest.mark.parametrize(("how", "code"), [("5", 5), ("raise", 1)])
 def test_a_worker_ends_with_its_scripts_code_and_output_once_its_exit_handlers_ran(
     tmp_path: Path, how: str, code: int
 ) -> None:
     """Workers end the process themselves after the exit handlers (multigpu.launch.worker), skipping the interpreter's
-    teardown: nothing the script wrote or printed may be lost on the way, nor its exit code."""
+    teardown: nothing the script wrote or printed may be lost on the way, nor its exit code. (sys.exit(0) takes the
+    worker's path of sys.exit(5), its SystemExit with an int code.)"""
     script = tmp_path / "ending.py"
     script.write_text(ENDING)
     result = multigpu("run", "-n", "1", str(script), str(tmp_path / "log.txt"), how, timeout=60)
