@@ -170,6 +170,12 @@ def check_tp_heads(config: object, degree: int) -> None:
             )
 
 
+def cp_chunks(cp: int) -> int:
+    """The equal chunks context parallelism over `cp` ranks cuts each sequence into: 2 x cp, each rank a head and a
+    tail chunk (so that under causal attention every rank has the same work); 1 without context parallelism."""
+    return 2 * cp if cp > 1 else 1
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """Every degree of a job, resolved: their product is the number of processes."""
@@ -222,9 +228,9 @@ class ParallelDims:
 
     def sequence_multiple(self, sequence_parallel: bool) -> int:
         """What each batch's sequence length must be a multiple of: the tensor-parallel degree under
-        sequence_parallel (every tp process takes an equal slice of the positions) and 2 x cp under context
-        parallelism (each cp rank a head and a tail chunk)."""
-        return math.lcm(self.tp if sequence_parallel else 1, 2 * self.cp if self.cp > 1 else 1)
+        sequence_parallel (every tp process takes an equal slice of the positions) and cp_chunks under context
+        parallelism."""
+        return math.lcm(self.tp if sequence_parallel else 1, cp_chunks(self.cp))
 
     def in_mesh(self, keep: Sequence[str] = ()) -> tuple[tuple[str, int], ...]:
         """(name, degree) of the mesh's dimensions, outermost first: those of degree above 1, and those in `keep`

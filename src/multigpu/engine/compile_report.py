@@ -25,5 +25,6 @@ class CompileReport(StepObserver):
         else:
             self._say(
                 f"torch.compile compiled {graphs} more graph(s) in step {stats.step}: an input's shape changed (a "
-                "shorter last batch, another sequence length), and that dimension is dynamic from now on."
+                "shorter last batch, another sequence length), and that dimension is dynamic from now on (zero2, "
+                "zero3 and hsdp with tp_size compile each new shape instead)."
             )

@@ -57,4 +57,5 @@ class AcrossRanks:
         totals = totals.to(collective_device(self.device))
         with watching(self.observers, "step totals"):
             dist.all_reduce(totals)
-        return totals / (self.world_size // (self._data_world * self._strategy.layout.cp))
+        layout = self._strategy.layout
+        return totals / (layout.tp * layout.pp)

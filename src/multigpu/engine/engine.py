@@ -24,11 +24,12 @@ from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
 from multigpu.data.loader import Batch, DistributedLoader
 from multigpu.data.stream import Loader, StreamLoader, WindowedStream
-from multigpu.engine import start
+from multigpu.engine import model_values, start
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.cross_rank import AcrossRanks
 from multigpu.engine.lr_schedule import SampleSchedule
 from multigpu.engine.observe import Reporting, StepObserver, StepStats, new_observers, watched, watching
+from multigpu.engine.parallelize import parallelize
 from multigpu.engine.saving import Saving
 from multigpu.engine.window import Window, accumulation_for
 from multigpu.models.float8 import refresh_all_gather_scales
@@ -146,7 +147,7 @@ class Engine(Saving, Reporting, AcrossRanks):
             self._plan = start.precision_plan(self._strategy, self.config, self.env)
             self._auto_pending = False
         build = (self._init_rng, self._pretrained.pop(id(model), None))
-        model, optimizer = start.set_up(
+        model, optimizer = parallelize(
             self._strategy, model, optimizer, self.env, self._plan, self.config, build, self.print, self._cp
         )
         model.forward = watched(self.observers, "forward", self._plan.wrap_forward(model.forward, self.device))
@@ -180,11 +181,11 @@ class Engine(Saving, Reporting, AcrossRanks):
         if any(model is known for known in self._set_up):
             raise UsageError("engine.load_pretrained() fills a model before setup; call it before engine.setup().")
         read = SafetensorsCheckpoint(path)
-        start.check_loadable(model, read)
+        model_values.check_loadable(model, read)
         if on_meta(model):
             self._pretrained[id(model)] = read
         else:
-            self.print(read.summary(start.load_whole(model, read)))
+            self.print(read.summary(model_values.load_whole(model, read)))
 
     def dataloader(
         self,
@@ -218,8 +219,9 @@ class Engine(Saving, Reporting, AcrossRanks):
         )
         if not self._printed_batch_size:
             self._printed_batch_size = True
-            shared = self.world_size // self._data_world
             # Under tp, pp and cp "processes" counts the data-parallel ranks; say who reads the same batch.
+            layout = self._strategy.layout
+            shared = layout.cp * layout.tp * layout.pp
             together = f" (each read by the {shared} processes of a replica, which split the model or the sequence)"
             together = together if shared > 1 else ""
             self.print(loader.batch_size_line() + together)

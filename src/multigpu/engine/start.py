@@ -1,13 +1,12 @@
 """How an Engine starts: the strategy that runs (the config's, or the planner's pick for `auto` once engine.setup
-sees the model), the process group it joins, the seeds, and what becomes of the model's BatchNorm layers."""
+sees the model), what it refuses before any process starts, the process group it joins and the seeds. What setup
+then does to the model is engine/parallelize.py's."""
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import random
-import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
@@ -15,7 +14,6 @@ from datetime import timedelta
 import numpy as np
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from multigpu.config.layout import ParallelDims, resolve_layout
 from multigpu.config.precision import Precision, PrecisionPlan
@@ -24,35 +22,20 @@ from multigpu.core.env import DistEnv, check_backend, init_process_group
 from multigpu.core.errors import UsageError
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.trackers import check_servers, parse_log_to
-from multigpu.models.compile import compile_blocks
-from multigpu.models.float8 import check_float8, convert_linears
-from multigpu.models.loss import apply_liger
+from multigpu.models.float8 import check_float8
 from multigpu.models.loss import check_runnable as check_loss
-from multigpu.models.modules import (
-    MetaValues,
-    default_units,
-    materialize,
-    on_meta,
-    outermost,
-    parameters_on_meta,
-    repoint,
-)
-from multigpu.models.pretrained import SafetensorsCheckpoint
-from multigpu.models.recompute import recompute_blocks
+from multigpu.models.modules import parameters_on_meta
 from multigpu.parallel.context import ContextParallel
-from multigpu.parallel.context_attention import use_context_attention
-from multigpu.parallel.experts import mixture_of_experts
 from multigpu.planner import choose_strategy
 from multigpu.strategies import Strategy, build_strategy
 from multigpu.strategies.dp import DataParallel
-from multigpu.strategies.fsdp import quantized_owners
 
 
 def resolve(given: str | Strategy, env: DistEnv, config: EngineConfig, say: Callable[[str], None]) -> Strategy:
     """The strategy `config` names, built for `env`'s processes, or one sentence refusing it. `given` is what the
     script passed: a configured Strategy keeps its options (its layout resolved for the processes launched, unless
     it was built with one), unless an observer's configure renamed the strategy."""
-    nodes = max(1, env.world_size // env.local_world_size)
+    nodes = node_count(env)
     if isinstance(given, Strategy) and given.name == config.strategy:
         if given.layout.world_size == env.world_size:
             return given
@@ -72,6 +55,12 @@ def resolve(given: str | Strategy, env: DistEnv, config: EngineConfig, say: Call
     return build_strategy("single", config, env.world_size, nodes, say)
 
 
+def node_count(env: DistEnv) -> int:
+    """The machines `env`'s processes run on: the layout's default replicas (one per node) and the planner count
+    them."""
+    return max(1, env.world_size // env.local_world_size)
+
+
 def precision_plan(strategy: Strategy, config: EngineConfig, env: DistEnv) -> PrecisionPlan:
     """What the run's precision means under `strategy`, once everything the strategy and the settings cannot run on
     this device has been refused."""
@@ -89,10 +78,11 @@ def precision_plan(strategy: Strategy, config: EngineConfig, env: DistEnv) -> Pr
             f"{' and '.join(changed)} cannot run under strategy dp: nn.DataParallel copies the model to each GPU in "
             "every step, and the copies would run the original blocks' forward on the first GPU; use strategy ddp."
         )
-    if config.compile and strategy.layout.tp > 1:
+    if config.compile and config.activation_checkpointing == "full" and splits_layers(strategy):
         raise UsageError(
-            "compile cannot run with tensor parallelism on torch 2.13: a compiled block's backward hands DTensor's "
-            "redistribution a plain tensor and fails in the first step; drop --compile, or the tensor parallelism."
+            "activation_checkpointing full cannot run with compile under tensor parallelism on torch 2.13: a compiled "
+            "block that recomputes attention on tp's split heads saves a DeviceMesh for its backward and fails; use "
+            "activation_checkpointing selective (which keeps attention's output) or offload, or drop compile."
         )
     if strategy.layout.cp > 1 and config.cp_method == "ring" and env.device.type != "cuda":
         raise UsageError(
@@ -107,6 +97,11 @@ def precision_plan(strategy: Strategy, config: EngineConfig, env: DistEnv) -> Pr
             "drop sync_batchnorm (--sync-batchnorm) or run on GPUs."
         )
     return plan
+
+
+def splits_layers(strategy: Strategy) -> bool:
+    """Whether `strategy` splits the model's layers by tensor parallelism (strategy tp in one process too)."""
+    return strategy.layout.tp > 1 or "tp" in strategy.mesh_dims
 
 
 def context_parallel(strategy: Strategy, config: EngineConfig) -> ContextParallel | None:
@@ -160,7 +155,7 @@ def strategy_for(
         model,
         kind,
         gpus=env.local_world_size,
-        nodes=max(1, env.world_size // env.local_world_size),
+        nodes=node_count(env),
         gpu_bytes=memory,
         precision=config.precision,
         offload_possible=env.device.type == "cuda",
@@ -189,140 +184,3 @@ def build_context(
     if meta or (meta is None and auto_pending):
         return parameters_on_meta()
     return strategy.build_context(env, plan) if meta is None else contextlib.nullcontext()
-
-
-def check_loadable(model: nn.Module, read: SafetensorsCheckpoint) -> None:
-    """Refuses, before any value is read, a model the checkpoint cannot fill: one already partitioned, or one
-    whose tensors have other shapes than the stored ones of the same names."""
-    if any(hasattr(p, "ds_id") for p in model.parameters()):
-        raise UsageError(
-            "A model built in DeepSpeed's zero.Init is already partitioned; build it under "
-            "engine.init_module(meta=True) to load pretrained weights into it."
-        )
-    shapes = {name: tensor.shape for name, tensor in model.state_dict(keep_vars=True).items()}
-    read.check_fits(shapes, "in the model", "load the checkpoint saved from this model, or build the model it fits")
-
-
-def load_whole(model: nn.Module, read: SafetensorsCheckpoint) -> list[str]:
-    """Copies the checkpoint into a model that holds all its weights (check_loadable's), a tensor at a time;
-    returns the names it does not hold (left as built)."""
-    kept = []
-    with torch.no_grad():
-        for name, tensor in model.state_dict(keep_vars=True).items():
-            value = read(name)
-            if value is None:
-                kept.append(name)
-            else:
-                tensor.copy_(value)
-    return kept
-
-
-def set_up(
-    strategy: Strategy,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    env: DistEnv,
-    plan: PrecisionPlan,
-    config: EngineConfig,
-    build: tuple[torch.Tensor | None, SafetensorsCheckpoint | None],
-    say: Callable[[str], None],
-    cp: ContextParallel | None = None,
-) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-    """The model and optimizer set up for `strategy`, from a plain build or one on the meta device (init_module):
-    `build` is where the random stream stood when that build began, and the checkpoint load_pretrained gave it;
-    `cp`, the context parallelism whose attention the model's takes."""
-    if config.liger:  # before anything wraps, compiles or shards the layers it replaces
-        apply_liger(model)
-    if cp is not None:  # the attention compile and recomputation will see
-        use_context_attention(model, cp)
-    strategy.experts = mixture_of_experts(model, strategy.layout, env.device.type)
-    values = meta_values(strategy, model, optimizer, env, *build, say)
-    model = batchnorm(model, strategy, env, config.sync_batchnorm)
-    # float8 first, as torchtitan orders it: tp, recomputation, compile and sharding then see its layers; the
-    # sharding strategies all-gather tensorwise weights in float8.
-    said = convert_linears(model, optimizer, config.float8, env.device, all_gather="shard" in strategy.mesh_dims)
-    if said:
-        say(said)
-    # The blocks a sharding strategy wraps, before it wraps them (its hooks then run around the recomputation).
-    units = getattr(strategy, "units", default_units)(model)
-    blocks = outermost(units)
-    sharded = [*units, *quantized_owners(model)] if hasattr(strategy, "units") else units
-    if config.activation_checkpointing == "selective" and len(outermost(sharded)) < len(sharded):
-        raise UsageError(
-            f"activation_checkpointing selective cannot run where {strategy.name} shards modules inside each block "
-            "(4-bit layers, nested blocks): their FSDP hooks run other ops when a block is recomputed, which torch's "
-            "selective checkpointing refuses; use full or offload."
-        )
-    recompute_blocks(model, blocks, config.activation_checkpointing)
-    if config.compile:
-        compile_blocks(model, blocks, config.compile_backend)
-    if plan.params != torch.float32:
-        model.to(plan.params)  # bf16-true; on the meta device, free: the values are cast as they arrive
-    if values is None:
-        model, optimizer = strategy.setup(model, optimizer, env, plan)
-    else:
-        model, optimizer = strategy.setup_from_meta(model, optimizer, env, plan, values)
-    if cp is not None:
-        cp.join(strategy.mesh)
-    if values is None:
-        return model, optimizer
-    if values.read is not None:
-        say(values.read.summary(values.initialised))
-    return model, optimizer
-
-
-def meta_values(
-    strategy: Strategy,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    env: DistEnv,
-    rng: torch.Tensor | None,
-    read: SafetensorsCheckpoint | None,
-    say: Callable[[str], None],
-) -> MetaValues | None:
-    """For a model on the meta device: the random stream goes back to where its build began, so the values it is
-    given are a plain build's (or the checkpoint's). A strategy that shards (builds_on_meta) gets them from rank 0
-    a unit at a time in its setup; any other gets the whole model here, on the CPU. None: nothing left to make."""
-    if not on_meta(model):
-        return None
-    if optimizer is not None and optimizer.state:
-        raise UsageError("A model built under engine.init_module needs a fresh optimizer; call setup before stepping.")
-    if rng is not None:
-        torch.set_rng_state(rng)
-    if strategy.builds_on_meta:
-        # Only rank 0 makes the values, from a copy of the model as built (before casts and wrappers).
-        return MetaValues(copy.deepcopy(model), read) if env.rank == 0 else MetaValues(None)
-    names = {id(p): name for name, p in model.named_parameters()}
-    initialised = materialize(model, "cpu", read=read)
-    repoint(optimizer, names, model)
-    if read is not None:
-        say(read.summary(initialised))
-    return None
-
-
-def batchnorm(model: nn.Module, strategy: Strategy, env: DistEnv, sync: bool) -> nn.Module:
-    """BatchNorm turned into SyncBatchNorm when asked, else a warning where processes or replicas normalise
-    alone. A warning, not engine.print: a run that wants per-process statistics can filter it out."""
-    layers = sum(isinstance(m, _BatchNorm) and not isinstance(m, nn.SyncBatchNorm) for m in model.modules())
-    if not layers:
-        return model
-    if sync and strategy.needs_process_group:
-        # Keeps the Parameter objects, so an optimizer built before setup stays valid.
-        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if isinstance(strategy, DataParallel):
-        parts = f"each of the {torch.cuda.device_count()} GPUs' slices of a batch under dp with that slice's"
-        remedy = "use strategy ddp with sync_batchnorm=True (--sync-batchnorm) to synchronise them"
-    elif strategy.needs_process_group and env.world_size > 1:
-        parts = f"each of the {env.world_size} processes' batches under {strategy.name} with that process's"
-        remedy = "pass sync_batchnorm=True (--sync-batchnorm) to synchronise them"
-        if env.device.type != "cuda":
-            remedy = "sync_batchnorm=True (--sync-batchnorm) synchronises them when training on GPUs"
-    else:
-        return model
-    if env.rank == 0:  # one warning per run, not one per rank
-        warnings.warn(
-            f"The model's {layers} BatchNorm layer(s) normalise {parts} own statistics rather than the global "
-            f"batch's (running statistics included); {remedy}.",
-            stacklevel=3,
-        )
-    return model

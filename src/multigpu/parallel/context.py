@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from multigpu.config.layout import cp_chunks
 from multigpu.core.errors import UsageError
 
 #: torch's own attention, which a module that cp_attention names sees replaced by Ulysses' while it runs.
@@ -83,19 +84,19 @@ class ContextParallel:
     # -- the batch --------------------------------------------------------------------------------------------
     def local(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's slice of `tensor` along its sequence dimension `dim`: chunks rank and 2cp-1-rank."""
-        chunks = tensor.chunk(2 * self.size, dim)
-        return torch.cat([chunks[self.rank], chunks[2 * self.size - 1 - self.rank]], dim)
+        chunks = tensor.chunk(cp_chunks(self.size), dim)
+        return torch.cat([chunks[self.rank], chunks[-1 - self.rank]], dim)
 
     def split(self, inputs: Any, targets: Any, positions: bool) -> tuple[Any, Any]:
         """This rank's slice of a batch: every tensor of `inputs` (a dict, a tuple or one tensor) and `targets` with
         the batch's sequence length on dim 1. `positions`: give a dict of token ids its position_ids first, so that
         each slice knows where its tokens stand (a Hugging Face decoder's rotary embedding and document mask)."""
-        length = _sequence_length(inputs)
-        if length % (2 * self.size):
+        length, chunks = _sequence_length(inputs), cp_chunks(self.size)
+        if length % chunks:
             raise UsageError(
-                f"Context parallelism cuts each sequence into 2 x cp_size = {2 * self.size} equal chunks, and this "
+                f"Context parallelism cuts each sequence into 2 x cp_size = {chunks} equal chunks, and this "
                 f"batch's sequences are {length} long; pad each batch to a multiple of engine.sequence_multiple "
-                f"({2 * self.size}), or choose a cp_size that divides it."
+                f"({chunks}), or choose a cp_size that divides it."
             )
         if isinstance(inputs, dict):
             inputs = dict(inputs)

@@ -23,7 +23,6 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from multigpu.models.modules import repoint
 from multigpu.parallel.context import _AllToAll
 from multigpu.parallel.experts import MixtureOfExperts, MoELayer
 
@@ -39,14 +38,20 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
+def held_layers(mixture: MixtureOfExperts) -> list[MoELayer]:
+    """The layers whose experts this rank holds: all of them, but under pp its stages' only (the others' are on the
+    meta device)."""
+    return [layer for layer in mixture.layers if not any(p.is_meta for p in layer.experts.parameters())]
+
+
 def parallelize(mixture: MixtureOfExperts, device: torch.device, alike: bool = False) -> list[MoELayer]:
-    """Gives each rank of an ep group its 1/ep of every layer's experts that it holds (a pipeline stage holds
-    some; the others are on the meta device) as DTensors sharded by expert, and makes what the block calls with the
-    tokens dispatch them; returns those layers. The values are rank 0's, broadcast first unless the ranks start
-    `alike` already (the strategy broadcast the whole model)."""
+    """Gives each rank of an ep group its 1/ep of every layer's experts that it holds as DTensors sharded by expert,
+    and makes what the block calls with the tokens dispatch them; returns those layers. The values are rank 0's,
+    broadcast first unless the ranks start `alike` already (the strategy broadcast the whole model). The strategy's
+    data-parallel wrapping then takes the spread experts: replicate_experts, shard_experts, spread_stage_experts."""
     assert mixture.mesh is not None
     ep_mesh = mixture.mesh["ep"]
-    held = [layer for layer in mixture.layers if not any(p.is_meta for p in layer.experts.parameters())]
+    held = held_layers(mixture)
     for layer in held:
         for name, param in list(layer.experts.named_parameters(recurse=False)):
             whole = param.data.to(device)
@@ -143,28 +148,21 @@ def _average_gradients(params: list[nn.Parameter], group: Any) -> None:
             param.register_post_accumulate_grad_hook(average)
 
 
-def replicate_experts(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, mixture: MixtureOfExperts, device: torch.device
-) -> None:
+def replicate_experts(model: nn.Module, mixture: MixtureOfExperts) -> None:
     """Expert parallelism beside DDP: each rank's experts (DTensors over the ep ranks, which DDP cannot take) left
     out of DDP, their gradients averaged over the ranks that hold the same experts."""
-    names = {id(p): name for name, p in model.named_parameters()}
-    parallelize(mixture, device)
-    repoint(optimizer, names, model)
     held = {id(p) for p in mixture.expert_parameters()}
     ignored = [name for name, p in model.named_parameters() if id(p) in held]
     nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     _average_gradients(mixture.expert_parameters(), mixture.mesh["edp"].get_group())  # type: ignore[index]
 
 
-def shard_experts(
-    mixture: MixtureOfExperts, device: torch.device, policy: MixedPrecisionPolicy, reshard_after_forward: bool
-) -> None:
+def shard_experts(mixture: MixtureOfExperts, policy: MixedPrecisionPolicy, reshard_after_forward: bool) -> None:
     """Expert parallelism beside zero2, zero3 and hsdp: each layer's experts (what its block calls: a LoRA wrapper
     included) an FSDP unit of their own over the edp ranks, which hold the same experts. LoRA adapters on them are
     whole on every rank and averaged over all data-parallel ranks, so that unit leaves them out and a hook
     averages them (the unit's reduction would average them over the edp ranks only)."""
-    _shard_entries(mixture, parallelize(mixture, device, alike=True), policy, reshard_after_forward)
+    _shard_entries(mixture, held_layers(mixture), policy, reshard_after_forward)
 
 
 def _shard_entries(
@@ -187,13 +185,13 @@ def _shard_entries(
 
 
 def spread_stage_experts(
-    mixture: MixtureOfExperts, device: torch.device, policy: MixedPrecisionPolicy | None, reshard_after_forward: bool
+    mixture: MixtureOfExperts, policy: MixedPrecisionPolicy | None, reshard_after_forward: bool
 ) -> set[int]:
-    """Expert parallelism beside pp, for the layers of this rank's stages (the ranks start alike: pp broadcast the
-    whole model). With zero inside the stages (`policy`), each layer's experts an FSDP unit over the edp ranks, as
-    shard_experts makes them; with whole replicas of the pipeline (no policy), their gradients averaged over the
-    edp ranks by hook, and their ids returned: the replicas' own all-reduce (over every replica) leaves them out."""
-    layers = parallelize(mixture, device, alike=True)
+    """Expert parallelism beside pp, for the layers of this rank's stages (spread before the stages were cut). With
+    zero inside the stages (`policy`), each layer's experts an FSDP unit over the edp ranks, as shard_experts makes
+    them; with whole replicas of the pipeline (no policy), their gradients averaged over the edp ranks by hook, and
+    their ids returned: the replicas' own all-reduce (over every replica) leaves them out."""
+    layers = held_layers(mixture)
     if policy is not None:
         _shard_entries(mixture, layers, policy, reshard_after_forward)
         return set()

@@ -51,6 +51,22 @@ class ReplicatedSummingGrads(ParallelStyle):
         return module
 
 
+class EmbeddingRowwise(RowwiseParallel):
+    """An embedding split by vocabulary rows whose summed output is whole (or scattered by position) before it leaves
+    the module. torch starts that collective asynchronously and hands on an AsyncCollectiveTensor; a compiled block
+    that takes one and adds it to its own output (a residual) gives back its gradient as a plain tensor, which
+    DTensor's redistribution backward cannot take (torch 2.13: "'Tensor' object has no attribute '_local_tensor'").
+    Inside the blocks dynamo traces the collectives itself, so the other styles keep torch's."""
+
+    @staticmethod
+    def _prepare_output_fn(
+        output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: DeviceMesh
+    ) -> Any:
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+        return outputs.to_local() if use_local_output else outputs
+
+
 #: The styles a plan may name (Hugging Face's names), and what each splits. A column split leaves each process a
 #: slice of the layer's outputs (the next rowwise layer takes exactly that slice); a row split sums the partial
 #: outputs of every process, so its output is whole again.
@@ -60,7 +76,7 @@ STYLES: dict[str, Callable[[], ParallelStyle]] = {
     # The output head: split by vocabulary, the logits gathered whole so that any loss function works on them.
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
     # An embedding split by vocabulary rows: each process looks up the tokens in its rows, the sum is whole.
-    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_rowwise": lambda: EmbeddingRowwise(input_layouts=Replicate()),
     "replicated_with_grad_allreduce": ReplicatedSummingGrads,
 }
 
@@ -85,7 +101,7 @@ PLAN_SEQUENCE_STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "colwise": lambda: ColwiseParallel(input_layouts=Shard(1)),
     "rowwise": SEQUENCE_STYLES["rowwise"],
     "colwise_gather_output": SEQUENCE_STYLES["colwise_gather_output"],
-    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    "embedding_rowwise": lambda: EmbeddingRowwise(input_layouts=Replicate(), output_layouts=Shard(1)),
     "sequence_parallel": SEQUENCE_STYLES["sequence_parallel"],
     "replicated_with_grad_allreduce": ReplicatedSummingGrads,
 }

@@ -21,6 +21,7 @@ from multigpu.config.layout import (
     ShardingOptions,
     TensorParallelOptions,
     check_schedule,
+    cp_chunks,
     resolve_layout,
 )
 from multigpu.config.settings import ComputeSettings, Settings, TrainingSettings, setting, shown
@@ -133,11 +134,11 @@ class PlanConfig(Settings):
                 f"--tp-size {self.tp_size} x --pp-size {self.pp_size}{cp} does not divide the {self.world} GPUs "
                 f"(--gpus x --nodes); choose degrees whose product divides {self.world}."
             )
-        if self.seq_len % (2 * self.cp_size) and self.cp_size > 1:
+        chunks = cp_chunks(self.cp_size)
+        if self.seq_len % chunks:
             raise UsageError(
-                f"--seq-len {self.seq_len} is not a multiple of 2 x --cp-size {self.cp_size} = {2 * self.cp_size} "
-                f"(each cp rank holds a head and a tail chunk of every sequence); choose a multiple of "
-                f"{2 * self.cp_size}."
+                f"--seq-len {self.seq_len} is not a multiple of 2 x --cp-size {self.cp_size} = {chunks} "
+                f"(each cp rank holds a head and a tail chunk of every sequence); choose a multiple of {chunks}."
             )
         parse_bytes(self.gpu_memory)  # refuses what cannot be a GPU's memory, before anything is planned
         if self.lora_r is not None and self.lora_r < 1:

@@ -20,16 +20,15 @@ import torch
 from torch import nn
 
 from multigpu.config.flags import Parser, add_config_arguments, config_from_args
-from multigpu.config.layout import ParallelDims
+from multigpu.config.layout import ParallelDims, cp_chunks
 from multigpu.config.settings import setting, shown
-from multigpu.core.env import DistEnv
 from multigpu.core.errors import exit_on_usage_error, require
 from multigpu.data import lm_data, packing
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
 from multigpu.engine.lr_schedule import SampleSchedule
 from multigpu.launch.launcher import LaunchConfig
-from multigpu.models.loss import TokenLoss, check_runnable, summed_cross_entropy
+from multigpu.models.loss import TokenLoss, summed_cross_entropy
 from multigpu.recipes import lm_fit, lm_models
 from multigpu.recipes.common import (
     NPROC_NOTE,
@@ -141,10 +140,10 @@ class FinetuneConfig(lm_data.DataSettings, FinetuneSettings, lm_models.ModelSett
             ),
             (self.lora_r >= 1 and self.lora_alpha >= 1, "--lora-r and --lora-alpha must be 1 or more."),
             (
-                self.seq_len % (2 * (self.cp_size or 1)) == 0 or (self.cp_size or 1) == 1,
-                f"--cp-size {self.cp_size} cuts each sequence into 2 x {self.cp_size} = {2 * (self.cp_size or 1)} "
-                f"equal chunks, and --seq-len {self.seq_len} is not a multiple of {2 * (self.cp_size or 1)}; choose a "
-                "--seq-len that is.",
+                self.seq_len % cp_chunks(self.cp_size or 1) == 0,
+                f"--cp-size {self.cp_size} cuts each sequence into 2 x {self.cp_size} = {cp_chunks(self.cp_size or 1)} "
+                f"equal chunks, and --seq-len {self.seq_len} is not a multiple of {cp_chunks(self.cp_size or 1)}; "
+                "choose a --seq-len that is.",
             ),
             (
                 (self.cp_size or 1) == 1 or not self.sample_prompt,
@@ -420,12 +419,11 @@ def save_step(engine: Engine, config: FinetuneConfig, state: dict[str, Any]) -> 
 
 def check(config: FinetuneConfig, layout: ParallelDims) -> None:
     """What `multigpu finetune` refuses before any process starts: a model or data it cannot find, or that does not
-    fit the flags under the workers' `layout` (lm_fit), a --resume or --save-dir that cannot work, other data."""
+    fit the flags under the workers' `layout` (lm_fit), a --resume or --save-dir that cannot work, other data. The
+    Engine's settings (the loss and liger among them) were refused before this, by engine.start.check."""
     lm_models.check(config.model)
     lm_fit.check_fits(config, layout)
     lm_data.check(config)
-    split = config.multi_gpu == "tp" or (config.tp_size or 1) > 1
-    check_runnable(config.loss, config.liger, DistEnv().device, config.multi_gpu, split)
     if config.loss != "plain":
         lm_models.check_plain_head(config.model, config.loss)
     if (config.ep_size or 1) > 1:

@@ -57,7 +57,8 @@ class Strategy(ABC):
     pipelined: ClassVar[bool] = False
     #: Options of a group it inherits that it does not take (zero2 inherits zero3's, but cannot offload).
     not_taken: ClassVar[tuple[str, ...]] = ()
-    #: Built by `build_mesh` in setup; None until then and for strategies without mesh_dims.
+    #: Built by `build_mesh` before the model is split (engine/parallelize.py); None until then and for strategies
+    #: without mesh_dims.
     mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
     #: The model's mixture-of-experts layers (parallel/experts.py), set before setup; None for a dense model.
     experts: Any = field(default=None, init=False, repr=False, compare=False)
@@ -101,16 +102,24 @@ class Strategy(ABC):
         return parameters_on_meta() if self.builds_on_meta else contextlib.nullcontext()
 
     def build_mesh(self, env: DistEnv) -> DeviceMesh | None:
-        """The strategy's mesh, built on the first call (setup's) and the same object after that."""
+        """The strategy's mesh, built on the first call (engine/parallelize.py's, before tp) and the same object
+        after that."""
         if self.mesh is None and self.mesh_dims:
             self.mesh = build_mesh(self.layout, env.device.type, keep=self.mesh_dims)
         return self.mesh
+
+    def make_alike(self, model: nn.Module, env: DistEnv) -> bool:
+        """Before tp and ep split the model (engine/parallelize.py): puts it where they find it and gives every rank
+        rank 0's weights, where the strategy's own wrapping would not (fully_shard, tp and a pipeline's cuts take
+        their slices of what each rank holds); returns whether it did. DDP and DeepSpeed broadcast as they wrap."""
+        return False
 
     @abstractmethod
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, plan: PrecisionPlan
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-        """Moves the model to its device and wraps model and optimizer; returns what the loop must use."""
+        """Moves the model to its device and wraps model and optimizer (the last step of engine/parallelize.py:
+        tp and ep have split it by then); returns what the loop must use."""
 
     def setup_from_meta(
         self,

@@ -54,10 +54,10 @@ class DDP(CompressionOptions, DDPOptions, Strategy):
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         mesh = self.build_mesh(env)
         model = move_to_device(model, env)
-        if self.layout.ep > 1:
+        if self.layout.ep > 1:  # ep spread the experts (engine/parallelize.py); DDP replicates the rest
             from multigpu.parallel.expert_parallel import replicate_experts
 
-            replicate_experts(model, optimizer, self.experts, env.device)
+            replicate_experts(model, self.experts)
         device_ids = [env.device.index] if env.device.type == "cuda" else None
         wrapped = DistributedDataParallel(
             model,

@@ -23,7 +23,7 @@ from multigpu.models.modules import MetaValues, check_ties, default_units, repoi
 from multigpu.parallel.compression import CompressionOptions, refuse_powersgd
 from multigpu.parallel.mesh import with_cp
 from multigpu.parallel.shard_fill import fill_shards
-from multigpu.parallel.tensor_parallel import check_sequence_parallel, start_alike, tensor_parallelize
+from multigpu.parallel.tensor_parallel import check_sequence_parallel, start_alike
 from multigpu.strategies.base import Strategy, is_quantized
 
 UnitSelector = Callable[[nn.Module], list[nn.Module]]
@@ -127,21 +127,22 @@ class FSDP(CompressionOptions, ShardingOptions, TensorParallelOptions, Strategy)
         scaler = (lambda: DTensorGradScaler(device=device.type)) if precision.needs_grad_scaler else None
         return FSDPPrecision(precision, None, precision.param_dtype, scaler, **policies)
 
+    def make_alike(self, model: nn.Module, env: DistEnv) -> bool:
+        if not self.cpu_offload:  # offloaded, the parameters stay in CPU memory (start_alike sends them through it)
+            model.to(env.device)
+        # fully_shard slices whatever each rank holds; unlike DDP it does not broadcast rank 0's weights.
+        start_alike(model, env.device)
+        return True
+
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, plan: PrecisionPlan
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         names = {id(p): name for name, p in model.named_parameters()}
         units, shard = self._wrapping(model, optimizer, env, plan)
-        if not self.cpu_offload:
-            model.to(env.device)
-        # fully_shard slices whatever each rank holds; unlike DDP it does not broadcast rank 0's weights.
-        start_alike(model, env.device)
-        if self.layout.tp > 1:  # tp splits the layers first; fully_shard then shards each slice over "shard"
-            tensor_parallelize(model, self.mesh["tp"], self.sequence_parallel)
-        if self.layout.ep > 1:  # each rank's experts, sharded over the ranks that hold the same ones
+        if self.layout.ep > 1:  # ep spread the experts; each layer's are a unit over the ranks that hold the same
             from multigpu.parallel.expert_parallel import shard_experts
 
-            shard_experts(self.experts, env.device, plan.unit, self.reshard_after_forward)
+            shard_experts(self.experts, plan.unit, self.reshard_after_forward)
         for unit in [*units, model]:
             shard(unit)
         # fully_shard replaced every Parameter with a sharded DTensor one; point the optimizer at those.

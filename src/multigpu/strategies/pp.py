@@ -34,7 +34,7 @@ from multigpu.core.errors import UsageError
 from multigpu.models.modules import repoint
 from multigpu.parallel.mesh import with_cp
 from multigpu.parallel.pipeline_stages import DecoderStage, stage_parts
-from multigpu.parallel.tensor_parallel import check_sequence_parallel, start_alike, tensor_parallelize, tied_places
+from multigpu.parallel.tensor_parallel import check_sequence_parallel, start_alike, tied_places
 from multigpu.strategies.base import StepOutcome, Strategy, frozen_names
 from multigpu.strategies.fsdp import FSDP
 
@@ -115,6 +115,12 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
             self.inner.mesh = mesh  # one mesh: zero's "shard" (and "replicate") dimensions are slices of it
         return mesh
 
+    def make_alike(self, model: nn.Module, env: DistEnv) -> bool:
+        if self.layout.tp > 1:  # tp splits the whole model on the device; without it only the stages go there
+            model.to(env.device)
+        start_alike(model, env.device)  # every rank cuts its stages from the same model
+        return True
+
     def local_stages(self) -> list[nn.Module]:
         return list(getattr(self, "_forwards", []))  # made in setup
 
@@ -132,12 +138,7 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
         self._replicas = with_cp(mesh, ("replicate",)).get_group() if replicated else None
         self._stages = pp * self.pp_stages_per_rank
         self._mine = list(range(rank, self._stages, pp))  # interleaved: stages r, r + pp, ...
-        start_alike(model, env.device)
-        if self.layout.tp > 1:  # tp splits the whole model's layers first; the stages then take their split layers
-            whole_names = {id(p): name for name, p in model.named_parameters()}
-            model.to(env.device)
-            tensor_parallelize(model, mesh["tp"], self.sequence_parallel)
-            repoint(optimizer, whole_names, model)
+        # tp and ep split the whole model's layers already (engine/parallelize.py); the stages take their slices.
         parts = stage_parts(model, self._stages)
         kept = {name: module for stage in self._mine for name, module in parts[stage][0].items()}
         held = {id(p) for module in kept.values() for p in module.parameters()}
@@ -158,12 +159,12 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
         if optimizer is not None:
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) in held]
-        if self.layout.ep > 1:  # the stages' experts over the ep ranks, before zero shards the rest
+        if self.layout.ep > 1:  # the stages' experts, spread by ep, before zero shards the rest
             from multigpu.parallel.expert_parallel import spread_stage_experts
 
             policy = getattr(plan, "unit", None) if self.inner is not None else None
             reshard = getattr(self.inner, "reshard_after_forward", True)
-            self._spread = spread_stage_experts(self.experts, env.device, policy, reshard)
+            self._spread = spread_stage_experts(self.experts, policy, reshard)
         if self.inner is not None:
             self._shard_stages(model, plan)
         if self.inner is not None or self.layout.ep > 1:

@@ -1,5 +1,6 @@
 """The `tp` strategy: tensor parallelism over every process, one slice of each planned layer per process
-(parallel/tensor_parallel.py splits them; zero2, zero3 and hsdp compose with it through tp_size)."""
+(parallel/tensor_parallel.py splits them, in engine/parallelize.py's tp step; zero2, zero3 and hsdp compose with it
+through tp_size)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ from torch import nn
 from multigpu.config.layout import TENSOR, TensorParallelOptions
 from multigpu.config.precision import Precision, PrecisionPlan
 from multigpu.core.env import DistEnv
-from multigpu.models.modules import repoint
-from multigpu.parallel.tensor_parallel import check_sequence_parallel, start_alike, tensor_parallelize
+from multigpu.parallel.tensor_parallel import check_sequence_parallel, start_alike
 from multigpu.strategies.base import Strategy, move_to_device
 
 
@@ -35,13 +35,13 @@ class TensorParallel(TensorParallelOptions, Strategy):
         plan = super().precision_plan(precision, device)
         return replace(plan, scaler=lambda: DTensorGradScaler(device=device.type)) if plan.scaler else plan
 
+    def make_alike(self, model: nn.Module, env: DistEnv) -> bool:
+        move_to_device(model, env)
+        start_alike(model, env.device)
+        return True
+
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, plan: PrecisionPlan
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-        mesh = self.build_mesh(env)
-        names = {id(p): name for name, p in model.named_parameters()}
-        model = move_to_device(model, env)
-        start_alike(model, env.device)
-        tensor_parallelize(model, mesh["tp"], self.sequence_parallel)
-        repoint(optimizer, names, model)
+        # On its device since make_alike, and split by engine/parallelize.py's tp step: tp wraps nothing.
         return model, optimizer
