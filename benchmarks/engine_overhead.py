@@ -1,10 +1,25 @@
-"""Engine overhead: a hand-written torch loop vs the Engine, same model, data and steps, 2 processes.
+"""Engine overhead: a hand-written torch loop vs the Engine (and Accelerate), same model, data and steps, 2 processes.
 
-Pairs: hand-written DDP vs Engine(strategy="ddp"); hand-written FSDP2 vs Engine(strategy="zero3").
-The four variants run interleaved, round after round, so drifts in machine load hit them all alike;
-the figure per variant is the median step time over all timed steps after warm-up.
+For each width (a 4-block residual MLP, 64 and 1024 wide by default), in one launch:
 
-    python benchmarks/engine_overhead.py [--rounds 8] [--steps 10] [--warmup 5] [--json out.json]
+  raw DDP          DistributedDataParallel, DataLoader + DistributedSampler, AdamW
+  Engine ddp       Engine(strategy="ddp"): engine.setup, engine.dataloader, accumulate, backward, step
+  Accelerate ddp   accelerator.prepare, accelerator.backward (only where accelerate is installed)
+  raw FSDP2        fully_shard on each block and the root, the same loader and optimizer
+  Engine zero3     Engine(strategy="zero3"), the Engine loop above
+
+All variants run interleaved, a few steps each per round (their order rotated each round), so that drifts in the
+machine's load hit them all alike; each variant's figure is the median step time over all its timed steps after
+warm-up. The fixed cost per step is what the Engine (or Accelerate) adds to every step whatever the model: the
+median over rounds of its difference from the raw loop in the same round.
+
+Beside the wall time, the process's CPU time per step (all its threads: gloo's, the heartbeat's), which a machine
+shared with other work disturbs far less: the processes wait for each other in every collective, and a wait is no
+CPU time.
+
+    python -m multigpu run -n 2 benchmarks/engine_overhead.py [--rounds 30] [--steps 10] [--warmup 10]
+    python benchmarks/engine_overhead.py [...]         # launches itself on --nproc processes (default 2)
+    torchrun --nproc-per-node 2 benchmarks/engine_overhead.py [...]
 """
 
 from __future__ import annotations
@@ -26,14 +41,15 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import multigpu as mg
 from multigpu.launch.launcher import LaunchConfig, launch
 
-HIDDEN, BLOCKS, BATCH, SAMPLES = 1024, 4, 32, 8192
+BLOCKS, BATCH, SAMPLES, CLASSES = 4, 32, 8192, 10
+Step = Callable[[], None]
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.GELU()) for _ in range(BLOCKS))
-        self.head = nn.Linear(HIDDEN, 10)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(BLOCKS))
+        self.head = nn.Linear(width, CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -41,9 +57,10 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def data() -> TensorDataset:
+def data(width: int) -> TensorDataset:
     generator = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(SAMPLES, HIDDEN, generator=generator), torch.randint(0, 10, (SAMPLES,)))
+    inputs = torch.randn(SAMPLES, width, generator=generator)
+    return TensorDataset(inputs, torch.randint(0, CLASSES, (SAMPLES,), generator=generator))
 
 
 def endless(make_iter: Callable[[int], Iterator]) -> Iterator:
@@ -53,9 +70,9 @@ def endless(make_iter: Callable[[int], Iterator]) -> Iterator:
         epoch += 1
 
 
-def hand_written(kind: str) -> tuple[Callable[[], None], Iterator]:
+def raw(kind: str, width: int) -> Step:
     torch.manual_seed(0)
-    model = Net()
+    model = Net(width)
     if kind == "ddp":
         model = DistributedDataParallel(model)
     else:
@@ -63,7 +80,7 @@ def hand_written(kind: str) -> tuple[Callable[[], None], Iterator]:
             fully_shard(block)
         fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    dataset = data()
+    dataset = data(width)
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)
 
     def epoch_iter(epoch: int) -> Iterator:
@@ -78,15 +95,15 @@ def hand_written(kind: str) -> tuple[Callable[[], None], Iterator]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return step, batches
+    return step
 
 
-def with_engine(strategy: str) -> tuple[Callable[[], None], Iterator]:
+def with_engine(strategy: str, width: int) -> Step:
     engine = mg.Engine(strategy=strategy, seed=0)
-    model = Net()
+    model = Net(width)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = engine.setup(model, optimizer)
-    loader = engine.dataloader(data(), batch_size=BATCH, shuffle=True)
+    loader = engine.dataloader(data(width), batch_size=BATCH, shuffle=True)
     batches = endless(lambda epoch: iter(loader))
 
     def step() -> None:
@@ -95,64 +112,129 @@ def with_engine(strategy: str) -> tuple[Callable[[], None], Iterator]:
             engine.backward(nn.functional.cross_entropy(model(x), y))
         engine.step(optimizer)
 
-    return step, batches
+    return step
 
 
-def worker(rounds: int, steps: int, warmup: int, out: str | None) -> None:
+def with_accelerate(width: int) -> Step:
+    from accelerate import Accelerator
+
+    threads = torch.get_num_threads()
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # joins the process group already there
+    torch.set_num_threads(threads)  # accelerate sets its own where OMP_NUM_THREADS is unset: keep one setting for all
+    torch.manual_seed(0)
+    model = Net(width)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    loader = DataLoader(data(width), batch_size=BATCH, shuffle=True)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    batches = endless(lambda epoch: iter(loader))
+
+    def step() -> None:
+        x, y = next(batches)
+        accelerator.backward(nn.functional.cross_entropy(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def has_accelerate() -> bool:
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# (name, baseline it is compared with or None, what builds it)
+def variants(widths: list[int], accelerate: bool) -> list[tuple[str, str | None, Callable[[], Step]]]:
+    made: list[tuple[str, str | None, Callable[[], Step]]] = []
+    for w in widths:
+        made += [
+            (f"raw DDP {w}", None, lambda w=w: raw("ddp", w)),
+            (f"Engine ddp {w}", f"raw DDP {w}", lambda w=w: with_engine("ddp", w)),
+        ]
+        if accelerate:
+            made.append((f"Accelerate ddp {w}", f"raw DDP {w}", lambda w=w: with_accelerate(w)))
+        made += [
+            (f"raw FSDP2 {w}", None, lambda w=w: raw("fsdp", w)),
+            (f"Engine zero3 {w}", f"raw FSDP2 {w}", lambda w=w: with_engine("zero3", w)),
+        ]
+    return made
+
+
+def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")  # the Engine joins this group
-    variants = {
-        "hand-written DDP": hand_written("ddp"),
-        "Engine ddp": with_engine("ddp"),
-        "hand-written FSDP2": hand_written("fsdp"),
-        "Engine zero3": with_engine("zero3"),
-    }
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for step, _ in variants.values():
-        for _ in range(warmup):
+    accelerate = has_accelerate() and not args.no_accelerate
+    specs = variants([int(w) for w in args.widths.split(",")], accelerate)
+    steps = {name: build() for name, _, build in specs}
+    # Per variant, per round, its steps' (wall, CPU) seconds.
+    times: dict[str, list[list[tuple[float, float]]]] = {name: [] for name in steps}
+    for step in steps.values():
+        for _ in range(args.warmup):
             step()
-    names = list(variants)
-    for round_index in range(rounds):
+    names = list(steps)
+    for round_index in range(args.rounds):
         # Rotate the order each round so no variant always runs first (cache and scheduler effects).
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
-            step, _ = variants[name]
-            dist.barrier()
-            for _ in range(steps):
-                start = time.perf_counter()
+            step, measured = steps[name], []
+            dist.barrier()  # every rank starts the variant's steps together, as a loop's steps do
+            for _ in range(args.steps):
+                start, start_cpu = time.perf_counter(), time.process_time()
                 step()
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()  # time the work, not its launch
-                times[name].append(time.perf_counter() - start)
-    if dist.get_rank() != 0:
-        return
-    medians = {name: statistics.median(values) for name, values in times.items()}
-    print(f"\n{'variant':<20} {'median step':>12} {'timed steps':>12}")
-    for name, value in medians.items():
-        print(f"{name:<20} {value * 1000:>10.2f}ms {len(times[name]):>12}")
-    ratios = {
-        "Engine ddp / hand-written DDP": medians["Engine ddp"] / medians["hand-written DDP"],
-        "Engine zero3 / hand-written FSDP2": medians["Engine zero3"] / medians["hand-written FSDP2"],
-    }
-    for name, ratio in ratios.items():
-        print(f"{name}: {ratio:.3f}  ({(ratio - 1) * 100:+.1f}%)")
-    if out:
-        with open(out, "w") as file:
-            json.dump({"median_step_s": medians, "ratios": ratios, "world_size": dist.get_world_size()}, file, indent=2)
+                measured.append((time.perf_counter() - start, time.process_time() - start_cpu))
+            times[name].append(measured)
+    if dist.get_rank() == 0:
+        report(specs, times, args)
+
+
+def report(specs: list, times: dict[str, list[list[tuple[float, float]]]], args: argparse.Namespace) -> None:
+    """Per variant: the median step, its ratio to the raw loop's median, and the fixed cost: the median over rounds
+    of the difference from the raw loop in the same round (paired, so that the machine's load at the time cancels)."""
+    print(f"\n{dist.get_world_size()} processes, {args.rounds} rounds x {args.steps} timed steps per variant")
+    columns = f"{'/ raw':>6} {'fixed cost':>11}"
+    print(f"{'variant':<20} {'ms/step':>8} {columns}   {'CPU ms':>8} {columns}")
+    rows = {}
+    for name, baseline, _ in specs:
+        row = rows[name] = {}
+        line = f"{name:<20}"
+        for index, clock in enumerate(("wall", "cpu")):
+            median = statistics.median(step[index] for steps in times[name] for step in steps)
+            ratio = extra = None
+            if baseline:
+                ratio = median / statistics.median(step[index] for steps in times[baseline] for step in steps)
+                rounds = zip(times[name], times[baseline], strict=True)
+                extra = 1e6 * statistics.median(
+                    statistics.median(s[index] for s in mine) - statistics.median(s[index] for s in base)
+                    for mine, base in rounds
+                )
+            row.update({f"{clock}_s": median, f"{clock}_ratio": ratio, f"{clock}_fixed_cost_us": extra})
+            line += f" {median * 1000:>8.2f} {f'{ratio:.3f}' if ratio else '':>6} "
+            line += f"{f'{extra:+.0f} µs' if extra is not None else '':>11}  "
+        print(line.rstrip())
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"variants": rows, "world_size": dist.get_world_size(), "rounds": args.rounds}, file, indent=2)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=8, help="interleaved rounds (default 8)")
+    parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds (default 30)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant per round (default 10)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per variant first (default 5)")
-    parser.add_argument("--nproc", type=int, default=2, help="processes (default 2)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps per variant first (default 10)")
+    parser.add_argument("--widths", default="64,1024", help="MLP widths, comma-separated (default 64,1024)")
+    parser.add_argument("--no-accelerate", action="store_true", help="leave Accelerate out even where installed")
+    parser.add_argument("--nproc", type=int, default=2, help="processes, when it launches itself (default 2)")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     args = parser.parse_args()
     if "RANK" in os.environ:
-        worker(args.rounds, args.steps, args.warmup, args.json)
+        worker(args)
         return
-    forwarded = ["--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    forwarded += ["--json", args.json] if args.json else []
+    forwarded = [f"--rounds={args.rounds}", f"--steps={args.steps}", f"--warmup={args.warmup}"]
+    forwarded += [f"--widths={args.widths}"] + (["--no-accelerate"] if args.no_accelerate else [])
+    forwarded += [f"--json={args.json}"] if args.json else []
     raise SystemExit(launch(LaunchConfig(nproc=args.nproc), [__file__, *forwarded]))
 
 

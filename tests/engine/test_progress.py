@@ -248,6 +248,35 @@ def test_ranks_blocked_at_different_calls_or_beside_a_finished_one_diverged_and_
     assert diverged({0: finished, 1: finished}) is None
 
 
+def test_only_a_collectives_own_failure_counts_as_one_and_an_error_passing_through_torch_distributed_does_not() -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Shard
+
+    def raised(call) -> BaseException:
+        try:
+            call()
+        except BaseException as error:  # whatever it raised is what is judged
+            return error
+        raise AssertionError("it did not raise")
+
+    assert divergence.from_a_collective(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    assert divergence.from_a_collective(dist.DistBackendError("a backend failed"))
+    c10d = compile("raise RuntimeError('a collective timed out')", dist.distributed_c10d.__file__, "exec")
+    assert divergence.from_a_collective(raised(lambda: exec(c10d)))  # raised in c10d's own collective call
+    assert not divergence.from_a_collective(ValueError("gloo"))
+    # A script's own mistake that DTensor's Python code raises (under torch/distributed, in no collective): the
+    # traceback is shown, not a divergence sentence.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh("cpu", [0])
+        mixed = raised(lambda: DTensor.from_local(torch.ones(2), mesh, [Shard(0)]).redistribute(mesh, [Partial()]))
+    finally:
+        dist.destroy_process_group()
+    assert isinstance(mixed, RuntimeError) and "redistribute" in str(mixed)
+    assert not divergence.from_a_collective(mixed)
+
+
 def test_a_rank_that_sees_a_divergence_twice_says_it_once_and_ends_every_rank(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from multigpu.engine.observe import StepObserver, StepStats
+from multigpu.engine.observe import StepObserver, StepStats, leave_out
 from multigpu.models.compile import compiled_graphs
 
 
@@ -15,6 +15,8 @@ class CompileReport(StepObserver):
     def attach(self, engine: Any) -> None:
         self._say = engine.print if engine.config.compile else None
         self._graphs = compiled_graphs()
+        if self._say is None:  # nothing compiled, nothing to report: no hook on every step
+            leave_out(self, "on_step_end")
 
     def on_step_end(self, stats: StepStats) -> None:
         if self._say is None or compiled_graphs() == self._graphs:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from multigpu.core.env import all_reduce_value, collective_device, grouped
+from multigpu.core.env import DistEnv, all_reduce_value, collective_device, grouped
 from multigpu.core.errors import UsageError
 from multigpu.data.loader import gather_in_order
 from multigpu.data.stream import StreamLoader
@@ -16,7 +16,26 @@ from multigpu.engine.observe import watching
 
 
 class AcrossRanks:
-    """A mixin of the Engine: reads its observers, device, loader, main-process flag, layout and data ranks."""
+    """A mixin of the Engine: who this rank is among all of them, and what it does with them. Reads the Engine's
+    environment, observers, device, loader, layout and data ranks."""
+
+    env: DistEnv
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.env.rank == 0
 
     def reduce(self, value: float | torch.Tensor, op: str = "mean") -> float | torch.Tensor:
         """`value` combined over all ranks ("mean", "sum" or "max"), returned on every rank as the same type."""
@@ -55,7 +74,7 @@ class AcrossRanks:
         if not grouped():
             return totals
         totals = totals.to(collective_device(self.device))
-        with watching(self.observers, "step totals"):
+        with watching(self._hooks.watchers, "step totals"):  # the watching observers': this runs every step
             dist.all_reduce(totals)
         layout = self._strategy.layout
         return totals / (layout.tp * layout.pp)

@@ -7,6 +7,7 @@ heartbeat, the metrics monitor, bench and verify's recorder) attaches through mu
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
@@ -28,7 +29,7 @@ from multigpu.engine import model_values, start
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.cross_rank import AcrossRanks
 from multigpu.engine.lr_schedule import SampleSchedule
-from multigpu.engine.observe import Reporting, StepObserver, StepStats, new_observers, watched, watching
+from multigpu.engine.observe import Hooks, Reporting, StepObserver, StepStats, new_observers, watched, watching
 from multigpu.engine.parallelize import parallelize
 from multigpu.engine.saving import Saving
 from multigpu.engine.window import Window, accumulation_for
@@ -82,27 +83,17 @@ class Engine(Saving, Reporting, AcrossRanks):
         self._set_up: list[nn.Module] = []  # what setup was given and returned, so a second setup is caught
         self._step_end = time.perf_counter()
         self._steps = 0
+        self._faults = "MULTIGPU_FAULT" in os.environ  # a test's fault, set before the Engine is built: read once
         self._synchronizes = any(observer.synchronizes for observer in self.observers)
         for observer in self.observers:
             observer.attach(self)
+        self._hooks = Hooks(self.observers)  # the observers are fixed from here on
 
     # -- who am I ---------------------------------------------------------------------------------------------
     @property
     def strategy(self) -> str:
         """The resolved strategy's name; "auto" with several processes until setup has chosen."""
         return "auto" if self._auto_pending else self._strategy.name
-
-    @property
-    def rank(self) -> int:
-        return self.env.rank
-
-    @property
-    def local_rank(self) -> int:
-        return self.env.local_rank
-
-    @property
-    def world_size(self) -> int:
-        return self.env.world_size
 
     @property
     def data_parallel_size(self) -> int:
@@ -120,10 +111,6 @@ class Engine(Saving, Reporting, AcrossRanks):
         """What each batch's sequence length must be a multiple of (ParallelDims.sequence_multiple). Pad each batch
         to it, on the right, with the padding masked out of the loss, as `multigpu finetune` does."""
         return self._strategy.layout.sequence_multiple(self.config.sequence_parallel)
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.env.rank == 0
 
     @property
     def experts(self) -> MixtureOfExperts | None:
@@ -150,12 +137,13 @@ class Engine(Saving, Reporting, AcrossRanks):
         model, optimizer = parallelize(
             self._strategy, model, optimizer, self.env, self._plan, self.config, build, self.print, self._cp
         )
-        model.forward = watched(self.observers, "forward", self._plan.wrap_forward(model.forward, self.device))
+        model.forward = watched(self._hooks.watchers, "forward", self._plan.wrap_forward(model.forward, self.device))
         self._scaler = self._plan.scaler() if self._plan.scaler is not None else None
         self._model = model
         self._set_up += [given, model]
         for observer in self.observers:
             observer.on_setup(model)
+        self._hooks = Hooks(self.observers)  # found again: an observer leaves out the hooks of a feature that is off
         self._window.mark = self._step_end = time.perf_counter()
         return model, optimizer
 
@@ -232,15 +220,12 @@ class Engine(Saving, Reporting, AcrossRanks):
         if self._train_loader is not None and loader is not self._train_loader:
             self.mark_untimed()  # an evaluation pass between two training steps
 
-    @contextlib.contextmanager
-    def accumulate(self, model: nn.Module) -> Iterator[None]:
+    def accumulate(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Skips gradient communication on every micro-step but the last of an accumulation window, where the
         strategy accumulates that way (zero2/zero3 reduce-scatter every micro-step unless unsharded_grad_accum)."""
         if self._window.syncs_next() or not self._strategy.accumulates_unsynced:
-            yield
-        else:
-            with self._strategy.no_sync(model):
-                yield
+            return contextlib.nullcontext()
+        return self._strategy.no_sync(model)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Inside it, backward keeps gradients local to each rank (bench's measure of the communication share)."""
@@ -256,15 +241,15 @@ class Engine(Saving, Reporting, AcrossRanks):
         the token-normalised loss one process would compute over the same global batch.
         """
         syncs = self._window.begin()
-        loss = loss * self._account(loss.detach(), count, self._strategy.experts)
+        weight = self._account(loss.detach(), count, self._strategy.experts)
+        if weight != 1.0:  # x * 1.0 is x, bit for bit, and so is its gradient: no node in the graph for it
+            loss = loss * weight
         if self._scaler is not None:
             loss = self._scaler.scale(loss)
-        for observer in self.observers:
-            observer.on_backward_start()
-        with watching(self.observers, "backward"):
+        self._hooks.backward_start()
+        with watching(self._hooks.watchers, "backward"):
             self._strategy.backward(self._model, loss, syncs)
-        for observer in self.observers:
-            observer.on_backward_end()
+        self._hooks.backward_end()
         self._end_micro_step(syncs)
 
     def _account(self, loss: torch.Tensor, count: int | torch.Tensor | None, experts: Any = None) -> float:
@@ -309,12 +294,10 @@ class Engine(Saving, Reporting, AcrossRanks):
 
         syncs = self._window.begin()
         weigh_pipeline(self._strategy.experts, loss_fn, targets, self._window)
-        for observer in self.observers:
-            observer.on_backward_start()
-        with watching(self.observers, "pipeline step"), self._plan.autocast_context(self.device):
+        self._hooks.backward_start()
+        with watching(self._hooks.watchers, "pipeline step"), self._plan.autocast_context(self.device):
             loss, count = self._strategy.pipeline_step(inputs, targets, loss_fn, weigh, train=True)
-        for observer in self.observers:
-            observer.on_backward_end()
+        self._hooks.backward_end()
         self._account(loss, count)
         self._end_micro_step(syncs)
         return loss.float()
@@ -367,7 +350,7 @@ class Engine(Saving, Reporting, AcrossRanks):
         self._window.batch = None
         if not self._window.done:
             return False
-        with watching(self.observers, "optimizer step"):
+        with watching(self._hooks.watchers, "optimizer step"):
             count, loss = self._window.global_totals(self._sum_over_replicas)
             outcome = self._strategy.optimizer_step(
                 self._model, optimizer, self._scaler, count, self.config.max_grad_norm
@@ -397,9 +380,9 @@ class Engine(Saving, Reporting, AcrossRanks):
         stats = StepStats(
             self._steps, seconds, totals.samples, count or 0.0, totals.busy_s, not totals.other_work, loss, applied
         )
-        for observer in self.observers:
-            observer.on_step_end(stats)
-        faults.inject("step", self._steps, self.rank)  # tests' MULTIGPU_FAULT, in any script's loop
+        self._hooks.step_end(stats)
+        if self._faults:
+            faults.inject("step", self._steps, self.rank)  # tests' MULTIGPU_FAULT, in any script's loop
         self._window.mark = time.perf_counter()
 
     def mark_untimed(self) -> None:

@@ -3,14 +3,16 @@ loop logs, as one JSON line and to the experiment trackers `log_to` names, from 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from multigpu.engine.observe import StepObserver, StepStats
+from multigpu.engine.observe import StepObserver, StepStats, leave_out
 from multigpu.engine.trackers import MetricsLog, parse_log_to
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def peak_memory_bytes(device: Any) -> int:
@@ -130,9 +132,11 @@ class StepMonitor:
             )
 
     def add(self, step: int, seconds: float, samples: int, tokens: float, busy_s: float, timed: bool) -> None:
+        if not self.every:  # never reported: nothing to keep (the interval would grow by a step each step)
+            return
         if timed:
             self._interval.append((seconds, samples, tokens, busy_s))
-        if self.every and step % self.every == 0:
+        if step % self.every == 0:
             self._report(step)
             self._interval = []
 
@@ -273,7 +277,7 @@ class Monitor(StepObserver):
     def __init__(self) -> None:
         self.count_flops = False
         self.flops_per_step: float | None = None  # all ranks together
-        self._counting = False
+        self._model: nn.Module | None = None  # the set-up model, whose next forward starts the count
         self._counter: Any = None  # a FlopCounterMode, from the forward it starts in to the end of that backward
         self._log: MetricsLog | None = None
         self._steps_seen = 0
@@ -305,23 +309,31 @@ class Monitor(StepObserver):
         )
         self.count_flops = bool(config.log_every)
 
-    def watch(self, op: str) -> contextlib.AbstractContextManager[None]:
-        if op == "forward" and self._counting and self._counter is None:
-            self._counter = flop_counter()
-            self._counter.__enter__()  # left at the end of the backward that follows
-        return contextlib.nullcontext()
+    def on_setup(self, model: nn.Module) -> None:
+        self._model = model
+        if not (self.reports.every or self.count_flops):  # nothing to report or count: no hook on every step
+            leave_out(self, "on_backward_end", "on_step_end")
+
+    def _start_counting(self, module: nn.Module, args: Any) -> None:
+        """A forward pre-hook for one forward: the counter runs from it to the end of the backward that follows.
+        Registered for that forward only (rather than a watch on every op of every step), after the model's own
+        hooks, so it starts where the Engine's forward starts (after FSDP's all-gather)."""
+        self._hook.remove()
+        self._counter = flop_counter()
+        self._counter.__enter__()  # left at the end of the backward that follows
 
     def on_backward_end(self) -> None:
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
             self.flops_per_step = self.reports.flops_per_step = self._counter.get_total_flops() * self._step_scale()
-            self._counter, self._counting = None, False
+            self._counter = None
 
     def on_step_end(self, stats: StepStats) -> None:
         self.reports.add(stats.step, stats.seconds, stats.samples, stats.tokens, stats.busy_s, stats.timed)
         self._steps_seen += 1
-        if self._steps_seen == 1 and self.count_flops:
-            self._counting = True  # the next step, one micro-step's forward to the end of its backward
+        if self._steps_seen == 1 and self.count_flops and self._model is not None:
+            # The next step, one micro-step's forward to the end of its backward.
+            self._hook = self._model.register_forward_pre_hook(self._start_counting)
             self._untimed()
 
     def on_log(self, step: int, record: dict[str, Any]) -> None:

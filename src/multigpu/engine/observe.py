@@ -92,9 +92,57 @@ def new_observers() -> list[StepObserver]:
     return [factory() for factory in _FACTORIES]
 
 
+def overriding(observers: list[StepObserver], hook: str) -> list[StepObserver]:
+    """The `observers` whose `hook` does something: those that override StepObserver's no-op. The Engine calls each
+    hook on these only, found once, as every step calls its hooks (a few microseconds each, per op)."""
+    nothing = getattr(StepObserver, hook)
+    return [observer for observer in observers if getattr(getattr(observer, hook), "__func__", None) is not nothing]
+
+
+def leave_out(observer: StepObserver, *hooks: str) -> None:
+    """Makes `hooks` StepObserver's no-ops on `observer` for this run, where the feature they serve is off: the
+    Engine calls each hook on the observers that override it only (Hooks), so it then never calls them."""
+    for hook in hooks:
+        setattr(observer, hook, getattr(StepObserver, hook).__get__(observer))
+
+
+class Hooks:
+    """The per-step hooks of an Engine's observers, each called on the observers that override it (found as the
+    Engine starts, and again once set up): a base class's no-op costs a call per observer on every op of every step.
+    An observer added to engine.observers later sees the other hooks only."""
+
+    def __init__(self, observers: list[StepObserver]) -> None:
+        self.watchers = overriding(observers, "watch")
+        self._starts = overriding(observers, "on_backward_start")
+        self._ends = overriding(observers, "on_backward_end")
+        self._steps = overriding(observers, "on_step_end")
+
+    def backward_start(self) -> None:
+        for observer in self._starts:
+            observer.on_backward_start()
+
+    def backward_end(self) -> None:
+        for observer in self._ends:
+            observer.on_backward_end()
+
+    def step_end(self, stats: StepStats) -> None:
+        for observer in self._steps:
+            observer.on_step_end(stats)
+
+
+_NOTHING = contextlib.nullcontext()  # stateless: one serves every op that no observer watches
+
+
+def watching(observers: list[StepObserver], op: str) -> contextlib.AbstractContextManager[None]:
+    """All `observers`' watch(op) at once, entered in order and left in reverse. One observer's (the heartbeat's,
+    usually) is returned as it is: an ExitStack around it would cost more than the watch itself."""
+    if len(observers) == 1:
+        return observers[0].watch(op)
+    return _all_watching(observers, op) if observers else _NOTHING
+
+
 @contextlib.contextmanager
-def watching(observers: list[StepObserver], op: str) -> Iterator[None]:
-    """All `observers`' watch(op) at once, entered in order and left in reverse."""
+def _all_watching(observers: list[StepObserver], op: str) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for observer in observers:
             stack.enter_context(observer.watch(op))
@@ -102,7 +150,9 @@ def watching(observers: list[StepObserver], op: str) -> Iterator[None]:
 
 
 def watched(observers: list[StepObserver], op: str, function: Callable[..., Any]) -> Callable[..., Any]:
-    """`function`, called inside every observer's watch(op)."""
+    """`function`, called inside every observer's watch(op); `function` itself where none watches."""
+    if not observers:
+        return function
 
     @functools.wraps(function)
     def call(*args: Any, **kwargs: Any) -> Any:

@@ -27,9 +27,9 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from multigpu.core.errors import Explained
@@ -82,6 +82,11 @@ class Progress:
     def micro_step(self) -> int:
         return self._at[1]
 
+    @property
+    def op(self) -> str | None:
+        """The op the main thread is inside, None outside any."""
+        return self._at[2]
+
     def _key(self, name: object) -> str:
         return self._prefix + str(name)
 
@@ -121,7 +126,8 @@ class Progress:
         step, micro_step, outer, _ = self._at
         if outer is None and self.world_size > 1:
             calls, history = self._calls
-            self._calls = (calls + 1, (*history[1 - divergence.HISTORY :], (op, divergence.call_site())))
+            site = divergence.call_site(skip=2)  # this method and its caller (Diagnosing, a forward hook) are ours
+            self._calls = (calls + 1, (*history[1 - divergence.HISTORY :], (op, site)))
         self._at = (step, micro_step, op, time.monotonic())
         return outer
 
@@ -129,19 +135,10 @@ class Progress:
         step, micro_step, _, _ = self._at
         self._at = (step, micro_step, outer, time.monotonic())
 
-    @contextlib.contextmanager
-    def diagnose(self, op: str) -> Iterator[None]:
-        outer = self.enter(op)
-        try:
-            yield
-        except CollectiveTimeout:
-            raise
-        except RuntimeError as error:
-            if self._the_store() is None or not _is_timeout(error):
-                raise
-            raise CollectiveTimeout(self.explain(op)) from error
-        finally:
-            self.leave(outer)
+    def diagnose(self, op: str) -> Diagnosing:
+        """The main thread is inside `op` within it; a collective that times out there raises CollectiveTimeout,
+        which names the ranks that are not in it."""
+        return Diagnosing(self, op)
 
     def _where(self) -> Where:
         step, micro_step, op, since = self._at
@@ -305,6 +302,27 @@ class Progress:
         return True
 
 
+class Diagnosing:
+    """Progress.diagnose: a class rather than a generator's context, as every engine op of every step enters one."""
+
+    __slots__ = ("op", "outer", "progress")
+
+    def __init__(self, progress: Progress, op: str) -> None:
+        self.progress, self.op = progress, op
+
+    def __enter__(self) -> None:
+        self.outer = self.progress.enter(self.op)
+
+    def __exit__(self, kind: type | None, error: BaseException | None, traceback: Any) -> None:
+        progress = self.progress
+        try:
+            timed_out = isinstance(error, RuntimeError) and not isinstance(error, CollectiveTimeout)
+            if timed_out and progress._the_store() is not None and _is_timeout(error):
+                raise CollectiveTimeout(progress.explain(self.op)) from error  # said while still inside the op
+        finally:
+            progress.leave(self.outer)
+
+
 # One heartbeat thread per process, posting for the newest Progress (an Engine made later replaces the first).
 _target: weakref.ref[Progress] | None = None
 _thread: threading.Thread | None = None
@@ -375,12 +393,17 @@ class Heartbeat(StepObserver):
         self.progress = Progress(engine.rank, engine.world_size, engine.config.timeout_s, log_dir=engine.config.log_dir)
 
     def on_setup(self, model: Any) -> None:
-        if self.progress.world_size > 1:  # one process cannot go its own way
+        # One process cannot go its own way. A model's own forward pre-hooks (FSDP's all-gather) run before the
+        # Engine's forward: hooks of the heartbeat's go first. Without such hooks (ddp), the Engine's forward is
+        # where a forward starts, and its watch makes it a call (`watch`): two hooks on every forward fewer.
+        if self.progress.world_size > 1 and model._forward_pre_hooks:
             divergence.watch_forwards(model, self.progress.enter, self.progress.leave)
         self.progress.follow()
 
     def watch(self, op: str) -> contextlib.AbstractContextManager[None]:
-        return self.progress.diagnose(op)
+        if op == "forward" and self.progress.op is None:  # no hook of the model's entered it (see on_setup)
+            op = "model forward" if torch.is_grad_enabled() else divergence.EVALUATION
+        return Diagnosing(self.progress, op)  # progress.diagnose(op), a call less on every op
 
     def on_backward_start(self) -> None:
         self.progress.advance()

@@ -89,10 +89,8 @@ class Window:
         if summed:
             count = torch.as_tensor(count, dtype=torch.float64, device=self.device).detach()
             totals.count = count if totals.count is None else totals.count + count
-            share = loss.double()
-        else:
-            share = loss.double() * weight / self.data_world
-        if self.wants_loss:
+        if self.wants_loss:  # three tensor ops a micro-step: only for an observer that reads the loss
+            share = loss.double() if summed else loss.double() * weight / self.data_world
             totals.loss = share if totals.loss is None else totals.loss + share
         if experts is not None:
             experts.weigh(weight, count, self)

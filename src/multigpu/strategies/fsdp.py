@@ -5,15 +5,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from types import SimpleNamespace
-from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.distributed.tensor import DTensor
 
 from multigpu.config.layout import SHARDS, ShardingOptions, TensorParallelOptions
 from multigpu.config.precision import Precision, PrecisionPlan
@@ -21,6 +17,7 @@ from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError, require
 from multigpu.models.modules import MetaValues, check_ties, default_units, repoint
 from multigpu.parallel.compression import CompressionOptions, refuse_powersgd
+from multigpu.parallel.grad_scaler import DTensorGradScaler
 from multigpu.parallel.mesh import with_cp
 from multigpu.parallel.shard_fill import fill_shards
 from multigpu.parallel.tensor_parallel import check_sequence_parallel, start_alike
@@ -40,29 +37,6 @@ def children_first(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
 def quantized_owners(model: nn.Module) -> list[nn.Module]:
     """The modules that hold packed low-bit weights (bitsandbytes' 4-bit layers) as their own parameters."""
     return [module for module in model.modules() if any(is_quantized(p) for p in module.parameters(recurse=False))]
-
-
-class DTensorGradScaler(ShardedGradScaler):
-    """fp16's loss scaler for gradients that are DTensors, beside plain ones or on several meshes.
-
-    One foreach unscale cannot take plain tensors and DTensors together (torch raises "got mixed torch.Tensor and
-    DTensor"), and tp leaves whole whatever its plan does not split (norms). Unscaling is elementwise, so each rank
-    unscales the elements it holds, without DTensor's collective per group of gradients; unscale_ then sums the
-    overflow flags over every rank, so all skip the same steps (one slice alone may overflow)."""
-
-    def _unscale_grads_(
-        self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool = True
-    ) -> dict[torch.device, torch.Tensor]:
-        # The parent reads only param_groups' gradients: a DTensor's stands in as its local tensor, which shares its
-        # storage (a plain gradient's parameter is passed as it is: the parent may replace a sparse gradient).
-        with torch.no_grad():
-            params = [
-                SimpleNamespace(grad=param.grad.to_local()) if isinstance(param.grad, DTensor) else param
-                for group in optimizer.param_groups
-                for param in group["params"]
-            ]
-        local = SimpleNamespace(param_groups=[{"params": params}])
-        return super()._unscale_grads_(local, inv_scale, found_inf, allow_fp16)
 
 
 @dataclass(frozen=True)
@@ -181,7 +155,7 @@ class FSDP(CompressionOptions, ShardingOptions, TensorParallelOptions, Strategy)
         self.build_mesh(env)
         units = self.units(model)
         check_ties(model, units)
-        return children_first(model, [*units, *quantized_owners(model)]), self.sharder(model, plan)
+        return children_first(model, [*units, *quantized_owners(model)]), self.sharder(model, plan, keep_root=True)
 
     def shard_stage(self, stage: nn.Module, units: list[nn.Module], plan: FSDPPrecision) -> None:
         """Shards one pipeline stage (pp.py): `units` (those of the whole model that the stage holds) and then the
@@ -191,8 +165,11 @@ class FSDP(CompressionOptions, ShardingOptions, TensorParallelOptions, Strategy)
         for unit in [*children_first(stage, [*units, *quantized_owners(stage)]), stage]:
             shard(unit)
 
-    def sharder(self, root: nn.Module, plan: FSDPPrecision) -> Callable[[nn.Module], None]:
-        """What shards one unit of the tree under `root` (and `root` itself, last), with the plan's casts."""
+    def sharder(self, root: nn.Module, plan: FSDPPrecision, keep_root: bool = False) -> Callable[[nn.Module], None]:
+        """What shards one unit of the tree under `root` (and `root` itself, last), with the plan's casts.
+        `keep_root`: the root keeps its parameters gathered from forward to backward, FSDP2's own default for a root
+        (a model's, not a pipeline stage's, whose schedule runs several forwards first): its backward begins at once
+        and would gather them again, one all-gather a step more than a plain fully_shard loop."""
         common = {"mesh": self.sharding_mesh(), "reshard_after_forward": self.reshard_after_forward}
         if self.cpu_offload:
             common["offload_policy"] = CPUOffloadPolicy()
@@ -202,7 +179,8 @@ class FSDP(CompressionOptions, ShardingOptions, TensorParallelOptions, Strategy)
 
         def shard(unit: nn.Module) -> None:
             policy = plan.whole if any(unit is q for q in quantized) else plan.unit
-            fully_shard(unit, mp_policy=plan.root if unit is root else policy, **common)
+            kept = {"reshard_after_forward": False} if keep_root and unit is root else {}
+            fully_shard(unit, mp_policy=plan.root if unit is root else policy, **{**common, **kept})
 
         return shard
 

@@ -12,6 +12,7 @@ from torch import nn
 from multigpu.config.layout import TENSOR, TensorParallelOptions
 from multigpu.config.precision import Precision, PrecisionPlan
 from multigpu.core.env import DistEnv
+from multigpu.parallel.grad_scaler import DTensorGradScaler
 from multigpu.parallel.tensor_parallel import check_sequence_parallel, start_alike
 from multigpu.strategies.base import Strategy, move_to_device
 
@@ -28,8 +29,6 @@ class TensorParallel(TensorParallelOptions, Strategy):
         check_sequence_parallel(self)
 
     def precision_plan(self, precision: Precision, device: torch.device) -> PrecisionPlan:
-        from multigpu.strategies.fsdp import DTensorGradScaler
-
         # Split gradients are DTensors beside whole ones: an overflow found in one process's slice must skip the step
         # everywhere.
         plan = super().precision_plan(precision, device)
