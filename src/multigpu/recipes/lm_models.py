@@ -288,7 +288,8 @@ def quiet_transformers() -> None:
 
 
 def load_tokenizer(name: str) -> Any:
-    """The model's tokenizer, a copy of its own for each caller (a run may set its padding or chat template)."""
+    """The model's tokenizer, a copy for each caller (a run may set its padding): read once per process and directory
+    as its JSON files stand, as transformers parses them several times over (0.7 s for SmolLM2's; a copy 0.3 s)."""
     directory = Path(model_dir(name))
     files = tuple((path.name, path.stat().st_mtime_ns) for path in sorted(directory.glob("*.json")))
     return copy.deepcopy(_read_tokenizer(directory, files))
@@ -296,9 +297,6 @@ def load_tokenizer(name: str) -> Any:
 
 @functools.lru_cache(maxsize=4)
 def _read_tokenizer(directory: Path, files: tuple) -> Any:
-    """Read once per process and directory as it stands (`files`: its JSON files' names and times): transformers
-    parses a tokenizer's JSON files several times over (0.7 s for SmolLM2's, measured), a copy takes 0.3 s, and a
-    process that runs several fine-tunes (a sweep; the test suite) reads the same one each time."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
@@ -399,17 +397,13 @@ def initialise_lora_as_built(model: torch.nn.Module) -> None:
             for adapter, down in layer.lora_A.items():
                 up = layer.lora_B[adapter]
                 down.reset_parameters = functools.partial(_reset_lora_down, down, up.weight.shape)
-                up.reset_parameters = functools.partial(_zero_weight, up)
+                up.reset_parameters = lambda up=up: torch.nn.init.zeros_(up.weight)  # its weight then, not now
 
 
 def _reset_lora_down(down: torch.nn.Linear, up_shape: torch.Size) -> None:
     torch.nn.Linear.reset_parameters(down)
     torch.nn.init.kaiming_uniform_(torch.empty(up_shape, dtype=down.weight.dtype), a=math.sqrt(5))
     torch.nn.init.kaiming_uniform_(down.weight, a=math.sqrt(5))
-
-
-def _zero_weight(linear: torch.nn.Linear) -> None:
-    torch.nn.init.zeros_(linear.weight)
 
 
 def keep_4bit_layout(model: torch.nn.Module) -> None:
