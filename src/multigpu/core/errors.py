@@ -58,3 +58,9 @@ def report_usage_error(error: UsageError) -> None:
         note_for_launcher(f"{USAGE_ERROR}{os.environ['RANK']}", f"{time.time_ns()} {error}")
     elif not error.on_every_rank or os.environ.get("RANK", "0") == "0":
         print(f"multigpu: error: {error}", file=sys.stderr)
+
+
+def first_sentence(error: BaseException) -> str:
+    """An exception's message as one line, up to its first full stop (library messages go on with advice)."""
+    text = " ".join(str(error).split())
+    return text.split(". ", 1)[0].rstrip(".") or type(error).__name__

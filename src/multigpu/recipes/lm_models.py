@@ -26,7 +26,7 @@ from multigpu.config.flags import check_path, read_json
 from multigpu.config.precision import Precision
 from multigpu.config.settings import Settings, setting
 from multigpu.core.cache import cache_root
-from multigpu.core.errors import UsageError
+from multigpu.core.errors import UsageError, first_sentence
 from multigpu.models.pretrained import SafetensorsCheckpoint, give_usual_mode
 from multigpu.recipes.lm_experts import expert_targets
 
@@ -189,12 +189,6 @@ def check_adapter(adapter: str, name: str) -> None:
             f"{advice}."
         )
     weights.check_fits({key: expected[key].shape for key in weights.shapes}, f"for {base}", advice)
-
-
-def first_sentence(error: BaseException) -> str:
-    """An exception's message as one line, up to its first full stop (library messages go on with advice)."""
-    text = " ".join(str(error).split())
-    return text.split(". ", 1)[0].rstrip(".") or type(error).__name__
 
 
 def save_model_files(model: Any, directory: Path) -> None:
@@ -397,13 +391,17 @@ def initialise_lora_as_built(model: torch.nn.Module) -> None:
             for adapter, down in layer.lora_A.items():
                 up = layer.lora_B[adapter]
                 down.reset_parameters = functools.partial(_reset_lora_down, down, up.weight.shape)
-                up.reset_parameters = lambda up=up: torch.nn.init.zeros_(up.weight)  # its weight then, not now
+                up.reset_parameters = functools.partial(_zero_weight, up)
 
 
 def _reset_lora_down(down: torch.nn.Linear, up_shape: torch.Size) -> None:
     torch.nn.Linear.reset_parameters(down)
     torch.nn.init.kaiming_uniform_(torch.empty(up_shape, dtype=down.weight.dtype), a=math.sqrt(5))
     torch.nn.init.kaiming_uniform_(down.weight, a=math.sqrt(5))
+
+
+def _zero_weight(linear: torch.nn.Linear) -> None:
+    torch.nn.init.zeros_(linear.weight)
 
 
 def keep_4bit_layout(model: torch.nn.Module) -> None:
