@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,13 +16,11 @@ from multigpu.models.pretrained import give_usual_mode
 from multigpu.recipes import lm_models
 from multigpu.recipes.common import RUN_RESULT
 
-if TYPE_CHECKING:  # finetune imports this module
-    from multigpu.recipes.finetune import FinetuneConfig
 
-
-def save_result(config: FinetuneConfig, engine: Engine, model: nn.Module, tokenizer: Any) -> Path:
-    """A peft adapter directory (lora, qlora) or an HF model directory (full), from any strategy, and with --merge
-    the merged model; each written whole or not at all (a full disk: one sentence, and a rerun writes it).
+def save_result(config: Any, engine: Engine, model: nn.Module, tokenizer: Any) -> Path:
+    """`config` (a FinetuneConfig: finetune imports this module) as a peft adapter directory (lora, qlora) or an HF
+    model directory (full), from any strategy, and with --merge the merged model; each written whole or not at all
+    (a full disk: one sentence, and a rerun writes it).
 
     The full state dict is gathered collectively (DTensors under zero3 become whole tensors on rank 0); peft's
     own save would read sharded storage and fail, or write an empty adapter.
@@ -41,7 +39,7 @@ def save_result(config: FinetuneConfig, engine: Engine, model: nn.Module, tokeni
     return out
 
 
-def outputs(config: FinetuneConfig) -> list[Path]:
+def outputs(config: Any) -> list[Path]:
     """What a finetune writes as its result: its model (full) or adapter, then with --merge the merged model."""
     save_dir = Path(config.save_dir)
     return [save_dir / ("model" if config.method == "full" else "adapter")] + [save_dir / "merged"] * config.merge
