@@ -132,6 +132,24 @@ def test_the_readmes_demo_trains_on_two_processes(session: ReadmeSession) -> Non
     assert re.search(epoch, result.stdout, flags=re.MULTILINE), result.stdout
 
 
+@pytest.mark.timeout(COMMAND_TIMEOUT * 4)
+def test_the_default_run_reaches_the_accuracy_the_readme_states(session: ReadmeSession) -> None:
+    """The README's `multigpu train --nproc 2`, what `./scripts/train.sh` runs: the CNN, 20 epochs under ddp on 2
+    processes, seglearn's watch data (run once, by the test above, whose `export` reads its last checkpoint).
+
+    The run is deterministic on one machine, but floating-point kernels differ between CPUs (0.878 on the machine
+    this project is developed on, 0.876 on an AVX512-BF16 one, in the loader's earlier order; 0.882 here now): so
+    the README's figure is held within 0.01, the spread seen across machines, and not to the digit. A broken loss,
+    schedule or data split costs far more.
+    """
+    stated = float(re.search(r"It reaches about \*\*(0\.\d+)\s+validation accuracy", README.read_text()).group(1))
+    index = next(i for i, command in enumerate(COMMANDS) if command.startswith("multigpu train --nproc 2 --save-dir "))
+    result = session.result(index)
+    assert result.returncode == 0, result.stdout
+    reached = float(re.search(r"final val accuracy (0\.\d+)", result.stdout).group(1))
+    assert abs(reached - stated) <= 0.01, f"reached {reached}, the README states about {stated}"
+
+
 # -- links -----------------------------------------------------------------------------------------------------
 def without_code_blocks(text: str) -> str:
     return re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)

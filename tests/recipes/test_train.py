@@ -327,22 +327,6 @@ def test_resume_none_refuses_to_overwrite_another_run(har: Path, uninterrupted: 
     assert "already holds checkpoints of another run" in capsys.readouterr().err
 
 
-def test_the_default_run_reaches_the_accuracy_the_readme_states(tmp_path: Path) -> None:
-    """`./scripts/train.sh` as shipped: the CNN, 20 epochs under ddp on 2 processes, seglearn's watch data.
-
-    The run is deterministic on one machine, but floating-point kernels differ between CPUs (0.878 on the machine
-    this project is developed on, 0.876 on an AVX512-BF16 one, in the loader's earlier order; 0.882 here now): so
-    the README's figure is held within 0.01, the spread seen across machines, and not to the digit. A broken loss,
-    schedule or data split costs far more.
-    """
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    stated = float(re.search(r"It reaches about \*\*(0\.\d+)\s+validation accuracy", readme).group(1))
-    result = multigpu("train", "--nproc", "2", "--save-dir", str(tmp_path), timeout=420)
-    assert result.returncode == 0, result.stdout
-    reached = float(re.search(r"final val accuracy (0\.\d+)", result.stdout).group(1))
-    assert abs(reached - stated) <= 0.01, f"reached {reached}, the README states about {stated}"
-
-
 def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(
     har: Path, uninterrupted: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

@@ -32,10 +32,8 @@ from multigpu.models.recompute import recompute_blocks
 from multigpu.parallel.context import ContextParallel
 from multigpu.parallel.context_attention import use_context_attention
 from multigpu.parallel.experts import mixture_of_experts
-from multigpu.parallel.tensor_parallel import tensor_parallelize
 from multigpu.strategies import Strategy
 from multigpu.strategies.dp import DataParallel
-from multigpu.strategies.fsdp import quantized_owners
 
 
 def parallelize(
@@ -97,6 +95,9 @@ def parallelize(
 def split_layers(model: nn.Module, optimizer: torch.optim.Optimizer | None, strategy: Strategy) -> None:
     """Tensor parallelism: the model's planned layers split over the strategy's tp dimension, in place, the
     optimizer pointed at the split weights. A pipeline splits the whole model, then cuts its stages from it."""
+    # Imported by runs with tp only: DTensor's import costs ~0.5 s of CPU in every process that splits no layer.
+    from multigpu.parallel.tensor_parallel import tensor_parallelize
+
     names = {id(p): name for name, p in model.named_parameters()}
     tensor_parallelize(model, strategy.mesh["tp"], getattr(strategy, "sequence_parallel", False))
     repoint(optimizer, names, model)
@@ -125,8 +126,11 @@ def static_shapes(strategy: Strategy) -> bool:
 def checkpointed_blocks(model: nn.Module, strategy: Strategy, mode: str) -> list[nn.Module]:
     """The blocks recomputation and compile take: those a sharding strategy wraps (its units, outermost), or the
     model's own. Refuses selective where the strategy shards modules inside a block."""
-    units = getattr(strategy, "units", default_units)(model)
-    sharded = [*units, *quantized_owners(model)] if hasattr(strategy, "units") else units
+    units = sharded = getattr(strategy, "units", default_units)(model)
+    if hasattr(strategy, "units"):  # a sharding strategy's, which has imported FSDP already
+        from multigpu.strategies.fsdp import quantized_owners
+
+        sharded = [*units, *quantized_owners(model)]
     if mode == "selective" and len(outermost(sharded)) < len(sharded):
         raise UsageError(
             f"activation_checkpointing selective cannot run where {strategy.name} shards modules inside each block "

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from multigpu.core.errors import UsageError, require
+from multigpu.core.tensor_trees import is_dtensor
 
 MODES = ("plain", "chunked", "fused")
 IGNORE_INDEX = -100
@@ -67,7 +67,7 @@ def linear_cross_entropy(
     count = (targets != ignore_index).sum()
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     if mode == "plain":
-        whole = weight.full_tensor() if isinstance(weight, DTensor) else weight
+        whole = weight.full_tensor() if is_dtensor(weight) else weight
         return summed_cross_entropy(nn.functional.linear(hidden, whole), targets, ignore_index)[0], count
     if mode == "fused":
         return _liger_loss(hidden, weight, targets, ignore_index), count
@@ -84,8 +84,10 @@ def linear_cross_entropy(
 def vocabulary_slice(weight: torch.Tensor) -> tuple[torch.Tensor, dist.ProcessGroup | None, int]:
     """(this process's rows of the head's weight, as a tensor autograd follows back to `weight`; the process group
     that holds the other rows, or None; the vocabulary index of its first row)."""
-    if not isinstance(weight, DTensor):
+    if not is_dtensor(weight):
         return weight, None, 0
+    from torch.distributed.tensor import Replicate, Shard  # imported already: `weight` is a DTensor
+
     mesh, placements = weight.device_mesh, tuple(weight.placements)
     if all(isinstance(p, Replicate) for p in placements):
         return weight.to_local(), None, 0
@@ -207,7 +209,7 @@ def _liger_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
     """Liger-Kernel's fused linear cross-entropy, summed (GPUs; check_runnable refuses it elsewhere first)."""
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-    if isinstance(weight, DTensor):
+    if is_dtensor(weight):
         raise UsageError("loss fused takes the output head whole; use loss chunked under tensor parallelism.")
     fused = LigerFusedLinearCrossEntropyLoss(ignore_index=ignore_index, reduction="sum")
     return fused(weight, hidden.contiguous(), targets.contiguous())

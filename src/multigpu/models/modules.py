@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -254,3 +255,8 @@ class MetaValues:
         """Builds the copy's values on the CPU a module at a time, calling `on_done` after each (see materialize)."""
         assert self.built is not None, "only the rank that makes the values builds them"
         self.initialised = materialize(self.built, "cpu", on_done, self.read)
+
+
+def name_pattern(pattern: str) -> re.Pattern[str]:
+    """A module-name pattern as plans write them: `*` stands for one name in the dotted path."""
+    return re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))

@@ -14,8 +14,8 @@ from torch import nn
 
 from multigpu.config.layout import check_stages
 from multigpu.core.errors import UsageError
+from multigpu.models.modules import name_pattern
 from multigpu.parallel.decoder import decoder_plan, language_model, packed_attention_kwargs
-from multigpu.parallel.tensor_parallel import name_pattern
 
 
 class SequentialStage(nn.Module):

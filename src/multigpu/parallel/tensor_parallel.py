@@ -10,7 +10,6 @@ hsdp with one process per shard is ddp's whole replicas).
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from torch.distributed.tensor.parallel import (
 
 from multigpu.config.layout import TensorParallelOptions, check_tp_heads
 from multigpu.core.errors import UsageError, require
+from multigpu.models.modules import name_pattern
 from multigpu.parallel.experts import without_experts
 from multigpu.parallel.tp_styles import PLAN_SEQUENCE_STYLES, SEQUENCE_STYLES, STYLES
 
@@ -73,11 +73,6 @@ def planned_modules(model: nn.Module, plan: dict[str, str], sequence: str | None
         for name in matched:
             found.update(lora_adapter_styles(name, modules[name], style, sequence))
     return found
-
-
-def name_pattern(pattern: str) -> re.Pattern[str]:
-    """A module-name pattern as plans write them: `*` stands for one name in the dotted path."""
-    return re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
 
 
 def lora_adapter_styles(name: str, module: nn.Module, style: str, sequence: str | None = None) -> dict[str, str]:

@@ -344,6 +344,10 @@ def import_deepspeed(env: DistEnv) -> Any:
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated", category=FutureWarning)
     import deepspeed
 
+    if wanted == "cpu":
+        # Its CPU accelerator would compile a shared-memory all-reduce with g++ as the process group starts (~30 s
+        # the first time in each environment); only DeepSpeed's inference engine calls it, never training.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     return deepspeed
 
 
