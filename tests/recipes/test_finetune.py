@@ -2,7 +2,9 @@
 token-normalised loss that makes 1 x 8, 2 x 4 and 2 x 2 x 2 the same step, and a run crashed at step 3 and resumed
 that ends bit for bit where the uninterrupted run does, under every strategy."""
 
+import contextlib
 import functools
+import io
 import json
 import os
 import stat
@@ -189,11 +191,6 @@ def test_finetune_cli_resumes_and_merges(tmp_path: Path) -> None:
     assert "resumed from" in second.stdout and "step-00000002" in second.stdout
     assert "the lr schedule follows --max-steps 4" in second.stdout and "step 4: validation loss" in second.stdout
     assert (run / "merged" / "config.json").is_file()
-    # Complete: nothing trains, and the adapter stays as written.
-    written = (run / "adapter" / "adapter_model.safetensors").stat().st_mtime_ns
-    third = multigpu(*again, timeout=240)
-    assert third.returncode == 0 and f"The run in {run} is complete at step 4; nothing to train" in third.stdout
-    assert (run / "adapter" / "adapter_model.safetensors").stat().st_mtime_ns == written
     # Other data cannot continue the run's data: one sentence before anything starts.
     assert f"--data {tmp_path / 'other.txt'} differs from {data}" in refusal(
         *again, "--data", write_text(tmp_path / "other.txt")
@@ -396,9 +393,13 @@ RESUMED: dict[str, tuple[int, dict]] = {
 }
 
 
-def crash_and_resume(workdir: str, name: str) -> None:
+COMPLETED = "ddp-accumulate-2"  # run once more when complete
+
+
+def crash_and_resume(workdir: str, name: str) -> str | None:
     """RESUMED[name] run uninterrupted in workdir/name/whole, then crashed (every rank at once, through the fault
-    hook, so that the launch lives on for the next cell) and resumed in workdir/name/resumed."""
+    hook, so that the launch lives on for the next cell) and resumed in workdir/name/resumed; the COMPLETED cell's
+    resumed run is then run once more, complete: what it printed."""
     from multigpu.recipes.finetune import FinetuneConfig, finetune
 
     options = {"batch_size": 4, "model": "tiny", **RESUMED[name][1]}
@@ -411,16 +412,33 @@ def crash_and_resume(workdir: str, name: str) -> None:
     with mock.patch.dict(os.environ, fault), pytest.raises(RuntimeError, match="injected crash"):
         finetune(FinetuneConfig(save_dir=f"{workdir}/{name}/resumed", **config))
     finetune(FinetuneConfig(save_dir=f"{workdir}/{name}/resumed", **config))
+    if name != COMPLETED:
+        return None
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        finetune(FinetuneConfig(save_dir=f"{workdir}/{name}/resumed", **config))
+    return printed.getvalue()
 
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every cell of RESUMED, in one launch per number of processes."""
+    """Every cell of RESUMED, in one launch per number of processes; the COMPLETED cell's second run beside."""
     workdir = tmp_path_factory.mktemp("resumed")
     for processes in (1, 2):
-        calls = [{"workdir": str(workdir), "name": name} for name, (n, _) in RESUMED.items() if n == processes]
-        run_each_in_processes("tests.recipes.test_finetune:crash_and_resume", processes, calls, timeout=600)
+        names = [name for name, (n, _) in RESUMED.items() if n == processes]
+        calls = [{"workdir": str(workdir), "name": name} for name in names]
+        ranks = run_each_in_processes("tests.recipes.test_finetune:crash_and_resume", processes, calls, timeout=600)
+        if COMPLETED in names:
+            (workdir / "completed.txt").write_text(ranks[0][names.index(COMPLETED)])
     return workdir
+
+
+def test_a_complete_run_started_again_trains_nothing_and_keeps_what_it_wrote(resumed: Path) -> None:
+    """The COMPLETED cell's resumed run, run again as it stands: it says so, trains nothing and writes nothing."""
+    printed = (resumed / "completed.txt").read_text()
+    complete = f"The run in {resumed / COMPLETED / 'resumed'} is complete at step 6; nothing to train"
+    assert complete in printed, printed
+    assert "validation loss" not in printed and "wrote " not in printed, printed
 
 
 @pytest.mark.parametrize("name", RESUMED)
