@@ -89,7 +89,8 @@ CELLS: dict[str, tuple[int, dict]] = {
     # numbers as the plain run, so the same reference. Checkpointing recomputes with the same kernels on the same
     # inputs (bit for bit, tests/models/test_recompute.py); inductor fuses and reorders fp32 sums (~1e-7 relative).
     "single-compile-selective": (1, {"multi_gpu": "single", **AOT, "activation_checkpointing": "selective"}),
-    "ddp-compile-full": (2, {"batch_size": 2, "multi_gpu": "ddp", **AOT, "activation_checkpointing": "full"}),
+    # ddp compiled: tests/parallel/test_experts.py's ddp-compile cell; full checkpointing compiled: zero3-compile-full.
+    "ddp-full": (2, {"batch_size": 2, "multi_gpu": "ddp", "activation_checkpointing": "full"}),
     "zero1-compile-offload": (2, {"batch_size": 2, "multi_gpu": "zero1", **AOT, "activation_checkpointing": "offload"}),
     "zero2-compile-selective": (
         2,
@@ -282,7 +283,7 @@ def test_each_layout_reaches_the_one_process_validation_loss(results: dict, name
     split = {"tp-32": 32, "tp-bf16-mixed": 32, "tp-accumulate-2": 32, "replicas-x-tp": 32}
     split |= {"tp-fp16-mixed": 32, "hsdp-2x2-compile-selective": 32, "zero2-compile-selective": 32}
     split |= {"tp-compile-selective": 32}
-    split |= {"zero3-compile-full": 32, "ddp-compile-full": 64, "zero1-compile-offload": 64}
+    split |= {"zero3-compile-full": 32, "ddp-full": 64, "zero1-compile-offload": 64}
     split |= {"zero3-lora-selective": 32}
     # cp ranks hold what their data-parallel rank holds: zero shards over shard x cp.
     split |= {
