@@ -44,7 +44,7 @@ def move_to(data: Any, device: torch.device) -> Any:
 
 def is_dtensor(tensor: Any) -> bool:
     """Whether `tensor` is a DTensor, without importing torch.distributed.tensor (~0.5 s of CPU) where nothing has:
-    no DTensor can exist before that module is imported, so a process that splits no layer (ddp, one process) and
-    the launcher never pay for it."""
+    no DTensor can exist before that module is imported, so the CLI's process, which builds no model, never pays
+    for it (a training process imports it anyway, with torch._dynamo at its optimizer's first step)."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(tensor, module.DTensor)

@@ -95,7 +95,7 @@ def parallelize(
 def split_layers(model: nn.Module, optimizer: torch.optim.Optimizer | None, strategy: Strategy) -> None:
     """Tensor parallelism: the model's planned layers split over the strategy's tp dimension, in place, the
     optimizer pointed at the split weights. A pipeline splits the whole model, then cuts its stages from it."""
-    # Imported by runs with tp only: DTensor's import costs ~0.5 s of CPU in every process that splits no layer.
+    # Imported by runs with tp only: the CLI's process imports this module, and DTensor's import costs it ~0.5 s.
     from multigpu.parallel.tensor_parallel import tensor_parallelize
 
     names = {id(p): name for name, p in model.named_parameters()}
