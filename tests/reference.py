@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import multigpu as mg
+from multigpu.core.lazy import is_dtensor
 from multigpu.data.shuffle import Permutation
-from multigpu.strategies.base import is_dtensor
 
 
 class TinyNet(nn.Module):

@@ -23,3 +23,7 @@ def instance_of(value: Any, module: str, name: str) -> bool:
     modules costs each process about 0.6 s of CPU where nothing uses them (the CLI, ddp without checkpoints)."""
     loaded = sys.modules.get(module)
     return loaded is not None and isinstance(value, getattr(loaded, name))
+
+
+def is_dtensor(tensor: Any) -> bool:
+    return instance_of(tensor, "torch.distributed.tensor", "DTensor")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -40,11 +39,3 @@ def map_tensors(data: Any, function: Callable[[torch.Tensor], torch.Tensor]) -> 
 
 def move_to(data: Any, device: torch.device) -> Any:
     return map_tensors(data, lambda tensor: tensor.to(device, non_blocking=device.type == "cuda"))
-
-
-def is_dtensor(tensor: Any) -> bool:
-    """Whether `tensor` is a DTensor, without importing torch.distributed.tensor (~0.5 s of CPU) where nothing has:
-    no DTensor can exist before that module is imported, so the CLI's process, which builds no model, never pays
-    for it (a training process imports it anyway, with torch._dynamo at its optimizer's first step)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(tensor, module.DTensor)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from multigpu.core.errors import UsageError, require
-from multigpu.core.tensor_trees import is_dtensor
+from multigpu.core.lazy import is_dtensor
 
 MODES = ("plain", "chunked", "fused")
 IGNORE_INDEX = -100

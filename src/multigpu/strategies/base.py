@@ -19,7 +19,7 @@ from multigpu.config.layout import ALONE, ParallelDims, Spread
 from multigpu.config.precision import Precision, PrecisionPlan
 from multigpu.core.env import DistEnv, grouped
 from multigpu.core.errors import UsageError
-from multigpu.core.lazy import instance_of
+from multigpu.core.lazy import is_dtensor
 from multigpu.models.modules import MetaValues, parameters_on_meta
 from multigpu.parallel.mesh import build_mesh
 
@@ -300,7 +300,3 @@ def is_quantized(param: torch.Tensor) -> bool:
 def move_to_device(model: nn.Module, env: DistEnv) -> nn.Module:
     # In-place `.to` keeps the Parameter objects, so an optimizer built before setup stays valid.
     return model.to(env.device)
-
-
-def is_dtensor(tensor: object) -> bool:
-    return instance_of(tensor, "torch.distributed.tensor", "DTensor")
