@@ -155,6 +155,12 @@ def _wait(ranks: list[multiprocessing.process.BaseProcess], deadline: float) -> 
         multiprocessing.connection.wait(
             [process.sentinel for process in running], min(1.0, deadline - time.monotonic())
         )
+    if running and not failed:
+        # A hang: each rank's Python stacks into its log first (registered in _rank_main), so the failure says where.
+        for process in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGUSR2)
+        time.sleep(1.0)
     for process in running:
         # Each rank leads a process group of its own: end whatever it started too (a data loader's workers).
         with contextlib.suppress(ProcessLookupError):
@@ -174,6 +180,7 @@ def _rank_main(target: str, folder: Path, rank: int, nproc: int, port: int) -> N
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONFAULTHANDLER="1")
     faulthandler.enable()
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     from multigpu.launch import worker
 
     with contextlib.suppress(SystemExit):

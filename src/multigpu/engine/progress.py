@@ -26,7 +26,6 @@ import os
 import sys
 import threading
 import time
-import weakref
 from typing import Any
 
 import torch
@@ -323,15 +322,18 @@ class Diagnosing:
             progress.leave(self.outer)
 
 
-# One heartbeat thread per process, posting for the newest Progress (an Engine made later replaces the first).
-_target: weakref.ref[Progress] | None = None
+# One heartbeat thread per process, posting for the newest Progress (an Engine made later replaces the first). Held
+# strongly, not by a weak reference: a rank whose Engine was collected before its script ended must still post that
+# it finished, or a peer whose Engine lived on waits for it in `finish` for the whole timeout (the collector's timing
+# differs between ranks).
+_target: Progress | None = None
 _thread: threading.Thread | None = None
 _stop = threading.Event()
 
 
 def _follow(progress: Progress) -> None:
     global _target, _thread
-    _target = weakref.ref(progress)
+    _target = progress
     if _thread is None:
         _thread = threading.Thread(target=_beat_until_exit, name="multigpu-heartbeat", daemon=True)
         _thread.start()
@@ -349,9 +351,8 @@ def _end_process(code: int = divergence.DIVERGED_EXIT) -> None:
 
 def script_ended(error: BaseException | None) -> None:
     """The worker's word that the script ended (None: without an error), for the newest Engine's heartbeat."""
-    progress = _target() if _target is not None else None
-    if progress is not None:
-        progress.finish() if error is None else progress.after_error(error)
+    if _target is not None:
+        _target.finish() if error is None else _target.after_error(error)
 
 
 def _stop_heartbeat() -> None:
@@ -368,14 +369,13 @@ def _beat_until_exit() -> None:
 
 def _beat_once() -> bool:
     """One beat for the newest Progress; True when the process is exiting and the thread should stop."""
-    progress = _target() if _target is not None else None
+    progress = _target
     if progress is None or not dist.is_initialized():
         return False
     try:
         named = progress.beat()
     except (RuntimeError, ValueError):
         return False  # the store went away with the run (rank 0 or the launcher hosted it): nothing to post to
-    del progress
     if named:
         # The peers have raised and the launcher is stopping every process; if its SIGTERM did not end this
         # one (a handler waits for a main thread stuck in C++), end it here rather than after torchrun's 30 s.
