@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 import multigpu as mg
+from multigpu.config.layout import split_by_shares
 from multigpu.core.errors import UsageError
 from multigpu.data.loader import DistributedLoader, EpochPlan
 from multigpu.data.random_windows import RandomWindows
@@ -34,6 +35,7 @@ def loaders(samples: int, world: int, batch: int, accum: int = 1, **kwargs) -> l
             grad_accum_steps=accum,
             seed=3,
             device=torch.device("cpu"),
+            shares=kwargs.get("shares"),
         )
         for rank in range(world)
     ]
@@ -53,25 +55,26 @@ def take(loader_list: list[DistributedLoader], steps: int | None = None) -> list
     return seen
 
 
+SHARED = [(20, 3, 2, 1, (3, 1, 1)), (42, 2, 2, 4, (1, 3)), (13, 2, 3, 3, (2.5, 1)), (9, 4, 1, 1, (1, 1, 1, 5))]
+
+
 @pytest.mark.parametrize(
-    ("samples", "world", "batch", "accum"), [(20, 3, 2, 1), (42, 2, 2, 4), (5, 8, 1, 1), (64, 4, 4, 2)]
+    ("samples", "world", "batch", "accum", "shares"),
+    [(20, 3, 2, 1, None), (42, 2, 2, 4, None), (5, 8, 1, 1, None), (64, 4, 4, 2, None), *SHARED],
 )
-def test_epoch_covers_every_sample_once_with_equal_batch_counts(samples, world, batch, accum) -> None:
-    group = loaders(samples, world, batch, accum)
+def test_epoch_covers_every_sample_once_with_equal_batch_counts(samples, world, batch, accum, shares) -> None:
+    group = loaders(samples, world, batch, accum, shares=shares)
     assert len({len(loader) for loader in group}) == 1
     assert sorted(take(group)) == list(range(samples))
 
 
 @pytest.mark.parametrize(
-    ("samples", "world", "batch", "accum"), [(20, 3, 2, 1), (42, 2, 2, 4), (5, 8, 1, 1), (13, 2, 3, 3)]
+    ("samples", "world", "batch", "accum", "shares"),
+    [(20, 3, 2, 1, None), (42, 2, 2, 4, None), (5, 8, 1, 1, None), (13, 2, 3, 3, None), *SHARED],
 )
-def test_weights_average_each_window_over_its_real_samples(samples, world, batch, accum) -> None:
-    plans = [
-        EpochPlan(
-            samples, 0, rank=r, world_size=world, batch_size=batch, grad_accum_steps=accum, drop_last=False, order=None
-        )
-        for r in range(world)
-    ]
+def test_weights_average_each_window_over_its_real_samples(samples, world, batch, accum, shares) -> None:
+    settings = {"world_size": world, "batch_size": batch, "grad_accum_steps": accum, "drop_last": False}
+    plans = [EpochPlan(samples, 0, rank=r, **settings, order=None, shares=shares) for r in range(world)]
     window_weight = 0.0
     for step in zip(*plans, strict=True):
         window_weight += sum(batch.weight for batch in step)
@@ -296,3 +299,43 @@ def take_windows(group: list[DistributedLoader], steps: int | None) -> list[int]
         by_place = {j * len(group) + rank: x[j] for rank, (x, _) in enumerate(step) for j in range(len(x))}
         starts += [PLACE[int(by_place[i][0])] for i in sorted(by_place)]
     return starts
+
+
+@pytest.mark.parametrize(("samples", "world", "batch", "accum", "shares"), SHARED)
+def test_shares_split_the_one_process_global_batches_by_weight_and_resume_anywhere(
+    samples, world, batch, accum, shares
+) -> None:
+    group = loaders(samples, world, batch, accum, shares=shares)
+    one = take(loaders(samples, 1, batch * world, accum))
+    seen = 0
+    for step in zip(*group, strict=True):
+        batches = [loader.yielded[-1] for loader in group]
+        size = batches[0].global_size
+        parts = [batch.real for batch in batches]
+        if size >= world:
+            assert parts == split_by_shares(size, shares)  # each rank its share, every rank at least one
+        values = [v for loader, (x,) in zip(group, step, strict=True) for v in x[: loader.yielded[-1].real].tolist()]
+        assert sorted(values) == sorted(one[seen : seen + size])  # the very global batch one process trains on
+        seen += size
+    # Saved under shares, resumed evenly or at another world size: each sample exactly once.
+    for world_after, shares_after in [(world, None), (world + 1, None), (1, None), (2, (1, 4))]:
+        before = loaders(samples, world, batch, accum, shares=shares)
+        seen_before = take(before, steps=2)
+        after = loaders(samples, world_after, batch, accum, shares=shares_after)
+        for loader in after:
+            loader.load_state_dict(before[0].state_dict())
+        assert Counter(seen_before + take(after)) == Counter(range(samples))
+
+
+def test_split_by_shares_adds_up_gives_each_rank_one_and_follows_the_weights() -> None:
+    assert split_by_shares(8, (3, 1)) == [6, 2]
+    assert split_by_shares(8, (1, 3)) == [2, 6]
+    assert split_by_shares(4, (100, 1, 1, 1)) == [1, 1, 1, 1]  # at least one each, whatever the weights
+    assert split_by_shares(5, (1, 1)) == [3, 2]  # a tie goes to the lower rank
+    assert split_by_shares(10, (0.1, 0.2, 0.3)) == [2, 3, 5]
+    for samples, shares in itertools.product(range(3, 40), [(1, 1, 1), (5, 1, 2), (1e-3, 1, 1e3), (0.3, 0.3, 0.4)]):
+        parts = split_by_shares(samples, shares)
+        assert sum(parts) == samples and min(parts) >= 1
+        exact = [samples * share / sum(shares) for share in shares]
+        if min(exact) >= 1:  # no minimum forced on a rank: each part is its exact share, rounded up or down
+            assert all(abs(part - want) < 1 for part, want in zip(parts, exact, strict=True))

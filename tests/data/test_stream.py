@@ -60,7 +60,9 @@ def values(samples: list[Sample]) -> torch.Tensor:
     return torch.tensor([sample.value for sample in samples])
 
 
-def loader(world: int, rank: int, stream: WindowedStream | None = None, batch: int = BATCH) -> StreamLoader:
+def loader(
+    world: int, rank: int, stream: WindowedStream | None = None, batch: int = BATCH, shares: tuple | None = None
+) -> StreamLoader:
     return StreamLoader(
         stream or Bins(),
         batch_size=batch,
@@ -71,6 +73,7 @@ def loader(world: int, rank: int, stream: WindowedStream | None = None, batch: i
         grad_accum_steps=ACCUM,
         seed=SEED,
         device=torch.device("cpu"),
+        shares=shares,
     )
 
 
@@ -175,6 +178,19 @@ def test_one_process_makes_the_same_global_batches_and_lrs(runs: dict) -> None:
     resumed = runs["three"][0][1]["lrs"]
     start = BEFORE[2] * 8
     assert resumed == [BASE_LR * warmup_cosine(start + 12 * (i + 1), *PLAN) for i in range(AFTER[3])]
+
+
+def test_shares_split_each_global_batch_by_weight_and_resume_evenly() -> None:
+    one = [sorted(b.tolist()) for b in itertools.islice(loader(1, 0, batch=BATCH * 2), 20)]  # 40 samples: 2 epochs
+    shared = [loader(2, rank, shares=(3, 1)) for rank in range(2)]
+    steps = list(zip(*(itertools.islice(part, 12) for part in shared), strict=True))
+    assert all([len(part) for part in step] == [3, 1] for step in steps)  # 4 samples a step, split 3:1
+    assert [sorted(torch.cat(step).tolist()) for step in steps] == one[:12]
+    even = [loader(2, rank) for rank in range(2)]
+    for part in even:
+        part.load_state_dict(shared[0].state_dict())
+    rest = zip(*(itertools.islice(part, 8) for part in even), strict=True)
+    assert [sorted(torch.cat(step).tolist()) for step in rest] == one[12:]
 
 
 def test_state_dict_round_trip_continues_with_the_same_batches() -> None:

@@ -88,13 +88,15 @@ def two_process_checks(log_dir: str) -> dict:
     processes costs ~4 s)."""
     return {
         "auto": auto_two(),
-        "tokens": {strategy: token_normalised_step(strategy, str(Path(log_dir, strategy))) for strategy in TOKENS},
+        "tokens": {name: token_normalised_step(name, str(Path(log_dir, name))) for name in TOKENS},
         "overflow": [overflow_once(strategy) for strategy in ("ddp", "zero3")],
         "misuse": ddp_misuse(),
     }
 
 
-TOKENS = ("ddp", "zero3")
+# name -> the Engine's settings: zero3's shards, and ddp with each global batch of 4 split 1:3 (ranks of different
+# speeds: the token counts per rank differ all the more).
+TOKENS = {"ddp": {"strategy": "ddp"}, "zero3": {"strategy": "zero3"}, "ddp-shares-1-3": {"batch_shares": "1,3"}}
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +135,9 @@ def token_loss_sum(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mas
     return ((model(x).squeeze(-1) - y) ** 2 * mask).sum()
 
 
-def token_normalised_step(strategy: str, log_dir: str) -> dict:
-    engine = mg.Engine(strategy=strategy, grad_accum_steps=2, log_every=1, log_dir=log_dir, peak_tflops=1.0)
+def token_normalised_step(name: str, log_dir: str) -> dict:
+    settings = {"strategy": "ddp", **TOKENS[name]}
+    engine = mg.Engine(**settings, grad_accum_steps=2, log_every=1, log_dir=log_dir, peak_tflops=1.0)
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = engine.setup(model, optimizer)
@@ -161,9 +164,9 @@ def test_count_gives_the_token_mean_over_the_global_batch_and_the_monitor_logs(
         with torch.no_grad():
             for p in reference.parameters():
                 p -= 0.1 * p.grad
-    for strategy in TOKENS:
-        log_dir = two_processes[0] / strategy
-        for state in (rank["tokens"][strategy] for rank in two_processes[1]):
+    for name in TOKENS:
+        log_dir = two_processes[0] / name
+        for state in (rank["tokens"][name] for rank in two_processes[1]):
             assert torch.allclose(state["weight"], reference.weight, atol=1e-6)
             assert torch.allclose(state["bias"], reference.bias, atol=1e-6)
         records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
@@ -175,6 +178,7 @@ def test_count_gives_the_token_mean_over_the_global_batch_and_the_monitor_logs(
         # times 2 micro-steps and 2 ranks.
         assert records[0]["perf/flops_per_step"] == 144 * 2 * 2
         assert records[0]["perf/mfu"] > 0
+        assert records[0]["batch_shares"] == ([0.25, 0.75] if "shares" in name else [0.5, 0.5])
 
 
 def overflow_once(strategy: str) -> dict:

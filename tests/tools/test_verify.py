@@ -23,10 +23,12 @@ def verify(*flags: str, bug: str = "none", script_flags: tuple[str, ...] = ()) -
 def test_passes_a_correct_script(strategy: str, precision: str) -> None:
     """Under tp and pp the two processes share each batch: the reference accumulates 1 batch per step, not 2;
     DeepSpeed wraps model and optimizer its own way, here in bf16-mixed, which both runs take and which compares
-    them with its own tolerance (DeepSpeed's fp32 steps match one process's to 1e-5 in test_deepspeed.py). (Data
-    parallelism passes below, its per-process batch taken from a fixed global batch; ddp, zero1 and zero2 differ
-    from zero3 there only in what test_equivalence checks.)"""
-    code, report = verify("--strategy", strategy, "--precision", precision)
+    them with its own tolerance (DeepSpeed's fp32 steps match one process's to 1e-5 in test_deepspeed.py), and
+    its two processes split each global batch 3:1 (batch_shares). (Data parallelism passes below, its
+    per-process batch taken from a fixed global batch; ddp, zero1 and zero2 differ from zero3 there only in what
+    test_equivalence checks.)"""
+    shares = ("--batch-shares", "3,1") if strategy == "deepspeed" else ()
+    code, report = verify("--strategy", strategy, "--precision", precision, *shares)
     assert code == 0 and report["passed"], report
     assert report["strategy"] == strategy and [s["step"] for s in report["steps"]] == [1, 2, 3, 4]
     assert report["first_divergence"] is None and report["initial_param_diff"] == 0

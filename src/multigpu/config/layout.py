@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from multigpu.config.settings import Settings, StrategyOptions, setting
 from multigpu.core.errors import UsageError, require
@@ -26,6 +26,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 #: slices around attention and back; any device) or ring (torch's context_parallel passes keys and values round the
 #: ranks; CUDA only).
 CP_METHODS = ("ulysses", "ring")
+EVEN = "even"  # batch_shares: every data-parallel rank reads batch_size samples of each global batch
 
 
 @dataclass
@@ -62,8 +63,15 @@ class LayoutSettings(Settings):
         "or ring (torch's ring attention; CUDA only)",
         choices=CP_METHODS,
     )
+    batch_shares: str = setting(
+        EVEN,
+        "each data-parallel rank's part of every global batch: even, or one weight per data-parallel rank (replicas "
+        "x shards, in rank order; the tp, cp and pp ranks of a group share its part), e.g. 3,1 for a GPU three "
+        "times as fast as the other; the global batch stays batch_size x data-parallel ranks",
+    )
 
     def check(self) -> None:
+        parse_shares(self.batch_shares)
         require(
             (
                 self.replicate is None or self.replicate >= 1,
@@ -176,9 +184,41 @@ def cp_chunks(cp: int) -> int:
     return 2 * cp if cp > 1 else 1
 
 
+def parse_shares(text: str) -> tuple[float, ...] | None:
+    """batch_shares' weights, or None for even; one sentence refuses anything else."""
+    if text.strip() == EVEN:
+        return None
+    try:
+        weights = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        weights = ()
+    if not weights or not all(0 < weight < math.inf for weight in weights):
+        raise UsageError(
+            f"batch_shares must be even or positive finite weights separated by commas, one per data-parallel rank "
+            f"(e.g. 3,1), not {text!r}."
+        )
+    return weights
+
+
+def split_by_shares(samples: int, shares: Sequence[float]) -> list[int]:
+    """`samples` split over the ranks in proportion to `shares`, the parts adding up to `samples` and each at least
+    one (`samples` >= ranks): the whole parts of the exact shares, then the rest by largest remainder (ties to the
+    lower rank). Pure arithmetic on the same numbers, so every rank computes every rank's part alike."""
+    total = sum(shares)
+    exact = [samples * share / total for share in shares]
+    parts = [max(1, math.floor(value)) for value in exact]
+    ranks = range(len(shares))
+    while sum(parts) < samples:
+        parts[max(ranks, key=lambda rank: (exact[rank] - parts[rank], -rank))] += 1
+    while sum(parts) > samples:  # the minimum of one overshot: back from the part furthest above its share
+        parts[max((rank for rank in ranks if parts[rank] > 1), key=lambda rank: (parts[rank] - exact[rank], rank))] -= 1
+    return parts
+
+
 @dataclass(frozen=True)
 class ParallelDims:
-    """Every degree of a job, resolved: their product is the number of processes."""
+    """Every degree of a job, resolved: their product is the number of processes; and each data-parallel rank's
+    share of the global batch (None: even)."""
 
     replicate: int = 1  # full model copies whose gradients are averaged (ddp)
     shard: int = 1  # processes that each hold a slice of parameters, gradients and optimizer states (zero2/zero3)
@@ -186,9 +226,12 @@ class ParallelDims:
     tp: int = 1  # tensor parallel: each layer's matrices split across processes
     pp: int = 1  # pipeline parallel: consecutive groups of layers on different processes
     ep: int = 1  # expert parallel: a mixture's experts spread over data-parallel x cp ranks (no processes of its own)
+    shares: tuple[float, ...] | None = None  # batch_shares, one weight per data-parallel rank
 
     def __post_init__(self) -> None:
         for item in fields(self):
+            if item.name == "shares":
+                continue
             degree = getattr(self, item.name)
             if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
                 raise UsageError(
@@ -333,4 +376,26 @@ def resolve_layout(request: LayoutSettings, spread: Spread, world: int, nodes: i
             f"Strategy {name} runs in one process, but {world} were launched and would each train alone; launch one "
             "process, or use ddp/zero1/zero2/zero3."
         )
-    return ParallelDims(**degrees, ep=request.ep_size or 1)
+    dims = ParallelDims(**degrees, ep=request.ep_size or 1)
+    return replace(dims, shares=resolve_shares(getattr(request, "batch_shares", EVEN), dims, name))
+
+
+def resolve_shares(text: str, dims: ParallelDims, name: str) -> tuple[float, ...] | None:
+    """batch_shares' weights for `dims`, one per data-parallel rank; one sentence refuses a count that differs."""
+    shares = parse_shares(text)
+    if shares is None or len(shares) == dims.data_parallel_size:
+        return shares
+    readers = dims.data_parallel_size
+    if readers == 1:
+        raise UsageError(
+            f"batch_shares {text} splits each global batch between data-parallel ranks, but {name} on "
+            f"{dims.world_size} process{'es' if dims.world_size > 1 else ''} has one (every process reads the same "
+            "batch); drop batch_shares, or add data parallelism (ddp, zero2, zero3 or hsdp)."
+        )
+    groups = " x ".join(f"{dim} {getattr(dims, dim)}" for dim in ("replicate", "shard") if getattr(dims, dim) > 1)
+    inside = " x ".join(f"{dim} {getattr(dims, dim)}" for dim in ("pp", "cp", "tp") if getattr(dims, dim) > 1)
+    shared = f"; the {inside} ranks of each share its part" if inside else ""
+    raise UsageError(
+        f"batch_shares names {len(shares)} weight{'s' if len(shares) > 1 else ''}, but {name} on {dims.world_size} "
+        f"processes reads {readers} different batches ({groups}{shared}); give {readers} weights, or even."
+    )

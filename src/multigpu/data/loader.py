@@ -10,10 +10,14 @@ Nothing is planned ahead: each batch's samples are computed from its position wh
 is evaluated per index, `multigpu.data.shuffle`), so the first batch comes as fast at 10^9 samples as at 10, and
 `len()` and step counts are arithmetic.
 
-The last global batch of an epoch may be short. It is split as evenly as possible; when it has fewer samples
-than there are ranks, the ranks left over get one *padding* sample whose loss weight is zero (every rank must
-run the same number of steps, or the collectives hang). `Batch.weight` makes the gradient of each optimizer step
-the mean over the real samples of its global batch, whatever the split.
+With batch shares (one weight per rank, for ranks of different speeds), rank r takes a consecutive run of each
+global batch instead, its share of it (multigpu.config.layout.split_by_shares): the same global batches, split
+otherwise.
+
+The last global batch of an epoch may be short. It is split as evenly as possible (by the shares, if any); when
+it has fewer samples than there are ranks, the ranks left over get one *padding* sample whose loss weight is zero
+(every rank must run the same number of steps, or the collectives hang). `Batch.weight` makes the gradient of each
+optimizer step the mean over the real samples of its global batch, whatever the split.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from multigpu.config.layout import split_by_shares
 from multigpu.core.env import all_gather_rows, grouped
 from multigpu.core.errors import UsageError
 from multigpu.core.tensor_trees import move_to
@@ -65,6 +70,7 @@ class EpochPlan(Sequence[Batch]):
     grad_accum_steps: int
     drop_last: bool
     order: Permutation | None  # None: the dataset's own order
+    shares: tuple[float, ...] | None = None  # each rank's weight in the split of a global batch; None: even
     global_batch: int = field(init=False)
     stop: int = field(init=False)
     _count: int = field(init=False, repr=False)
@@ -88,7 +94,12 @@ class EpochPlan(Sequence[Batch]):
             raise IndexError(f"batch {k} of {count}")
         first = self.start + k * global_batch
         size = min(global_batch, self.stop - first)
-        if size >= world:
+        if size >= world and self.shares is not None:
+            parts = split_by_shares(size, self.shares)
+            begin = first + sum(parts[: self.rank])
+            positions = range(begin, begin + parts[self.rank])
+            real = len(positions)
+        elif size >= world:
             positions = range(first + self.rank, first + size, world)
             real = len(positions)
         else:  # fewer samples than ranks: one each, and the ranks left over repeat the first as padding
@@ -176,6 +187,7 @@ class LoaderBase:
         seed: int,
         device: torch.device,
         on_batch: Callable[[Any, Batch], None] = lambda loader, batch: None,
+        shares: tuple[float, ...] | None = None,
     ) -> None:
         if batch_size < 1:
             raise UsageError(f"batch_size must be at least 1 (got {batch_size}); it is the per-device batch size.")
@@ -193,10 +205,15 @@ class LoaderBase:
         self.seed = seed
         self.device = device
         self._on_batch = on_batch
+        self.shares = shares  # each rank's weight in the split of a global batch (None: even)
         self.yielded: Sequence[Batch] = ()  # this epoch's batches so far on this rank, for Engine.gather
 
     def batch_size_line(self) -> str:
-        return batch_size_line(self.batch_size, self.grad_accum_steps, self.world_size)
+        line = batch_size_line(self.batch_size, self.grad_accum_steps, self.world_size)
+        if self.shares is None:
+            return line
+        parts = split_by_shares(self.batch_size * self.world_size, self.shares)
+        return f"{line}, split {':'.join(map(str, parts))} by batch_shares {','.join(f'{w:g}' for w in self.shares)}"
 
     def _check_order(self, state: dict[str, int]) -> None:
         if bool(state["shuffle"]) != self.shuffle or state["seed"] != self.seed:
@@ -256,6 +273,7 @@ class DistributedLoader(LoaderBase):
             grad_accum_steps=self.grad_accum_steps,
             drop_last=self.drop_last,
             order=Permutation(n, self.seed, self.epoch) if self.shuffle and n > 0 else None,
+            shares=self.shares,
         )
 
     def __iter__(self) -> Iterator[Any]:

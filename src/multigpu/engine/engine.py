@@ -107,6 +107,13 @@ class Engine(Saving, Reporting, AcrossRanks):
         return self._data_rank
 
     @property
+    def batch_shares(self) -> tuple[float, ...]:
+        """Each data-parallel rank's fraction of every global batch, in data-parallel rank order: its batch_shares
+        weight over their sum (equal fractions when even)."""
+        shares = self._strategy.layout.shares or (1.0,) * self._data_world
+        return tuple(share / sum(shares) for share in shares)
+
+    @property
     def sequence_multiple(self) -> int:
         """What each batch's sequence length must be a multiple of (ParallelDims.sequence_multiple). Pad each batch
         to it, on the right, with the padding masked out of the loss, as `multigpu finetune` does."""
@@ -204,6 +211,7 @@ class Engine(Saving, Reporting, AcrossRanks):
             seed=self.config.seed,
             device=self.device,
             on_batch=self._on_batch,
+            shares=self._strategy.layout.shares,
         )
         if not self._printed_batch_size:
             self._printed_batch_size = True

@@ -124,6 +124,7 @@ class StepMonitor:
         name = torch.cuda.get_device_name(device) if getattr(device, "type", "cpu") == "cuda" else "CPU"
         self.peak = peak if peak is not None else peak_tflops(name, precision)
         self.flops_per_step: float | None = None  # all ranks together, counted once by the Engine
+        self.batch_shares: tuple[float, ...] | None = None  # each data-parallel rank's fraction of a global batch
         self._interval: list[tuple[float, int, float, float]] = []  # (seconds, samples, tokens, data+forward s)
         if self.peak is None and every:
             say(
@@ -164,6 +165,8 @@ class StepMonitor:
             record["perf/samples_per_s"] = samples / seconds
         if tokens:
             record["perf/tokens_per_s"] = tokens / seconds
+        if self.batch_shares is not None:
+            record["batch_shares"] = [round(share, 6) for share in self.batch_shares]
         if self.flops_per_step is not None:
             record["perf/flops_per_step"] = self.flops_per_step
             record["perf/tflops_per_device"] = (
@@ -282,10 +285,16 @@ class Monitor(StepObserver):
         self._log: MetricsLog | None = None
         self._steps_seen = 0
 
-    def _step_scale(self) -> int:
+    def _step_scale(self) -> float:
         """One micro-step's FLOPs -> the whole step's: read when counted, since engine.dataloader may derive the
-        accumulation from global_batch_size after attach."""
-        return self._engine.config.grad_accum_steps * self._engine.world_size
+        accumulation from global_batch_size after attach. Under uneven batch_shares this rank's batch is its
+        fraction of the global batch, not 1 / data_parallel_size of it."""
+        engine = self._engine
+        scale = engine.config.grad_accum_steps * engine.world_size
+        shares = engine.batch_shares
+        if len(set(shares)) == 1:
+            return scale
+        return scale / (shares[engine.data_parallel_rank] * engine.data_parallel_size)
 
     def attach(self, engine: Any) -> None:
         config = engine.config
@@ -311,6 +320,7 @@ class Monitor(StepObserver):
 
     def on_setup(self, model: nn.Module) -> None:
         self._model = model
+        self.reports.batch_shares = self._engine.batch_shares  # the strategy is settled by now (auto included)
         if not (self.reports.every or self.count_flops):  # nothing to report or count: no hook on every step
             leave_out(self, "on_backward_end", "on_step_end")
 

@@ -174,9 +174,12 @@ class Tracker:
 
 
 def numbers(record: Mapping[str, Any]) -> Iterator[tuple[str, float]]:
-    """The record's numeric values (bools left out, as JSON writes them true/false)."""
+    """The record's numeric values (bools left out, as JSON writes them true/false); a list of numbers (one per
+    rank, as batch_shares) as one value per item, `key/0`, `key/1`, ..."""
     for key, value in record.items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, list):
+            yield from numbers({f"{key}/{i}": item for i, item in enumerate(value)})
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
             yield key, value
 
 

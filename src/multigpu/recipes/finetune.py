@@ -84,6 +84,7 @@ class FinetuneSettings(RecipeSettings):
     cp_size: int | None = shown(EngineConfig)
     ep_size: int | None = shown(EngineConfig)
     cp_method: str = shown(EngineConfig)
+    batch_shares: str = shown(EngineConfig)
     sequence_parallel: bool = shown(EngineConfig)
     pp_schedule: str = shown(EngineConfig)
     pp_stages_per_rank: int = shown(EngineConfig)

@@ -79,6 +79,7 @@ class TrainSettings(RecipeSettings):
     float8: str = shown(EngineConfig)
     replicate: int | None = shown(EngineConfig)
     tp_size: int | None = shown(EngineConfig)
+    batch_shares: str = shown(EngineConfig)
     unsharded_grad_accum: bool = shown(EngineConfig)
     grad_compression: str = shown(EngineConfig)
     zero_stage: int | None = shown(EngineConfig)

@@ -90,6 +90,7 @@ class VerifyConfig(Settings):
     cp_size: int | None = override(EngineConfig, note=WITH_STRATEGY)
     ep_size: int | None = override(EngineConfig, note=WITH_STRATEGY)
     cp_method: str | None = override(EngineConfig, note=N_PROCESS_RUN)
+    batch_shares: str | None = override(EngineConfig, note=N_PROCESS_RUN)
     grad_compression: str | None = override(EngineConfig, note=f"{N_PROCESS_RUN} (default: the script's own)")
     nproc: int | None = setting(
         None, "processes to compare with one (default: 2, or 1 under dp; 1 with --strategy, for one GPU)"
