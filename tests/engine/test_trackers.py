@@ -190,8 +190,11 @@ def test_mlflow_run_holds_the_jsonl_numbers_as_metrics_and_the_config_as_params(
     series: dict[str, list[tuple[int, float]]] = defaultdict(list)
     for step, record in jsonl_by_step(log_dir).items():
         for key, value in record.items():
-            if isinstance(value, (int, float)) and key != "acc(top1)":
-                series[key].append((step, float(value)))
+            # A list (one value per rank: batch_shares) is a metric per item, key/0, key/1, ...
+            items = {f"{key}/{i}": item for i, item in enumerate(value)} if isinstance(value, list) else {key: value}
+            for name, item in items.items():
+                if isinstance(item, (int, float)) and key != "acc(top1)":
+                    series[name].append((step, float(item)))
     assert "perf/step_time_s" in series and "memory/rank0_peak_mb" in series  # '/' is fine in MLflow's keys
     for key, expected in series.items():
         assert sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)) == expected, key

@@ -53,7 +53,7 @@ CELLS: dict[str, tuple[int, dict]] = {
     "tp-fp16-mixed": (2, {"multi_gpu": "tp", **FP16}),
     "tp-accumulate-2": (2, {"multi_gpu": "tp", "batch_size": 2, "grad_accum_steps": 2}),
     "replicas-x-tp": (4, {"multi_gpu": "hsdp", "replicate": 2, "tp_size": 2, "batch_size": 2}),  # ddp x tp
-    "zero3-x-tp": (4, {"multi_gpu": "zero3", "tp_size": 2, "batch_size": 2}),
+    # (zero3 x tp with its global batches split 3:1 between the shards: zero3-x-tp-shares-3-1, below.)
     "zero2-x-tp-bf16-mixed": (4, {"multi_gpu": "zero2", "tp_size": 2, "batch_size": 2, "precision": "bf16-mixed"}),
     "zero3-x-tp-fp16-mixed": (4, {"multi_gpu": "zero3", "tp_size": 2, "batch_size": 2, **FP16}),
     "single-lora": (1, {"multi_gpu": "single", "method": "lora"}),
@@ -155,14 +155,13 @@ CELLS: dict[str, tuple[int, dict]] = {
 }
 # A run under one layout saves a checkpoint at step 2; another layout resumes it: (processes, settings) of each.
 MOVES: dict[str, list[tuple[int, dict]]] = {
-    "zero3-x-tp-then-tp": [(4, CELLS["zero3-x-tp"][1]), (2, CELLS["tp-32"][1])],
+    # zero3 x tp saves under batch shares 3,1: tp and pp resume it evenly, on 2 processes.
+    "zero3-x-tp-shares-then-tp": [CELLS["zero3-x-tp-shares-3-1"], (2, CELLS["tp-32"][1])],
     "tp-then-single": [(2, CELLS["tp-32"][1]), (1, CELLS["single-32"][1])],
-    "zero3-x-tp-then-pp": [(4, CELLS["zero3-x-tp"][1]), (2, {"multi_gpu": "pp"})],
+    "zero3-x-tp-shares-then-pp": [CELLS["zero3-x-tp-shares-3-1"], (2, {"multi_gpu": "pp"})],
     "pp-then-single": [CELLS["pp-1f1b-4-microbatches"], (1, CELLS["single-32"][1])],
     "zero3-x-pp-then-single": [(4, CELLS["zero3-x-pp"][1]), (1, CELLS["single-32"][1])],
     "zero3-x-cp-then-single": [(4, {"multi_gpu": "zero3", "cp_size": 2, "batch_size": 2}), (1, CELLS["single-32"][1])],
-    # Saved under shares 3,1, resumed evenly at another world size (tests/data/test_loader.py resumes every way).
-    "shares-3-1-then-single": [CELLS["ddp-shares-3-1"], (1, CELLS["single-32"][1])],
 }
 
 
@@ -393,6 +392,11 @@ def test_a_sequence_or_heads_that_cp_cannot_split_are_refused_before_anything_st
     [
         (["--nproc", "4", "--pp-size", "4"], "The model's 2 layers cannot fill 4 pipeline stages (pp_size x "),
         (["--nproc", "2", "--pp-schedule", "interleaved", "--pp-stages-per-rank", "2"], "2 layers cannot fill 4 "),
+        # pp_split: one count of layers per stage, adding up to the model's.
+        (["--nproc", "2", "--pp-split", "1,2"], "pp_split 1,2 gives 2 stages 3 layers, but the pipeline has 2 stages "),
+        (["--nproc", "2", "--pp-split", "2"], "give 2 counts adding up to 2."),
+        (["--nproc", "2", "--pp-split", "0,2"], "pp_split must be whole numbers of layers of at least 1, one per "),
+        (["--nproc", "2", "--multi-gpu", "ddp", "--pp-split", "1,1"], "pp_split is an option of strategy pp "),
         (
             ["--nproc", "3", "--multi-gpu", "tp"],
             "of 3 (tp_size, or the processes of strategy tp) does not divide the model's 4 attention heads; ",

@@ -57,9 +57,9 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(t[:, :-1], t[:, 1:]) for t in tokens]  # 8 positions: 4 per rank under sequence parallelism
 
 
-def train(strategy: str | None) -> tuple[list[float], bool]:
-    """Losses of STEPS AdamW steps (one process in plain torch for None), and whether the first block's norm
-    weight lives on the tp mesh."""
+def train(strategy: str | None, **settings: str) -> tuple[list[float], bool]:
+    """Losses of STEPS AdamW steps (one process in plain torch for None; the Engine's `settings`), and whether the
+    first block's norm weight lives on the tp mesh."""
     import multigpu as mg
 
     torch.manual_seed(0)
@@ -74,7 +74,7 @@ def train(strategy: str | None) -> tuple[list[float], bool]:
             optimizer.zero_grad()
             losses.append(loss.item())
         return losses, False
-    engine = mg.Engine(strategy=strategy, seed=0)
+    engine = mg.Engine(strategy=strategy, seed=0, **settings)
     model, optimizer = engine.setup(model, optimizer)
     losses = []
     for x, y in batches():
@@ -85,8 +85,13 @@ def train(strategy: str | None) -> tuple[list[float], bool]:
     return losses, on_tp
 
 
+# The layouts: tp; pp, its 5 listed layers cut 3 and 2 (as even as they go) and 1 and 4 (pp_split, for a second
+# GPU faster than the first).
+LAYOUTS = {"tp": ("tp", {}), "pp": ("pp", {}), "pp-split-1-4": ("pp", {"pp_split": "1,4"})}
+
+
 def run_layouts() -> dict[str, tuple[list[float], bool]]:
-    return {name: train(name) for name in ("tp", "pp")} | {"one": train(None)}
+    return {name: train(strategy, **settings) for name, (strategy, settings) in LAYOUTS.items()} | {"one": train(None)}
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +99,7 @@ def results() -> dict:
     return run_in_processes("tests.strategies.test_own_model_plans:run_layouts", 2, timeout=180)[0]
 
 
-@pytest.mark.parametrize("layout", ["tp", "pp"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_an_own_model_lands_where_one_process_does(results: dict, layout: str) -> None:
     """fp32: the split sums and the micro-batches change only the order of additions (~1e-7 relative), while a
     norm gradient left unsummed over the positions' ranks, or a layer outside the pipeline, moves the loss by 1e-3
@@ -104,6 +109,13 @@ def test_an_own_model_lands_where_one_process_does(results: dict, layout: str) -
     assert losses == pytest.approx(reference, rel=1e-5)
     assert reference[-1] < reference[0] - 0.01  # the steps changed the model
     assert norm_on_tp == (layout == "tp")  # sequence parallelism placed the norm on the mesh
+
+
+def test_pp_split_cuts_the_listed_layers_where_it_says() -> None:
+    from multigpu.parallel.pipeline_stages import stage_parts
+
+    parts = stage_parts(OwnLM(), 2, "1,4")
+    assert [list(kept) for kept, _ in parts] == [["embed"], ["blocks.0", "blocks.1", "norm", "head"]]
 
 
 def test_pp_layers_that_name_no_module_are_refused_in_one_sentence() -> None:

@@ -11,6 +11,7 @@ inside a node). ep (experts spread over ranks) reuses processes of shard x cp ra
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -120,8 +121,14 @@ class PipelineOptions(StrategyOptions):
     pp_microbatches: int | None = setting(
         None, "pp: slices of each batch that flow through the pipeline one after another (default: one per stage)"
     )
+    pp_split: str | None = setting(
+        None,
+        "pp: layers per stage, in stage order, e.g. 10,6 to give a faster first GPU more of them (default: as even "
+        "as the layers allow); one count per stage (pp_size x pp_stages_per_rank), adding up to the model's layers",
+    )
 
     def check(self) -> None:
+        parse_pp_split(self.pp_split)
         # Whether the schedule and its stages per rank fit is checked where a pipeline is built (check_schedule):
         # under a strategy without pp, the sentence to give is that pp_schedule is pp's option, not how it fits.
         require(
@@ -156,14 +163,40 @@ def check_schedule(schedule: str, stages_per_rank: int) -> None:
         )
 
 
-def check_stages(layers: int, stages: int) -> None:
-    """Refuses more pipeline stages than layers: each stage runs one layer at least. The CLI asks this of the model's
-    config before any process starts; strategy pp of the model it builds."""
+def parse_pp_split(text: str | None) -> tuple[int, ...] | None:
+    """pp_split's layer counts, or None for an even split; one sentence refuses anything else."""
+    if text is None:
+        return None
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() and int(part) >= 1 for part in parts):
+        raise UsageError(
+            f"pp_split must be whole numbers of layers of at least 1, one per pipeline stage, separated by commas "
+            f"(e.g. 10,6), not {text!r}."
+        )
+    return tuple(int(part) for part in parts)
+
+
+def stage_layers(layers: int, stages: int, split: str | None = None) -> list[range]:
+    """The layers each pipeline stage runs, in order: pp_split's counts, else as even as they allow. Refuses more
+    stages than layers, or counts that are not one per stage adding up to the layers. The CLI asks this of the
+    model's config before any process starts; strategy pp of the model it builds."""
     if layers < stages:
         raise UsageError(
             f"The model's {layers} layers cannot fill {stages} pipeline stages (pp_size x pp_stages_per_rank); "
             f"choose a pp_size and pp_stages_per_rank whose product is at most {layers}."
         )
+    counts = parse_pp_split(split)
+    if counts is None:
+        base, extra = divmod(layers, stages)
+        counts = tuple(base + (1 if stage < extra else 0) for stage in range(stages))
+    elif len(counts) != stages or sum(counts) != layers:
+        raise UsageError(
+            f"pp_split {split} gives {len(counts)} stage{'s' if len(counts) > 1 else ''} {sum(counts)} layers, but "
+            f"the pipeline has {stages} stages (pp_size x pp_stages_per_rank) and the model {layers} layers; give "
+            f"{stages} counts adding up to {layers}."
+        )
+    bounds = [0, *itertools.accumulate(counts)]
+    return [range(start, stop) for start, stop in itertools.pairwise(bounds)]
 
 
 def check_tp_heads(config: object, degree: int) -> None:

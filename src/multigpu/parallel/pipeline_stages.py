@@ -5,14 +5,13 @@ the parts its `base_model_pp_plan` names: the embeddings with the first stage, t
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from multigpu.config.layout import check_stages
+from multigpu.config.layout import stage_layers
 from multigpu.core.errors import UsageError
 from multigpu.models.modules import name_pattern
 from multigpu.parallel.decoder import decoder_plan, language_model, packed_attention_kwargs
@@ -94,26 +93,20 @@ class DecoderStage(nn.Module):
         return hidden
 
 
-def split_evenly(count: int, parts: int) -> list[range]:
-    base, extra = divmod(count, parts)
-    bounds = [0]
-    for part in range(parts):
-        bounds.append(bounds[-1] + base + (1 if part < extra else 0))
-    return [range(a, b) for a, b in itertools.pairwise(bounds)]
-
-
-def stage_parts(model: nn.Module, stages: int) -> list[tuple[dict[str, nn.Module], Callable[[bool, bool], nn.Module]]]:
-    """For each stage: {name in the model: module} and a function (first, last) -> the stage's forward module."""
+def stage_parts(
+    model: nn.Module, stages: int, split: str | None = None
+) -> list[tuple[dict[str, nn.Module], Callable[[bool, bool], nn.Module]]]:
+    """For each stage: {name in the model: module} and a function (first, last) -> the stage's forward module; the
+    layers split by `split` (pp_split), else as evenly as they allow."""
     inner, prefix = language_model(model)
     decoder = getattr(inner, "model", None)
     if hasattr(inner, "lm_head") and hasattr(decoder, "rotary_emb"):
-        return _decoder_parts(inner, prefix, stages, decoder_plan(decoder))
+        return _decoder_parts(inner, prefix, stages, decoder_plan(decoder), split)
     given = getattr(model, "pp_layers", None)
     if given or isinstance(model, nn.Sequential):
         children = listed_layers(model, given) if given else list(model.named_children())
-        check_stages(len(children), stages)
         parts = []
-        for run in split_evenly(len(children), stages):
+        for run in stage_layers(len(children), stages, split):
             chunk = children[run.start : run.stop]
             modules = [module for _, module in chunk]
             parts.append((dict(chunk), lambda first, last, modules=modules: SequentialStage(modules)))
@@ -142,12 +135,11 @@ def listed_layers(model: nn.Module, names: list[str]) -> list[tuple[str, nn.Modu
     return found
 
 
-def _decoder_parts(inner: nn.Module, prefix: str, stages: int, names: tuple[str, str, str]) -> list:
+def _decoder_parts(inner: nn.Module, prefix: str, stages: int, names: tuple[str, str, str], split: str | None) -> list:
     embed, layer_list, norm = names
     decoder, layers = inner.model, list(getattr(inner.model, layer_list))
-    check_stages(len(layers), stages)
     parts = []
-    for index, run in enumerate(split_evenly(len(layers), stages)):
+    for index, run in enumerate(stage_layers(len(layers), stages, split)):
         first, last = index == 0, index == stages - 1
         kept = {f"{prefix}model.{layer_list}.{i}": layers[i] for i in run}
         kept[f"{prefix}model.rotary_emb"] = decoder.rotary_emb

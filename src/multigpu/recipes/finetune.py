@@ -89,6 +89,7 @@ class FinetuneSettings(RecipeSettings):
     pp_schedule: str = shown(EngineConfig)
     pp_stages_per_rank: int = shown(EngineConfig)
     pp_microbatches: int | None = shown(EngineConfig)
+    pp_split: str | None = shown(EngineConfig)
     unsharded_grad_accum: bool = shown(EngineConfig)
     grad_compression: str = shown(EngineConfig)
     zero_stage: int | None = shown(EngineConfig)

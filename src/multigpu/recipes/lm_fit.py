@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from multigpu.config.layout import ParallelDims, check_stages, check_tp_heads
+from multigpu.config.layout import ParallelDims, check_tp_heads, stage_layers
 from multigpu.core.errors import UsageError
 from multigpu.parallel.context import check_heads
 from multigpu.planner.config import PlanConfig
@@ -29,7 +29,7 @@ def check_fits(config: Any, layout: ParallelDims) -> None:
     described = AutoConfig.from_pretrained(directory)
     layers = getattr(described, "num_hidden_layers", None)
     if layout.pp > 1 and isinstance(layers, int):
-        check_stages(layers, layout.pp * config.pp_stages_per_rank)
+        stage_layers(layers, layout.pp * config.pp_stages_per_rank, config.pp_split)
     if layout.tp > 1:
         check_tp_heads(described, layout.tp)
     if layout.cp > 1 and config.cp_method == "ulysses":

@@ -139,7 +139,7 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
         self._stages = pp * self.pp_stages_per_rank
         self._mine = list(range(rank, self._stages, pp))  # interleaved: stages r, r + pp, ...
         # tp and ep split the whole model's layers already (engine/parallelize.py); the stages take their slices.
-        parts = stage_parts(model, self._stages)
+        parts = stage_parts(model, self._stages, self.pp_split)
         kept = {name: module for stage in self._mine for name, module in parts[stage][0].items()}
         held = {id(p) for module in kept.values() for p in module.parameters()}
         ties = self._tied_groups(model, parts, pp, rank)

@@ -87,6 +87,7 @@ class VerifyConfig(Settings):
     loss: str | None = override(EngineConfig, note=BOTH_RUNS)
     tp_size: int | None = override(EngineConfig, note=WITH_STRATEGY)
     pp_size: int | None = override(EngineConfig, note=WITH_STRATEGY)
+    pp_split: str | None = override(EngineConfig, note=WITH_STRATEGY)
     cp_size: int | None = override(EngineConfig, note=WITH_STRATEGY)
     ep_size: int | None = override(EngineConfig, note=WITH_STRATEGY)
     cp_method: str | None = override(EngineConfig, note=N_PROCESS_RUN)
