@@ -38,7 +38,9 @@ CELLS: dict[str, tuple[int, dict, str]] = {
     "single-qlora": (1, {"multi_gpu": "single", "method": "qlora", "lora_experts": True}, ""),
     # Two accumulated halves: a pipeline's two micro-batches, each its own load-balancing loss.
     "single-halves": (1, {"multi_gpu": "single", "batch_size": 2, "grad_accum_steps": 2}, ""),
-    "ep-2": (2, {"multi_gpu": "ddp", "batch_size": 2, "ep_size": 2, "save_every": 2}, "single"),
+    # Its global batches of 4 split 3:1 between the ranks (batch_shares): the tokens each ep rank sends its experts'
+    # ranks differ in number, the router's load-balancing loss still counts the global batch's.
+    "ep-2": (2, {"multi_gpu": "ddp", "batch_size": 2, "ep_size": 2, "save_every": 2, "batch_shares": "3,1"}, "single"),
     "zero3": (2, {"multi_gpu": "zero3", "batch_size": 2}, "single"),
     # The README's: each sequence split over the 2 ranks, which are also the ep group (DDP's group, not its mesh).
     "ep-2-x-cp-2": (2, {"multi_gpu": "ddp", "ep_size": 2, "cp_size": 2}, "single"),
