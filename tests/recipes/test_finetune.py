@@ -239,13 +239,14 @@ def first_step_one_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[st
     return data, one
 
 
-@pytest.mark.parametrize("processes", [2, 3])
+@pytest.mark.parametrize("processes", [3])
 def test_finetune_from_safetensors_under_zero3_takes_the_one_process_first_step(
     first_step_one_process: tuple[str, dict], processes: int
 ) -> None:
     """zero3 builds the model on the meta device and streams the checkpoint into the shards; the first step must
     be the single process's: the same loss and gradients, full finetuning and LoRA alike. fp32: only the order
-    of the sums over ranks differs (the gradient's reduce-scatter, the loss's all-reduce), ~1e-7 relative."""
+    of the sums over ranks differs (the gradient's reduce-scatter, the loss's all-reduce), ~1e-7 relative. On 3
+    processes, an odd count (2 run throughout the suite, on the tiny models)."""
     data, one = first_step_one_process
     ranks = run_in_processes(
         "tests.recipes.test_finetune:first_steps",

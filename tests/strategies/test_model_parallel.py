@@ -393,7 +393,7 @@ def test_a_sequence_or_heads_that_cp_cannot_split_are_refused_before_anything_st
         (["--nproc", "4", "--pp-size", "4"], "The model's 2 layers cannot fill 4 pipeline stages (pp_size x "),
         (["--nproc", "2", "--pp-schedule", "interleaved", "--pp-stages-per-rank", "2"], "2 layers cannot fill 4 "),
         # pp_split: one count of layers per stage, adding up to the model's.
-        (["--nproc", "2", "--pp-split", "1,2"], "pp_split 1,2 gives 2 stages 3 layers, but the pipeline has 2 stages "),
+        (["--nproc", "2", "--pp-split", "1,2"], "pp_split 1,2 names 2 stages of 3 layers in all, but the pipeline "),
         (["--nproc", "2", "--pp-split", "2"], "give 2 counts adding up to 2."),
         (["--nproc", "2", "--pp-split", "0,2"], "pp_split must be whole numbers of layers of at least 1, one per "),
         (["--nproc", "2", "--multi-gpu", "ddp", "--pp-split", "1,1"], "pp_split is an option of strategy pp "),

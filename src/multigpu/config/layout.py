@@ -191,9 +191,9 @@ def stage_layers(layers: int, stages: int, split: str | None = None) -> list[ran
         counts = tuple(base + (1 if stage < extra else 0) for stage in range(stages))
     elif len(counts) != stages or sum(counts) != layers:
         raise UsageError(
-            f"pp_split {split} gives {len(counts)} stage{'s' if len(counts) > 1 else ''} {sum(counts)} layers, but "
-            f"the pipeline has {stages} stages (pp_size x pp_stages_per_rank) and the model {layers} layers; give "
-            f"{stages} counts adding up to {layers}."
+            f"pp_split {split} names {len(counts)} stage{'s' if len(counts) > 1 else ''} of {sum(counts)} layers in "
+            f"all, but the pipeline has {stages} stages (pp_size x pp_stages_per_rank) and the model {layers} layers; "
+            f"give {stages} counts adding up to {layers}."
         )
     bounds = [0, *itertools.accumulate(counts)]
     return [range(start, stop) for start, stop in itertools.pairwise(bounds)]
