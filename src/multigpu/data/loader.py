@@ -94,13 +94,8 @@ class EpochPlan(Sequence[Batch]):
             raise IndexError(f"batch {k} of {count}")
         first = self.start + k * global_batch
         size = min(global_batch, self.stop - first)
-        if size >= world and self.shares is not None:
-            parts = split_by_shares(size, self.shares)
-            begin = first + sum(parts[: self.rank])
-            positions = range(begin, begin + parts[self.rank])
-            real = len(positions)
-        elif size >= world:
-            positions = range(first + self.rank, first + size, world)
+        if size >= world:
+            positions = rank_positions(first, size, self.rank, world, self.shares)
             real = len(positions)
         else:  # fewer samples than ranks: one each, and the ranks left over repeat the first as padding
             positions = range(first + self.rank, first + self.rank + 1) if self.rank < size else range(first, first + 1)
@@ -115,6 +110,16 @@ class EpochPlan(Sequence[Batch]):
             weight=real * world / window_samples,
             ends_window=k % self.grad_accum_steps == self.grad_accum_steps - 1 or k == count - 1,
         )
+
+
+def rank_positions(first: int, size: int, rank: int, world: int, shares: tuple[float, ...] | None) -> range:
+    """`rank`'s positions of a global batch of `size` samples (at least `world`) from position `first`: every
+    world-th, or its consecutive run by the shares."""
+    if shares is None:
+        return range(first + rank, first + size, world)
+    parts = split_by_shares(size, shares)
+    begin = first + sum(parts[:rank])
+    return range(begin, begin + parts[rank])
 
 
 class Yielded(Sequence[Batch]):

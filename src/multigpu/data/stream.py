@@ -20,10 +20,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from multigpu.config.layout import split_by_shares
 from multigpu.core.errors import UsageError
 from multigpu.core.tensor_trees import move_to
-from multigpu.data.loader import Batch, DistributedLoader, LoaderBase
+from multigpu.data.loader import Batch, DistributedLoader, LoaderBase, rank_positions
 
 
 @runtime_checkable
@@ -104,17 +103,12 @@ class StreamLoader(LoaderBase):
         """Batches from the saved position on. A pass left midway (a `break`) loses nothing: the next one carries on
         after the last batch yielded, as the position only moves when a batch is handed out."""
         global_batch = self.batch_size * self.world_size
-        # Which rank takes each place of a global batch: every world_size-th, or a consecutive run by the shares.
-        if self.shares is None:
-            owners = [place % self.world_size for place in range(global_batch)]
-        else:
-            parts = split_by_shares(global_batch, self.shares)
-            owners = [rank for rank, part in enumerate(parts) for _ in range(part)]
+        places = set(rank_positions(0, global_batch, self.rank, self.world_size, self.shares))  # this rank's
         mine: list[Any] = []
         indices: list[int] = []
         filled = 0
         for sample, place, after in self._samples():
-            if owners[filled] == self.rank:
+            if filled in places:
                 mine.append(sample)
                 indices.append(place)
             filled += 1
