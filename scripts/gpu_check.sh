@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: the GPU-only tests (tests/gpu), the GPU throughput benchmark
-# (benchmarks/gpu_throughput.py) and a 1-GPU verify, each under a timeout, the whole well under 10 minutes on one
+# (benchmarks/gpu_throughput.py) and a 1-GPU verify, each under a timeout, the whole under 10 minutes on one
 # H100. Logs and gpu_throughput.json go to $OUT (default gpu-check-out/), figures to stdout; exit 1 on a failure.
 #
 # Which Python: $PYTHON if set; else .venv/bin/python if its torch sees a GPU (scripts/setup.sh run on a GPU machine
@@ -73,8 +73,9 @@ step() {  # step NAME SECONDS COMMAND...: runs it under a timeout, its output to
   fi
 }
 
-# Two test files at a time, as scripts/test.sh runs the suite: most of a test is starting processes or compiling.
-step tests 210 "$PYTHON" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -ra tests/gpu
+# Four tests at a time (a GPU machine has the cores; most of a test is starting processes or compiling), the
+# shared-GPU ones (tests/gpu/test_shared_gpu.py, two verify launches each) among them.
+step tests 300 "$PYTHON" -m pytest -q -p no:cacheprovider -n 4 -ra --junitxml="$out/tests.xml" tests/gpu
 # The rows share a budget of THROUGHPUT_BUDGET_S seconds (default 260; a row that does not fit is reported as not
 # run); compile time is counted in it.
 budget=${THROUGHPUT_BUDGET_S:-260}

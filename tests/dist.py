@@ -196,19 +196,22 @@ def start_forkserver() -> None:
         name: os.environ.get(name, value) for name, value in (("OMP_NUM_THREADS", "1"), ("OMP_WAIT_POLICY", "PASSIVE"))
     }
     with mock.patch.dict(os.environ, wanted):
-        multiprocessing.forkserver.ensure_running()
+        if _FORKS.get_start_method() == "forkserver":
+            multiprocessing.forkserver.ensure_running()
 
 
 # What every rank imports, imported once in the server.
 PRELOAD = ["torch", "torch.distributed", "multigpu.launch.worker", "multigpu.engine.engine", "tests.dist"]
-# ...and what a LoRA or QLoRA rank imports on top, where no GPU is: peft (with transformers, accelerate and
+# ...and what a LoRA or QLoRA rank imports on top: peft (with transformers, accelerate and
 # bitsandbytes) and the Llama classes take ~3.4 s of CPU in each such rank otherwise (measured), and ~10 of the suite's
 # launches start them. Left out: datasets and deepspeed start a thread as they load (pyarrow's and DeepSpeed's
-# jemalloc), and a server with a thread beside its own is no safe one to fork from; and GPU machines, where
-# bitsandbytes queries CUDA as it loads, and a rank forked from a server that initialised CUDA cannot use it.
+# jemalloc), and a server with a thread beside its own is no safe one to fork from.
 HEAVY = ["peft", "transformers.models.llama.modeling_llama"]
-_FORKS = multiprocessing.get_context("forkserver")
-_FORKS.set_forkserver_preload(PRELOAD + ([] if torch.cuda.is_available() else HEAVY))
+# On a GPU machine the ranks are spawned instead: a server whose imports touched CUDA (measured on an H200: the
+# preload above does) leaves its forks unable to initialise it ("Cannot re-initialize CUDA in forked subprocess").
+_FORKS = multiprocessing.get_context("spawn" if torch.cuda.is_available() else "forkserver")
+if not torch.cuda.is_available():
+    _FORKS.set_forkserver_preload(PRELOAD + HEAVY)
 
 
 def refusal(*args: str) -> str:

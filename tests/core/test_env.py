@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from multigpu.core.env import DistEnv, first_slurm_host
+from multigpu.core.env import DistEnv, check_backend, first_slurm_host
 from multigpu.core.errors import UsageError
 
 
@@ -89,3 +91,19 @@ def test_first_slurm_host(nodelist: str, first: str) -> None:
 def test_device_and_backend_on_cpu() -> None:
     env = DistEnv()
     assert env.device.type == "cpu" and env.default_backend() == "gloo"
+
+
+def test_processes_sharing_a_gpu_default_to_gloo_and_refuse_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--share-gpus` on a one-GPU machine (counts mocked: this runs without a GPU): rank 1 takes GPU 0 too, and
+    NCCL, which refuses two ranks on one device at its first collective, is refused by name before it starts."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    shared = DistEnv(rank=1, local_rank=1, world_size=2, local_world_size=2)
+    assert shared.device == torch.device("cuda", 0) and shared.shares_gpus and shared.default_backend() == "gloo"
+    with pytest.raises(UsageError, match=r"^2 processes share this node's 1 GPU\(s\), and NCCL refuses two ranks"):
+        check_backend("nccl", shared)
+    check_backend("gloo", shared)
+    alone = DistEnv()
+    assert not alone.shares_gpus and alone.default_backend() == "nccl"
+    check_backend("nccl", alone)

@@ -494,6 +494,9 @@ def test_more_processes_than_gpus_is_refused_but_not_on_cpu() -> None:
         launching.select_gpus(LaunchConfig(nproc=3, gpu_ids="0,1"), 4, None)
     assert launching.select_gpus(LaunchConfig(nproc=1, gpu_ids="0,1"), 2, None) == (1, "0,1")
     assert launching.select_gpus(LaunchConfig(nproc=4), 0, None) == (4, None)  # CPU processes
+    assert launching.select_gpus(LaunchConfig(nproc=4, share_gpus=True), 2, None) == (4, None)  # asked for
+    with pytest.raises(UsageError, match=r"or --share-gpus to share them over gloo\.$"):
+        launching.select_gpus(LaunchConfig(nproc=2), 1, None)
     assert launching.select_gpus(LaunchConfig(), 0, None) == (1, None)
 
 

@@ -297,6 +297,13 @@ class ParallelDims:
         """How many different batches one step trains on: replicas and shards each read their own."""
         return self.replicate * self.shard
 
+    @property
+    def batch_fractions(self) -> tuple[float, ...]:
+        """Each data-parallel rank's fraction of every global batch, in data-parallel rank order: its batch_shares
+        weight over their sum (equal fractions when even)."""
+        shares = self.shares or (1.0,) * self.data_parallel_size
+        return tuple(share / sum(shares) for share in shares)
+
     def data_parallel_rank(self, rank: int) -> int:
         """Which of the data-parallel ranks global `rank` is: its index over (replicate, shard), as the mesh lays
         ranks out (MESH_ORDER: the cp and tp ranks of one replica are consecutive and read the same batch)."""

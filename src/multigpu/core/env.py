@@ -93,8 +93,13 @@ class DistEnv:
             return torch.device("cuda", self.local_rank % torch.cuda.device_count())
         return torch.device("cpu")
 
+    @property
+    def shares_gpus(self) -> bool:
+        """More processes on this node than GPUs (`--share-gpus`): they take the GPUs in turn."""
+        return torch.cuda.is_available() and self.local_world_size > torch.cuda.device_count()
+
     def default_backend(self) -> str:
-        return "nccl" if self.device.type == "cuda" else "gloo"
+        return "nccl" if self.device.type == "cuda" and not self.shares_gpus else "gloo"
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -122,13 +127,19 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
-def check_backend(backend: str, device: torch.device) -> None:
+def check_backend(backend: str, env: DistEnv) -> None:
     if backend not in BACKENDS:
         raise UsageError(f"Unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
-    if backend == "nccl" and (device.type != "cuda" or not dist.is_nccl_available()):
+    if backend == "nccl" and (env.device.type != "cuda" or not dist.is_nccl_available()):
         raise UsageError(
             "The nccl backend needs CUDA GPUs and a CUDA build of torch, and this machine has neither; "
             "use backend 'gloo' (the default on CPU) or run on a GPU machine."
+        )
+    if backend == "nccl" and env.shares_gpus:
+        raise UsageError(
+            f"{env.local_world_size} processes share this node's {torch.cuda.device_count()} GPU(s), and NCCL "
+            "refuses two ranks on one GPU; leave the backend unset (gloo is then the default) or start one process "
+            "per GPU."
         )
 
 
@@ -143,7 +154,7 @@ def init_process_group(env: DistEnv, backend: str, timeout: timedelta) -> None:
     if dist.is_initialized():
         return
     device = env.device
-    check_backend(backend, device)
+    check_backend(backend, env)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if env.launcher == "torchrun":

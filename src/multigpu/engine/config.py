@@ -56,7 +56,11 @@ class EngineConfig(
         "convert BatchNorm to SyncBatchNorm, so every process normalises with the global batch's statistics "
         "(process-group strategies on GPUs; one process has nothing to synchronise)",
     )
-    backend: str | None = setting(None, "process-group backend (default: nccl on GPUs, gloo on CPU)", choices=BACKENDS)
+    backend: str | None = setting(
+        None,
+        "process-group backend (default: nccl with a GPU per process; gloo on CPU, or where processes share GPUs)",
+        choices=BACKENDS,
+    )
     timeout_s: float = setting(1800.0, "seconds a collective may wait before the run fails")
     log_every: int = setting(0, "report memory, throughput and MFU every N optimizer steps (0: never)")
     log_dir: str | None = setting(None, "also write those reports and engine.log's records as JSONL and to --log-to")

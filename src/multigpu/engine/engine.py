@@ -35,7 +35,7 @@ from multigpu.engine.saving import Saving
 from multigpu.engine.window import Window, accumulation_for
 from multigpu.models.float8 import refresh_all_gather_scales
 from multigpu.models.loss import TokenLoss, outputs_for
-from multigpu.models.modules import on_meta
+from multigpu.models.modules import call_with, on_meta
 from multigpu.models.pretrained import SafetensorsCheckpoint
 from multigpu.parallel.context import sliced
 from multigpu.parallel.experts import MixtureOfExperts, weigh_pipeline
@@ -108,10 +108,8 @@ class Engine(Saving, Reporting, AcrossRanks):
 
     @property
     def batch_shares(self) -> tuple[float, ...]:
-        """Each data-parallel rank's fraction of every global batch, in data-parallel rank order: its batch_shares
-        weight over their sum (equal fractions when even)."""
-        shares = self._strategy.layout.shares or (1.0,) * self._data_world
-        return tuple(share / sum(shares) for share in shares)
+        """Each data-parallel rank's fraction of every global batch (ParallelDims.batch_fractions)."""
+        return self._strategy.layout.batch_fractions
 
     @property
     def sequence_multiple(self) -> int:
@@ -289,7 +287,7 @@ class Engine(Saving, Reporting, AcrossRanks):
             with outputs_for(loss_fn), ring:
                 return self._pipeline_micro_step(inputs, targets, loss_fn)
         with self.accumulate(model), outputs_for(loss_fn), ring:
-            result = loss_fn(_call(model, inputs), targets)
+            result = loss_fn(call_with(model, inputs), targets)
             loss, count = result if isinstance(result, tuple) else (result, None)
             self.backward(loss, count=count)
         return loss.detach()
@@ -321,7 +319,7 @@ class Engine(Saving, Reporting, AcrossRanks):
                 with self._plan.autocast_context(self.device):
                     loss, count = self._strategy.pipeline_step(inputs, targets, loss_fn, lambda r, s: r, train=False)
                 return loss if count is None else (loss, count)
-            result = loss_fn(_call(model, inputs), targets)
+            result = loss_fn(call_with(model, inputs), targets)
         if isinstance(result, tuple):
             return tuple(r.detach() if torch.is_tensor(r) else r for r in result)
         return result.detach()
@@ -396,10 +394,3 @@ class Engine(Saving, Reporting, AcrossRanks):
     def mark_untimed(self) -> None:
         """The step under way does other work (evaluation, a checkpoint, a FLOP count): left out of throughput."""
         self._window.totals.other_work = True
-
-
-def _call(model: nn.Module, inputs: Any) -> Any:
-    """model(inputs): a dict as keywords, a tuple as positional arguments, anything else as the one argument."""
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    return model(*inputs) if isinstance(inputs, tuple) else model(inputs)

@@ -66,6 +66,7 @@ def precision_plan(strategy: Strategy, config: EngineConfig, env: DistEnv) -> Pr
     this device has been refused."""
     plan = strategy.precision_plan(Precision(config.precision), env.device)
     strategy.check_runnable(env.device, plan)
+    check_shared_gpus(strategy, env)
     check_float8(config.float8, env.device)
     if config.sync_batchnorm and isinstance(strategy, DataParallel):
         raise UsageError(
@@ -99,6 +100,29 @@ def precision_plan(strategy: Strategy, config: EngineConfig, env: DistEnv) -> Pr
     return plan
 
 
+# Measured on an H200 (torch 2.11, gloo on CUDA tensors): all-reduce, broadcast and all-to-all run; an all-gather
+# (FSDP2's, DTensor's) crashes the process, and send/recv (pipeline stages) abort with "Bad address".
+SHARED_GPU_STRATEGIES = ("ddp", "zero1")
+
+
+def check_shared_gpus(strategy: Strategy, env: DistEnv) -> None:
+    """Processes sharing GPUs (--share-gpus) talk over gloo: refuses the layouts whose collectives gloo cannot run on
+    CUDA tensors."""
+    if not env.shares_gpus or env.world_size == 1:
+        return
+    layout = strategy.layout
+    sizes = {"tp_size": layout.tp, "pp_size": layout.pp, "ep_size": layout.ep}
+    needs = [f"{name} {size}" for name, size in sizes.items() if size > 1]
+    if strategy.name not in SHARED_GPU_STRATEGIES:
+        needs.insert(0, f"strategy {strategy.name}")
+    if needs:
+        raise UsageError(
+            f"{env.local_world_size} processes sharing {torch.cuda.device_count()} GPU(s) talk over gloo, whose "
+            f"all-gathers and sends crash on CUDA tensors, and {' with '.join(needs)} needs them; share GPUs under "
+            "strategy ddp or zero1 (cp_size and batch_shares work too), or give each process a GPU of its own."
+        )
+
+
 def splits_layers(strategy: Strategy) -> bool:
     """Whether `strategy` splits the model's layers by tensor parallelism (strategy tp in one process too)."""
     return strategy.layout.tp > 1 or "tp" in strategy.mesh_dims
@@ -118,7 +142,7 @@ def check(config: EngineConfig, nproc: int) -> ParallelDims:
     strategy = resolve(config.strategy, env, config, lambda _: None)
     precision_plan(strategy, config, env)
     if config.backend is not None:
-        check_backend(config.backend, env.device)
+        check_backend(config.backend, env)
     if config.log_dir is not None:  # the main worker would refuse it after the launch, and the others wait meanwhile
         check_servers(parse_log_to(config.log_to, config.log_dir))
     return strategy.layout
@@ -131,7 +155,7 @@ def join(env: DistEnv, strategy: Strategy, config: EngineConfig) -> None:
         backend = config.backend or env.default_backend()
         init_process_group(env, backend, timedelta(seconds=config.timeout_s))
     elif config.backend is not None:
-        check_backend(config.backend, env.device)
+        check_backend(config.backend, env)
     torch.manual_seed(config.seed)
     np.random.seed(config.seed)
     random.seed(config.seed)

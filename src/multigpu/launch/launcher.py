@@ -52,6 +52,11 @@ class LaunchConfig(Settings):
     master_addr: str = setting("127.0.0.1", "address of node 0 (several nodes)")
     master_port: int | None = setting(None, "port on node 0; a free one is picked on a single node")
     max_restarts: int = setting(0, "restart all workers up to K times after a failure")
+    share_gpus: bool = setting(
+        False,
+        "let --nproc exceed the GPUs, processes taking the GPUs in turn and talking over gloo (NCCL refuses two "
+        "ranks on one GPU): to try a multi-process run on one GPU",
+    )
 
     def check(self) -> None:
         if self.nproc is not None and self.nproc < 1:
@@ -105,11 +110,11 @@ def select_gpus(config: LaunchConfig, present: int, cuda_visible_devices: str | 
         gpus = f"the {usable} GPU{'s' if usable != 1 else ''} --gpu-ids {config.gpu_ids} names"
     nproc = config.nproc or max(usable, 1)
     # Without GPUs the workers run on CPU, as many as asked. With GPUs, two processes on one GPU make NCCL fail
-    # on a duplicate device, or share it silently under gloo.
-    if present and nproc > usable:
+    # on a duplicate device, so sharing is asked for by name (the Engine then defaults to gloo).
+    if present and nproc > usable and not config.share_gpus:
         raise UsageError(
             f"--nproc {nproc} starts more processes than {gpus}, and each needs a GPU of its own; "
-            f"pass --nproc {usable}{' or fewer' if usable > 1 else ''}."
+            f"pass --nproc {usable}{' or fewer' if usable > 1 else ''}, or --share-gpus to share them over gloo."
         )
     return nproc, selected
 

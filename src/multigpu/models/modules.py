@@ -8,6 +8,7 @@ import ctypes
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -260,3 +261,10 @@ class MetaValues:
 def name_pattern(pattern: str) -> re.Pattern[str]:
     """A module-name pattern as plans write them: `*` stands for one name in the dotted path."""
     return re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
+
+
+def call_with(model: nn.Module, inputs: Any) -> Any:
+    """model(inputs): a dict as keywords, a tuple as positional arguments, anything else as the one argument."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    return model(*inputs) if isinstance(inputs, tuple) else model(inputs)

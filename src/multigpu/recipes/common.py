@@ -86,7 +86,9 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
     named_gpus = [part for part in (config.gpu_ids or "").split(",") if part.strip()]
     nproc = config.nproc or (1 if settings["strategy"] == "dp" else len(named_gpus)) or 1
     restarts = getattr(config, "max_restarts", 0)
-    launch_config = LaunchConfig(nproc=nproc, gpu_ids=config.gpu_ids, max_restarts=restarts)
+    launch_config = LaunchConfig(
+        nproc=nproc, gpu_ids=config.gpu_ids, max_restarts=restarts, share_gpus=config.share_gpus
+    )
     if config.gpu_ids is not None:  # GPUs that are not there, before the strategies count them
         select_gpus(launch_config, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
     layout = start.check(EngineConfig(**settings), nproc)
@@ -103,8 +105,9 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
         if nproc == 1 and config.gpu_ids is None and restarts == 0:
             run(config)
             return 0
-        # torchrun would take --nproc and --max-restarts for its own; the workers read them from it (as_launched).
-        argv = config_to_argv(config, skip=("nproc", "max_restarts"))
+        # torchrun would take --nproc and --max-restarts for its own; the workers read them (and whether they share
+        # GPUs) from it (as_launched).
+        argv = config_to_argv(config, skip=("nproc", "max_restarts", "share_gpus"))
         return launch(launch_config, [module, *argv], module=True)
 
 
@@ -113,7 +116,9 @@ def as_launched(config: Any) -> Any:
     the restarts allowed, so that the settings it records (config.yaml) launch the same run again."""
     if "RANK" not in os.environ:
         return config
-    launch = {"nproc": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
+    launch: dict[str, Any] = {"nproc": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
+    if hasattr(config, "share_gpus"):
+        launch["share_gpus"] = torch.cuda.is_available() and launch["nproc"] > torch.cuda.device_count()
     if hasattr(config, "max_restarts"):
         launch["max_restarts"] = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     return replace(config, **launch)

@@ -100,6 +100,7 @@ class DemoRun(DemoConfig, EngineConfig):
 
     nproc: int | None = shown(LaunchConfig)
     gpu_ids: str | None = shown(LaunchConfig)
+    share_gpus: bool = shown(LaunchConfig)
 
     def values_for(self, source: type) -> dict[str, Any]:
         if source in (DemoConfig, EngineConfig):  # inherited whole, so held under their own names

@@ -64,6 +64,7 @@ class FinetuneSettings(RecipeSettings):
 
     nproc: int | None = shown(LaunchConfig, note=NPROC_NOTE, unset=NPROC_UNSET)
     gpu_ids: str | None = shown(LaunchConfig)
+    share_gpus: bool = shown(LaunchConfig)
     save_dir: str = shown(RunDirSettings, default="checkpoints/finetune")
     resume: str = shown(RunDirSettings)
     save_every: int = shown(RunDirSettings)
@@ -109,9 +110,7 @@ class FinetuneConfig(lm_data.DataSettings, FinetuneSettings, lm_models.ModelSett
     batch_size: int = setting(4, "sequences per device per micro-batch")
     lr: float = setting(2e-4, "peak learning rate (AdamW)")
     epochs: int = setting(1, "passes over the data (unless --max-steps stops sooner)")
-    max_steps: int | None = setting(
-        None, "stop after the samples of this many optimizer steps at the starting world size"
-    )
+    max_steps: int | None = setting(None, "stop after this many optimizer steps' samples at the starting world size")
     warmup_steps: int = setting(10, "linear warm-up over this many steps' samples, then cosine decay")
     lora_r: int = setting(8, "LoRA rank")
     lora_alpha: int = setting(16, "LoRA scaling numerator (scale = alpha / r)")

@@ -64,6 +64,7 @@ class TrainSettings(RecipeSettings):
 
     nproc: int | None = shown(LaunchConfig, note=NPROC_NOTE, unset=NPROC_UNSET)
     gpu_ids: str | None = shown(LaunchConfig)
+    share_gpus: bool = shown(LaunchConfig)
     max_restarts: int = shown(LaunchConfig)
     save_dir: str = shown(RunDirSettings)
     resume: str = shown(RunDirSettings)

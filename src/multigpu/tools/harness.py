@@ -225,11 +225,14 @@ def read_ranks(directory: Path, world_size: int) -> list[dict[str, Any]]:
     return [json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
-def run(target: list[str], module: bool, nproc: int, harness: Harness) -> list[dict[str, Any]]:
-    """Runs the script in `nproc` processes under `harness`; returns every rank's record."""
+def run(
+    target: list[str], module: bool, nproc: int, harness: Harness, share_gpus: bool = False
+) -> list[dict[str, Any]]:
+    """Runs the script in `nproc` processes under `harness` (several on each GPU with `share_gpus`); returns every
+    rank's record."""
     harness.save()
     worker = ("multigpu.tools.harness", harness.directory)
-    code = launch(LaunchConfig(nproc=nproc), target, module=module, worker=worker)
+    code = launch(LaunchConfig(nproc=nproc, share_gpus=share_gpus), target, module=module, worker=worker)
     if code != 0:
         raise UsageError(
             f"{target[0]} failed in {nproc} process(es) with exit code {code} (its errors are above); "

@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
-from multigpu.config.settings import Settings, override, setting, strategy_option_fields
+from multigpu.config.settings import Settings, override, setting, shown, strategy_option_fields
 from multigpu.core.errors import UsageError
 from multigpu.engine.config import EngineConfig
+from multigpu.launch.launcher import LaunchConfig
 from multigpu.tools import harness
 
 # (loss: relative difference per step, parameters: difference as a fraction of how far training moved them).
@@ -96,6 +97,7 @@ class VerifyConfig(Settings):
     nproc: int | None = setting(
         None, "processes to compare with one (default: 2, or 1 under dp; 1 with --strategy, for one GPU)"
     )
+    share_gpus: bool = shown(LaunchConfig)
     steps: int = setting(20, "optimizer steps to compare")
     loss_tolerance: float | None = setting(None, "allowed relative loss difference per step (default: by precision)")
     param_tolerance: float | None = setting(
@@ -171,7 +173,9 @@ def verify(config: VerifyConfig, target: list[str], module: bool = False) -> Ver
         if config.strategy is not None:
             imposed |= {name: getattr(config, name) for name in ("tp_size", "pp_size", "cp_size", "ep_size")}
         many = _folder(tmp, "many")
-        dist = harness.run(target, module, config.nproc, harness.Harness(str(many), imposed, **common))
+        dist = harness.run(
+            target, module, config.nproc, harness.Harness(str(many), imposed, **common), config.share_gpus
+        )
         samples = harness.step_samples(dist)
         # One process stands in for the N-process run's data-parallel ranks (tensor and pipeline ones share a batch).
         factor = dist[0]["data_parallel_size"]
