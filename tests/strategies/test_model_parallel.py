@@ -89,7 +89,6 @@ CELLS: dict[str, tuple[int, dict]] = {
     # How the step is computed (activation checkpointing, per-block torch.compile) under each strategy: the same
     # numbers as the plain run, so the same reference. Checkpointing recomputes with the same kernels on the same
     # inputs (bit for bit, tests/models/test_recompute.py); inductor fuses and reorders fp32 sums (~1e-7 relative).
-    "single-compile-selective": (1, {"multi_gpu": "single", **AOT, "activation_checkpointing": "selective"}),
     # ddp compiled: tests/parallel/test_experts.py's ddp-compile cell; full checkpointing compiled: zero3-compile-full.
     "ddp-full": (2, {"batch_size": 2, "multi_gpu": "ddp", "activation_checkpointing": "full"}),
     "zero1-compile-offload": (2, {"batch_size": 2, "multi_gpu": "zero1", **AOT, "activation_checkpointing": "offload"}),
@@ -106,16 +105,14 @@ CELLS: dict[str, tuple[int, dict]] = {
         2,
         {"batch_size": 2, "multi_gpu": "zero3", "method": "lora", "activation_checkpointing": "selective"},
     ),
-    # (hsdp 2 x 2 uncompiled is this cell's own arithmetic: aot_eager runs the eager model's kernels.)
-    "hsdp-2x2-compile-selective": (
+    # hsdp and zero3 inside pipeline stages wrap compiled blocks as zero2 and zero3 do above (FSDP2 units over the
+    # blocks parallelize compiled first), so these two run uncompiled.
+    "hsdp-2x2-selective": (
         4,
-        {"multi_gpu": "hsdp", "replicate": 2, "batch_size": 1, **AOT, "activation_checkpointing": "selective"},
+        {"multi_gpu": "hsdp", "replicate": 2, "batch_size": 1, "activation_checkpointing": "selective"},
     ),
     "zero3-x-tp-full": (4, {"multi_gpu": "zero3", "tp_size": 2, "batch_size": 2, "activation_checkpointing": "full"}),
-    "zero3-x-pp-compile-full": (
-        4,
-        {"multi_gpu": "zero3", "pp_size": 2, "batch_size": 2, **AOT, "activation_checkpointing": "full"},
-    ),
+    "zero3-x-pp-full": (4, {"multi_gpu": "zero3", "pp_size": 2, "batch_size": 2, "activation_checkpointing": "full"}),
     # Compile with tensor parallelism: the blocks compiled after tp split them, dynamo tracing their DTensors and
     # collectives (sequence parallelism's included), alone, inside zero3's shards and inside a pipeline's stages,
     # and with selective recomputation (full cannot run compiled under tp: refused). aot_eager runs the very kernels
@@ -297,7 +294,7 @@ def test_each_layout_reaches_the_one_process_validation_loss(results: dict, name
     # Llama's plan splits q_proj by output rows over tp (64 rows, 4 heads of 16): each rank holds half of them,
     # halved again where zero shards the slice; a pipeline's rank 0 holds layer 0 whole, or what tp or zero leave.
     split = {"tp-32": 32, "tp-bf16-mixed": 32, "tp-accumulate-2": 32, "replicas-x-tp": 32}
-    split |= {"tp-fp16-mixed": 32, "hsdp-2x2-compile-selective": 32, "zero2-compile-selective": 32}
+    split |= {"tp-fp16-mixed": 32, "hsdp-2x2-selective": 32, "zero2-compile-selective": 32}
     split |= {"zero3-compile-full": 32, "ddp-full": 64, "zero1-compile-offload": 64}
     split |= {"zero3-lora-selective": 32, "ddp-shares-3-1": 64, "zero3-shares-1-3": 32}
     # cp ranks hold what their data-parallel rank holds: zero shards over shard x cp.
