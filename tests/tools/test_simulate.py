@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import itertools
 import json
 import math
@@ -24,6 +26,7 @@ from multigpu.tools.simulate import (
     reduce_scatter,
     ring_time,
     simulate,
+    simulate_mixed,
     tree_all_reduce,
 )
 from multigpu.tools.simulate_request import fit_link, load_calibration, to_json
@@ -527,3 +530,42 @@ def test_grad_compression_sets_the_gradient_bytes_reduced() -> None:
         resolve(SimulateRequest(**request, strategy="zero3", grad_compression="powersgd"))
     with pytest.raises(UsageError, match="give --model instead of --params"):
         resolve(SimulateRequest(**{**request, "model": None, "params": 1e8}, grad_compression="powersgd"))
+
+
+def test_gpus_of_different_speeds_balanced_by_speed_finish_together() -> None:
+    """One GPU at twice the other's peak: with the same batch each, the slow one takes 2x the fast one's step; with
+    shares 2:1 of the same global batch, each takes 2 x 2 / 3 of it. A small model on NVLink hides its all-reduce,
+    so the step is the compute: 1.5x."""
+    small = config(params=1_000_000, layers=4, compute_s=1.0, units_per_step=8)
+    mixed = simulate_mixed(small, [2.0, 1.0])
+    assert mixed.shares == pytest.approx((2 / 3, 1 / 3))
+    assert mixed.even.compute_s == pytest.approx(2.0) and mixed.balanced.compute_s == pytest.approx(4 / 3)
+    assert mixed.speedup == pytest.approx(1.5, rel=1e-3)
+    assert mixed.even.gpus == mixed.balanced.gpus == 2 and mixed.balanced.comm_s == mixed.even.comm_s > 0
+    alike = simulate_mixed(small, [3.0, 3.0, 3.0])  # one speed: nothing to balance
+    assert alike.speedup == pytest.approx(1.0) and alike.shares == pytest.approx((1 / 3,) * 3)
+
+
+def test_cli_for_gpus_of_different_speeds_and_its_refusals() -> None:
+    from multigpu.cli import main
+    from tests.dist import refusal
+
+    args = ["simulate", "--model", "llama-3.1-8b", "--strategy", "zero3", "--tflops", "4x989,4x312", "--json"]
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert main(args) == 0
+    report = json.loads(printed.getvalue())
+    assert report["tflops"] == [989.0] * 4 + [312.0] * 4 and report["even"]["gpus"] == 8
+    assert report["shares"][0] == pytest.approx(989 / (4 * 989 + 4 * 312))
+    # compute-bound: the slowest GPU's time for the even batch over the balanced time, sum of speeds / (8 x slowest)
+    assert report["speedup"] == pytest.approx((4 * 989 + 4 * 312) / (8 * 312), rel=0.01)
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert main(args[:-1]) == 0
+    assert "balanced by: --batch-shares 989,989,989,989,312,312,312,312" in printed.getvalue()
+    for flags, words in [
+        (["--tflops", "4x989,4x312", "--gpus", "4"], "--tflops lists 8 GPUs and --gpus 4 says otherwise"),
+        (["--tflops", "2x989,0x312"], "--tflops '2x989,0x312' must list one value per GPU or COUNTxVALUE groups"),
+        (["--tflops", "989,312", "--tp-size", "2"], "simulated under data parallelism alone"),
+        (["--tflops", "989,-312"], "--tflops must be positive"),
+    ]:
+        printed = refusal("simulate", "--model", "llama-3.1-8b", *flags)
+        assert words in printed and printed.count("\n") == 1, printed

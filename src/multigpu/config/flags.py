@@ -6,8 +6,10 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar
 
@@ -328,3 +330,26 @@ def parse_list(text: str, flag: str, kind: type) -> list:
     if not values:
         raise UsageError(f"{flag} is empty; give at least one value.")
     return list(dict.fromkeys(values))
+
+
+GROUP = re.compile(r"^(\d+)\s*[xX]\s*(\S.*)$")
+
+
+def parse_groups(text: str, flag: str, value: Callable[[str], T], example: str) -> list[T]:
+    """One value per GPU from a flag's comma-separated values, each alone or as COUNTxVALUE (4x80GB: four GPUs of
+    80GB), in order. `value` reads one (raising ValueError, or UsageError with its own sentence)."""
+    found: list[T] = []
+    for part in (part.strip() for part in text.split(",")):
+        group = GROUP.match(part)
+        count, single = (int(group.group(1)), group.group(2)) if group else (1, part)
+        try:
+            if not part or count < 1:
+                raise ValueError(part)
+            found += [value(single.strip())] * count
+        except UsageError:
+            raise
+        except ValueError:
+            raise UsageError(
+                f"{flag} {text!r} must list one value per GPU or COUNTxVALUE groups of them, e.g. {example}."
+            ) from None
+    return found

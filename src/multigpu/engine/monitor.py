@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from multigpu.engine.observe import StepObserver, StepStats, leave_out
 from multigpu.engine.trackers import MetricsLog, parse_log_to
+from multigpu.planner.gpus import PEAK_TFLOPS
 
 if TYPE_CHECKING:
     from torch import nn
@@ -24,41 +25,6 @@ def peak_memory_bytes(device: Any) -> int:
     if getattr(device, "type", "cpu") == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-class PeakTflops(NamedTuple):
-    """One card's dense (no sparsity) peak TFLOPS; None where it has no tensor cores for the format."""
-
-    fp16: float  # tensor cores, FP32 accumulation
-    bf16: float | None
-    tf32: float | None
-    fp32: float  # plain FP32, without tensor cores
-
-
-HOPPER_SXM = PeakTflops(fp16=989.4, bf16=989.4, tf32=494.7, fp32=66.9)
-AMPERE_A100 = PeakTflops(fp16=312.0, bf16=312.0, tf32=156.0, fp32=19.5)
-VOLTA_V100_SXM2 = PeakTflops(fp16=125.0, bf16=None, tf32=None, fp32=15.7)
-
-# Keyed by the exact names torch.cuda.get_device_name() returns: a substring would lend "NVIDIA H100 NVL" the SXM
-# card's figures, "NVIDIA A10G" the A10's and "NVIDIA L40" the L4's. Figures are NVIDIA's datasheets' (Hopper's
-# and Ada's architecture whitepapers for their unrounded values and for the GeForce card); a card whose figures
-# are not certain is left out, and MFU is then not reported rather than wrong.
-PEAK_TFLOPS: dict[str, PeakTflops] = {
-    "NVIDIA H100 80GB HBM3": HOPPER_SXM,
-    "NVIDIA H200": HOPPER_SXM,  # the SXM card, the H100 SXM's compute; the H200 NVL is named "NVIDIA H200 NVL"
-    "NVIDIA H100 PCIe": PeakTflops(fp16=756.0, bf16=756.0, tf32=378.0, fp32=51.2),
-    "NVIDIA A100-SXM4-40GB": AMPERE_A100,
-    "NVIDIA A100-SXM4-80GB": AMPERE_A100,
-    "NVIDIA A100-PCIE-40GB": AMPERE_A100,
-    "NVIDIA A100 80GB PCIe": AMPERE_A100,
-    "NVIDIA L40S": PeakTflops(fp16=362.05, bf16=362.05, tf32=183.0, fp32=91.6),
-    "NVIDIA L4": PeakTflops(fp16=121.0, bf16=121.0, tf32=60.0, fp32=30.3),
-    "NVIDIA A10": PeakTflops(fp16=125.0, bf16=125.0, tf32=62.5, fp32=31.2),
-    "Tesla V100-SXM2-16GB": VOLTA_V100_SXM2,
-    "Tesla V100-SXM2-32GB": VOLTA_V100_SXM2,
-    "Tesla T4": PeakTflops(fp16=65.0, bf16=None, tf32=None, fp32=8.1),
-    "NVIDIA GeForce RTX 4090": PeakTflops(fp16=165.2, bf16=165.2, tf32=82.6, fp32=82.6),
-}
 
 
 def peak_tflops(device_name: str, precision: str, tf32: bool | None = None) -> float | None:

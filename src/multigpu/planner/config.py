@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass
 
 from multigpu.config.layout import (
@@ -26,30 +24,9 @@ from multigpu.config.layout import (
 )
 from multigpu.config.settings import ComputeSettings, Settings, TrainingSettings, setting, shown
 from multigpu.core.errors import UsageError
+from multigpu.planner.gpus import GpuKind, node_gpus
 
 OPTIMIZERS = ("adamw", "sgd", "adamw8bit")
-
-
-def parse_bytes(text: str | float, flag: str = "--gpu-memory") -> float:
-    """'80GB', '80GiB', '24g', '1.5e10' -> bytes (GB here means GiB, as GPU spec sheets use it).
-
-    A bare number is bytes; below 1 GiB it is refused, since no GPU is that small and `80` meant 80GB.
-    """
-    if isinstance(text, bool) or not isinstance(text, (str, int, float)):
-        raise UsageError(f"{flag} must be a size such as 80GB or 24GiB (got {text!r}).")
-    match = re.fullmatch(r"\s*(.*?)\s*([kmgt](?:i?b)?|b)?\s*", str(text).lower(), flags=re.DOTALL)
-    number, unit = match.group(1), match.group(2)
-    try:
-        value = float(number)
-    except ValueError:
-        raise UsageError(f"Cannot read the size {text!r}; write it like 80GB or 24GiB.") from None
-    if not math.isfinite(value) or value <= 0:
-        raise UsageError(f"{flag} must be positive and finite (got {text}); write it like 80GB or 24GiB.")
-    if unit is None and value < 2**30:
-        raise UsageError(
-            f"{flag} {text} has no unit, so it would mean {number} bytes; write {number}GB or {number}GiB."
-        )
-    return value * 1024 ** "bkmgt".index((unit or "b")[0])
 
 
 #: Which strategy each of the planner's rows is, as a layout (config/layout.py): each row's degrees are resolved as the
@@ -109,7 +86,12 @@ class PlanConfig(Settings):
     microbatches: int | None = shown(PipelineOptions, "pp_microbatches")
     activation_checkpointing: str = shown(ComputeSettings, note=" (plan: offload counts what stays on the GPU)")
     # The cluster and the model's training, plan's own.
-    gpus: int = setting(1, "GPUs per node")
+    gpus: str = setting(
+        "1",
+        "GPUs per node: a count, of --gpu-memory each; or a node of different GPUs, one by one or as COUNTxGPU "
+        "groups, a GPU being its memory or NAME-MEMORY (4xH100-80GB,4xA100-40GB; 4x80GB,4x40GB): the table is for "
+        "the smallest, and the batch shares each GPU's memory holds follow it",
+    )
     nodes: int = setting(1, "machines")
     gpu_memory: str = setting("80GB", "memory of one GPU, e.g. 80GB or 24GiB")
     optimizer: str = setting("adamw", "optimizer states to count", choices=OPTIMIZERS)
@@ -119,7 +101,10 @@ class PlanConfig(Settings):
     qlora: bool = setting(False, "4-bit (nf4) frozen base under LoRA adapters")
 
     def check(self) -> None:
-        for name in ("gpus", "nodes", "batch_size", "seq_len"):
+        self.gpus = str(self.gpus)  # a count given as a number, from Python or a config file
+        if self.mixed and self.gpu_memory != PlanConfig.gpu_memory:
+            raise UsageError(f"--gpus {self.gpus} gives each GPU's memory; drop --gpu-memory {self.gpu_memory}.")
+        for name in ("nodes", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be 1 or more (got {getattr(self, name)}).")
         self.tp_size, self.pp_size, self.cp_size = self.tp_size or 1, self.pp_size or 1, self.cp_size or 1
@@ -140,19 +125,29 @@ class PlanConfig(Settings):
                 f"--seq-len {self.seq_len} is not a multiple of 2 x --cp-size {self.cp_size} = {chunks} "
                 f"(each cp rank holds a head and a tail chunk of every sequence); choose a multiple of {chunks}."
             )
-        parse_bytes(self.gpu_memory)  # refuses what cannot be a GPU's memory, before anything is planned
         if self.lora_r is not None and self.lora_r < 1:
             raise UsageError(f"--lora-r must be 1 or more (got {self.lora_r}).")
         if self.qlora and self.lora_r is None:
             self.lora_r = 16  # QLoRA trains LoRA adapters on the quantised base; 16 is peft's usual rank
 
     @property
+    def node_gpus(self) -> list[GpuKind]:
+        """Each GPU of a node (refuses what cannot be one, before anything is planned)."""
+        return node_gpus(self.gpus, self.gpu_memory)
+
+    @property
+    def mixed(self) -> bool:
+        """Whether a node's GPUs differ in memory or speed."""
+        return len(set(self.node_gpus)) > 1
+
+    @property
     def gpu_bytes(self) -> float:
-        return parse_bytes(self.gpu_memory)
+        """The memory every GPU has: the smallest one's."""
+        return min(gpu.memory for gpu in self.node_gpus)
 
     @property
     def world(self) -> int:
-        return self.gpus * self.nodes
+        return len(self.node_gpus) * self.nodes
 
     @property
     def model_parallel(self) -> bool:

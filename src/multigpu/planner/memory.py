@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from multigpu.planner.activations import transformer_activations
-from multigpu.planner.config import OPTIMIZERS, PlanConfig, parse_bytes, takes_cp, takes_ep  # noqa: F401  (importers)
+from multigpu.planner.config import OPTIMIZERS, PlanConfig, takes_cp, takes_ep  # noqa: F401  (importers)
+from multigpu.planner.gpus import MixedGpus, parse_bytes  # noqa: F401  (importers)
 from multigpu.planner.layout import Stage, held_shape, pipeline_stages, stage_activations
 from multigpu.planner.setup_memory import BUILD_BYTES, setup_bytes, setup_fits
 from multigpu.planner.shapes import ModelShape
@@ -58,6 +59,7 @@ class Plan:
     experts: int = 0  # a mixture's routed experts per layer; 0: a dense model
     active_params: int = 0  # a mixture's parameters per token (0: a dense model, all of them)
     left_out: str = ""  # the strategies not shown, and why
+    mixed: MixedGpus | None = None  # a node of different GPUs: what each holds, and the batch shares that fit
 
     def to_dict(self) -> dict:
         return asdict(self)

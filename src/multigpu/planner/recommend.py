@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from multigpu.core.errors import UsageError
 from multigpu.planner.config import PlanConfig, takes_ep
+from multigpu.planner.gpus import MixedGpus, shares_that_fit
 from multigpu.planner.memory import (
     COMPOSED,
     DEEPSPEED,
@@ -42,6 +43,8 @@ def plan_shape(shape: ModelShape, config: PlanConfig, per: str = "GPU") -> Plan:
         without = "--cp-size or --ep-size"
         plan.left_out = f"{', '.join(DEEPSPEED)}: DeepSpeed lays out its own process groups, without {without}"
     candidates = _candidates(config)
+    if config.mixed and not config.model_parallel and config.cp_size == 1:  # one GPU per data-parallel rank
+        return recommend_mixed(plan, shape, config, per)
     fitting = [m for m in _ranked(shape, config, plan.strategies) if m.fits]
     allowed = [m for m in fitting if m.strategy != "zero3+offload" or config.cpu_offload]
     memory = f"{config.gpu_bytes / 2**30:.2f} GiB per {per}"
@@ -176,3 +179,39 @@ def _check_tp_divides_heads(shape: ModelShape, tp: int) -> None:
     for count, what in ((t.heads, "attention heads"), (t.kv_heads, "key/value heads")):
         if count % tp:
             raise UsageError(f"--tp-size {tp} does not divide the model's {count} {what}; choose one that does.")
+
+
+def recommend_mixed(plan: Plan, shape: ModelShape, config: PlanConfig, per: str) -> Plan:
+    """A node of different GPUs: the fastest strategy whose global batch the GPUs hold split by batch shares (an
+    even split that the smallest GPU holds among them), since the states are the same on every GPU and the slices
+    move only the activations."""
+    for row in _ranked(shape, config, plan.strategies):
+        if row.strategy == "zero3+offload" and not config.cpu_offload:
+            continue
+        mixed = mixed_gpus(shape, config, row.strategy)
+        if mixed.slices is None:
+            continue
+        plan.recommendation, plan.ep_size, plan.mixed = row.strategy, row.ep_size, mixed
+        split = "even shares fit every GPU" if row.fits else "only shares that give the smaller GPUs less fit"
+        plan.reason = f"{row.strategy} holds the global batch of {mixed.global_batch} on these GPUs; {split}"
+        plan.setup_warning = setup_warning(row, config.gpu_bytes, config.precision, per)
+        return plan
+    plan.reason = f"no shares of the global batch of {config.batch_size * config.world} fit: {what_else(config, per)}"
+    return plan
+
+
+def mixed_gpus(shape: ModelShape, config: PlanConfig, strategy: str) -> MixedGpus:
+    """Under `strategy`, the largest batch each of a node's GPUs holds (its own plan at its memory, the states
+    sharded over the same GPUs), and each GPU's slice of the global batch (--batch-size x the GPUs): by speed where
+    every GPU's peak is known, else by what each holds, within what each holds."""
+    gpus = config.node_gpus * config.nodes
+    most = {}
+    for memory in {gpu.memory for gpu in gpus}:
+        alike = replace(config, gpus=str(len(config.node_gpus)), gpu_memory=f"{memory / 2**30}GiB")
+        most[memory] = next(m for m in plan_shape(shape, alike).strategies if m.strategy == strategy).max_batch_size
+    holds = [most[gpu.memory] for gpu in gpus]
+    known = all(gpu.tflops for gpu in gpus)
+    speeds = [gpu.tflops or 0.0 for gpu in gpus] if known else [float(n) for n in holds]
+    total = config.batch_size * len(gpus)
+    slices = shares_that_fit(holds, speeds, total)
+    return MixedGpus([gpu.label for gpu in gpus], holds, slices, total, "speed" if known else "memory")

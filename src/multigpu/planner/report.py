@@ -49,7 +49,8 @@ def title(plan: Plan) -> str:
     active = f", {plan.active_params / 1e9:.3g}B active in {plan.experts} experts" if plan.experts else ""
     return (
         f"{plan.model}: {plan.params / 1e9:.3g}B parameters ({plan.trainable / 1e6:,.1f}M trainable{active}), "
-        f"{c.world} GPU(s) of {c.gpu_bytes / 2**30:.0f} GiB, {c.precision}, {c.optimizer}, "
+        f"{c.world} GPU(s) of {c.gpu_bytes / 2**30:.0f} GiB{' (the smallest)' if c.mixed else ''}, {c.precision}, "
+        f"{c.optimizer}, "
         f"batch {c.batch_size} x {c.seq_len} tokens{checkpointing}" + layout(plan)
     )
 
@@ -111,4 +112,32 @@ def notes(plan: Plan) -> list[str]:
     lines.append(f"recommendation: {plan.recommendation or 'none'}{cp} ({plan.reason})")
     if plan.setup_warning:
         lines.append(f"warning: {plan.setup_warning}")
+    return lines + mixed_notes(plan)
+
+
+def mixed_notes(plan: Plan) -> list[str]:
+    """A node of different GPUs: what each holds under the recommendation, and the batch shares that fit."""
+    c, mixed = plan.config, plan.mixed
+    if not c.mixed:
+        return []
+    kinds = [
+        f"{c.node_gpus.count(gpu)} x {gpu.label}" + (f" ({gpu.tflops:g} TFLOPS)" if gpu.tflops else "")
+        for gpu in dict.fromkeys(c.node_gpus)
+    ]
+    lines = [", ".join(kinds) + " per node: the table is for the smallest"]
+    if mixed is None:
+        grouped = c.model_parallel or c.cp_size > 1
+        why = "under tp, pp or cp the smallest GPU alone is planned" if grouped else "no split of the batch fits"
+        return [*lines, f"batch shares: none ({why})"]
+    holds = dict(zip(mixed.gpus, mixed.most, strict=True))
+    lines.append(
+        f"under {plan.recommendation} each GPU holds at most "
+        + ", ".join(f"{label} {most}" for label, most in holds.items())
+        + f" sequences of {c.seq_len} tokens"
+    )
+    slices = ",".join(map(str, mixed.slices or ()))
+    lines.append(
+        f"batch shares by {mixed.by} within memory: --batch-shares {slices} (the global batch of "
+        f"{mixed.global_batch}, {c.batch_size} per GPU when even)"
+    )
     return lines

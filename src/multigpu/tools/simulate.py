@@ -142,6 +142,38 @@ def simulate(
     return predictions
 
 
+@dataclass(frozen=True)
+class MixedPrediction:
+    """Data parallelism over GPUs of different speeds: a step with every GPU given the same batch (even), and one
+    with each GPU given a share of the same global batch in proportion to its speed (balanced)."""
+
+    tflops: tuple[float, ...]  # each GPU's peak
+    shares: tuple[float, ...]  # balanced: each GPU's fraction of the global batch
+    even: Prediction
+    balanced: Prediction
+
+    @property
+    def speedup(self) -> float:
+        return self.even.step_s / self.balanced.step_s
+
+
+def simulate_mixed(
+    config: SimulateConfig, tflops: list[float], intra: Link | Links | None = None, inter: Link | Links | None = None
+) -> MixedPrediction:
+    """`config.compute_s`: one device's step at the per-device batch on the fastest GPU (the largest of `tflops`).
+    The collectives carry the same bytes either way; what changes is the compute they wait for: even shares wait for
+    the slowest GPU, balanced ones finish together, each GPU's compute the global batch's over the summed speed."""
+    speeds = [peak / max(tflops) for peak in tflops]
+    n = len(speeds)
+
+    def step(compute_s: float) -> Prediction:
+        return simulate(dataclasses.replace(config, compute_s=compute_s, gpus=(n,)), intra, inter)[0]
+
+    even = step(config.compute_s / min(speeds))
+    balanced = step(config.compute_s * n / sum(speeds))
+    return MixedPrediction(tuple(tflops), tuple(speed / sum(speeds) for speed in speeds), even, balanced)
+
+
 def layout_step(config: SimulateConfig, n: int, intra: Links, inter: Links, compute: float) -> tuple[float, ...]:
     """(comm, exposed comm, bubble, all-to-all) seconds of one step of one GPU under tp x pp x cp x data parallel
     (x ep), `compute` being that GPU's share of the replica's compute.

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from multigpu.config.flags import json_value, parse_list, read_json
+from multigpu.config.flags import json_value, parse_groups, parse_list, read_json
 from multigpu.config.settings import Settings, setting, shown
 from multigpu.core.errors import UsageError
 from multigpu.engine.config import EngineConfig
@@ -27,12 +27,14 @@ from multigpu.tools.simulate import (
     STRATEGIES,
     Link,
     Links,
+    MixedPrediction,
     Prediction,
     SimulateConfig,
     compute_time,
     flops_per_token,
     hops_and_factor,
     simulate,
+    simulate_mixed,
 )
 
 if TYPE_CHECKING:  # the planner's shapes are imported where a request is resolved
@@ -124,6 +126,26 @@ def format_table(predictions: list[Prediction], title: str | None = None) -> str
     return console.file.getvalue()
 
 
+def format_mixed(mixed: MixedPrediction) -> str:
+    """Even against speed-balanced batch shares, as a table, and the --batch-shares that balance them."""
+    from rich.console import Console
+    from rich.table import Table
+
+    kinds = " + ".join(f"{mixed.tflops.count(peak)} x {peak:g}" for peak in dict.fromkeys(mixed.tflops))
+    unit = mixed.even.unit
+    table = Table(title=f"{len(mixed.tflops)} GPUs of {kinds} peak TFLOPS, data parallel")
+    for column in ("batch shares", "step s", "compute s", "exposed comm s", f"{unit}/s", "vs even"):
+        table.add_column(column, justify="right")
+    for name, p in (("even", mixed.even), ("by speed", mixed.balanced)):
+        speedup = mixed.even.step_s / p.step_s
+        times = (f"{t:.4f}" for t in (p.step_s, p.compute_s, p.exposed_comm_s))
+        table.add_row(name, *times, f"{p.throughput:,.1f}", f"{speedup:.2f}x")
+    console = Console(file=io.StringIO(), width=150, color_system=None)
+    console.print(table)
+    weights = ",".join(f"{peak:g}" for peak in mixed.tflops)
+    return console.file.getvalue() + f"balanced by: --batch-shares {weights}\n"
+
+
 @dataclass
 class SimulateRequest(Settings):
     """`multigpu simulate`'s flags, one to one; `resolve` turns them into a SimulateConfig and its links. The strategy
@@ -166,7 +188,11 @@ class SimulateRequest(Settings):
     compute_s: float | None = setting(None, "seconds of one step on one device, if known")
     units_per_step: float | None = setting(None, "with --compute-s: samples per device")
     bench: str | None = setting(None, "take compute time and units from a bench.json's 1-process cell")
-    tflops: float | None = setting(None, "device peak TFLOPS, to derive the compute time")
+    tflops: str | None = setting(
+        None,
+        "device peak TFLOPS, to derive the compute time; GPUs of different speeds as one value per GPU or "
+        "COUNTxTFLOPS groups (4x989,4x312): the step with even batch shares against shares by speed",
+    )
     mfu: float = setting(0.4, "with --tflops: the utilisation assumed")
     seq_len: int = setting(2048, "tokens per sample (--tflops; tp/pp's activations)")
     batch_size: int = setting(1, "with --tflops: samples per device per step (with tp/pp: per replica)")
@@ -261,8 +287,35 @@ def check_layout(request: SimulateRequest, shape: ModelShape) -> None:
         )
 
 
+def device_tflops(request: SimulateRequest) -> list[float]:
+    """--tflops: one peak (every GPU alike), or one per GPU of a mixed cluster; [] without --tflops."""
+    if request.tflops is None:
+        return []
+    return parse_groups(request.tflops, "--tflops", float, "989, or 4x989,4x312 for GPUs of two speeds")
+
+
+def check_mixed(request: SimulateRequest, peaks: list[float]) -> None:
+    """A mixed cluster's --tflops counts its GPUs, and is simulated where each GPU reads its own share of the batch."""
+    if request.gpus != SimulateRequest.gpus and parse_list(request.gpus, "--gpus", int) != [len(peaks)]:
+        raise UsageError(
+            f"--tflops lists {len(peaks)} GPUs and --gpus {request.gpus} says otherwise; drop --gpus (the --tflops "
+            "groups count the GPUs)."
+        )
+    if request.tp_size * request.pp_size * request.cp_size * request.ep_size > 1:
+        raise UsageError(
+            "GPUs of different speeds are simulated under data parallelism alone, each GPU taking its own share of "
+            "the batch; drop --tp-size, --pp-size, --cp-size and --ep-size."
+        )
+    if not all(0 < peak < math.inf for peak in peaks):
+        raise UsageError(f"--tflops must be positive (got {request.tflops}).")
+
+
 def gpu_counts(request: SimulateRequest) -> tuple[int, ...]:
-    """The GPU counts of --gpus; of the default list, those the layout divides."""
+    """The GPU counts of --gpus; of the default list, those the layout divides; a mixed cluster's count."""
+    peaks = device_tflops(request)
+    if len(peaks) > 1:
+        check_mixed(request, peaks)
+        return (len(peaks),)
     gpus = tuple(parse_list(request.gpus, "--gpus", int))
     mp = request.tp_size * request.pp_size * request.cp_size
     divides = math.lcm(mp, request.tp_size * request.pp_size * request.ep_size)  # ep: of the dp x cp ranks
@@ -280,7 +333,7 @@ def step_compute(request: SimulateRequest, shape: ModelShape) -> tuple[float, fl
     if request.bench is not None:
         return from_bench(Path(request.bench), request.strategy)
     units = request.batch_size * request.seq_len
-    compute = compute_time(flops_per_token(shape, request.seq_len), units, request.tflops, request.mfu)
+    compute = compute_time(flops_per_token(shape, request.seq_len), units, max(device_tflops(request)), request.mfu)
     compute *= 1 + FORWARD_RUN_AGAIN[request.activation_checkpointing] / 3  # a forward: a third of the FLOPs
     return compute, units, "tokens"
 
@@ -342,6 +395,11 @@ def from_bench(path: Path, strategy: str) -> tuple[float, float, str]:
 def run(request: SimulateRequest, as_json: bool) -> int:
     """`multigpu simulate`: the predictions for `request`, as a table or (`as_json`) as JSON."""
     config, intra, inter = resolve(request)
+    peaks = device_tflops(request)
+    if len(peaks) > 1:
+        mixed = simulate_mixed(config, peaks, intra, inter)
+        print(json.dumps({**asdict(mixed), "speedup": mixed.speedup}, indent=2) if as_json else format_mixed(mixed))
+        return 0
     predictions = simulate(config, intra, inter)
     if as_json:
         print(to_json(predictions))
