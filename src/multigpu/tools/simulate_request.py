@@ -291,7 +291,8 @@ def device_tflops(request: SimulateRequest) -> list[float]:
     """--tflops: one peak (every GPU alike), or one per GPU of a mixed cluster; [] without --tflops."""
     if request.tflops is None:
         return []
-    return parse_groups(request.tflops, "--tflops", float, "989, or 4x989,4x312 for GPUs of two speeds")
+    # (str: a number given from Python or a config file reads as its text)
+    return parse_groups(str(request.tflops), "--tflops", float, "989, or 4x989,4x312 for GPUs of two speeds")
 
 
 def check_mixed(request: SimulateRequest, peaks: list[float]) -> None:
