@@ -105,7 +105,6 @@ def to_json(predictions: list[Prediction]) -> str:
 
 def format_table(predictions: list[Prediction], title: str | None = None) -> str:
     """A rich table as text, for a terminal or a log."""
-    from rich.console import Console
     from rich.table import Table
 
     unit = predictions[0].unit if predictions else "samples"
@@ -121,6 +120,13 @@ def format_table(predictions: list[Prediction], title: str | None = None) -> str
         times = (f"{t:.4f}" for t in seconds)
         rates = (f"{p.throughput:,.1f}", f"{p.per_gpu_throughput:,.1f}", f"{p.speedup:.2f}", f"{p.efficiency:.1%}")
         table.add_row(str(p.gpus), str(p.nodes), *times, *rates)
+    return rendered(table)
+
+
+def rendered(table: Any) -> str:
+    """A rich table as text, 150 columns wide, without colour."""
+    from rich.console import Console
+
     console = Console(file=io.StringIO(), width=150, color_system=None)
     console.print(table)
     return console.file.getvalue()
@@ -128,7 +134,6 @@ def format_table(predictions: list[Prediction], title: str | None = None) -> str
 
 def format_mixed(mixed: MixedPrediction) -> str:
     """Even against speed-balanced batch shares, as a table, and the --batch-shares that balance them."""
-    from rich.console import Console
     from rich.table import Table
 
     kinds = " + ".join(f"{mixed.tflops.count(peak)} x {peak:g}" for peak in dict.fromkeys(mixed.tflops))
@@ -140,10 +145,8 @@ def format_mixed(mixed: MixedPrediction) -> str:
         speedup = mixed.even.step_s / p.step_s
         times = (f"{t:.4f}" for t in (p.step_s, p.compute_s, p.exposed_comm_s))
         table.add_row(name, *times, f"{p.throughput:,.1f}", f"{speedup:.2f}x")
-    console = Console(file=io.StringIO(), width=150, color_system=None)
-    console.print(table)
     weights = ",".join(f"{peak:g}" for peak in mixed.tflops)
-    return console.file.getvalue() + f"balanced by: --batch-shares {weights}\n"
+    return rendered(table) + f"balanced by: --batch-shares {weights}\n"
 
 
 @dataclass
