@@ -182,8 +182,8 @@ def _check_tp_divides_heads(shape: ModelShape, tp: int) -> None:
 
 
 def recommend_mixed(plan: Plan, shape: ModelShape, config: PlanConfig, per: str) -> Plan:
-    """A node of different GPUs: the fastest strategy whose global batch the GPUs hold split by batch shares (an
-    even split that the smallest GPU holds among them), since the states are the same on every GPU and the slices
+    """A node of different GPUs: the fastest strategy whose global batch the GPUs hold split by batch shares (the
+    even split among them, where the smallest GPU holds it): the states are the same on every GPU, and the slices
     move only the activations."""
     for row in _ranked(shape, config, plan.strategies):
         if row.strategy == "zero3+offload" and not config.cpu_offload:
