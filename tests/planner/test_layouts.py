@@ -7,7 +7,7 @@ import pytest
 from multigpu.core.errors import UsageError
 from multigpu.planner import plan
 from multigpu.planner.layout import bubble_fraction, micro_batches_in_flight, pipeline_stages
-from multigpu.planner.shapes import BUILTIN
+from multigpu.planner.shapes import BUILTIN, ModelShape
 
 COMMON = {"gpus": 8, "gpu_memory": "80GB", "batch_size": 1, "seq_len": 2048, "precision": "bf16-mixed"}
 
@@ -146,3 +146,18 @@ def test_each_planner_row_lays_processes_out_as_its_strategy_does() -> None:
         return {"tp+pp": "pp", "zero3+offload": "zero3"}.get(row, "deepspeed" if "deepspeed" in row else row)
 
     assert {row: SPREADS[row] for row in SPREADS} == {row: strategy_class(strategy_of(row)).spread for row in SPREADS}
+
+
+def test_pp_split_sizes_each_stage_and_the_binding_rank_is_shown() -> None:
+    """pp_split's counts are the stages' layers: 16,16 is the even split itself; 4,28 puts seven eighths of the
+    layers on the last rank, whose memory then binds."""
+    settings = {"gpus": 2, "pp_size": 2, "batch_size": 1, "seq_len": 2048}
+    (even,) = plan("llama-3.1-8b", **settings).strategies
+    (same,) = plan("llama-3.1-8b", **settings, pp_split="16,16").strategies
+    (heavy,) = plan("llama-3.1-8b", **settings, pp_split="4,28").strategies
+    assert same.total == even.total and (even.pp_rank, heavy.pp_rank) == (0, 1)
+    assert heavy.total > 1.4 * even.total
+    with pytest.raises(UsageError, match=r"^pp_split 4,20 names 2 stages of 24 layers in all, but .* give 2 counts"):
+        plan("llama-3.1-8b", **settings, pp_split="4,20")
+    with pytest.raises(UsageError, match=r"^pp_split 1,1 counts the model's layers, .*; add --layers\.$"):
+        plan(ModelShape(params=7_000_000_000), gpus=2, pp_size=2, pp_split="1,1")

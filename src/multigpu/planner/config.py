@@ -83,6 +83,7 @@ class PlanConfig(Settings):
     sequence_parallel: bool = shown(TensorParallelOptions)
     pp_schedule: str = shown(PipelineOptions)
     pp_stages_per_rank: int = shown(PipelineOptions)
+    pp_split: str | None = shown(PipelineOptions, note="; plan: the pipeline rank shown is the one whose total binds")
     microbatches: int | None = shown(PipelineOptions, "pp_microbatches")
     activation_checkpointing: str = shown(ComputeSettings, note=" (plan: offload counts what stays on the GPU)")
     # The cluster and the model's training, plan's own.

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from multigpu.config.layout import stage_layers
 from multigpu.core.errors import UsageError
 from multigpu.planner.activations import layer_parts, layers_kept, transformer_parts
 from multigpu.planner.shapes import ModelShape
@@ -51,17 +52,21 @@ def micro_batches_in_flight(schedule: str, pp: int, rank: int, stages_per_rank: 
     return chunks / v
 
 
-def pipeline_stages(layers: int, pp: int, stages_per_rank: int, schedule: str, microbatches: int) -> list[Stage]:
-    """Every pipeline rank's share. `layers` 0 (a model without known layers) splits nothing but the in-flight
-    count; the caller divides its parameters evenly instead."""
+def pipeline_stages(
+    layers: int, pp: int, stages_per_rank: int, schedule: str, microbatches: int, split: str | None = None
+) -> list[Stage]:
+    """Every pipeline rank's share: `split`'s layers per stage (pp_split), else as even as they allow. `layers` 0 (a
+    model without known layers) splits nothing but the in-flight count; the caller divides its parameters evenly
+    instead."""
     count = pp * stages_per_rank
     if layers and count > layers:
         raise UsageError(
             f"pp_size {pp} x {stages_per_rank} stage(s) per rank makes {count} pipeline stages for the model's "
             f"{layers} layers; choose a pp_size (and pp_stages_per_rank) whose product is at most {layers}."
         )
-    base, extra = divmod(layers, count)
-    per_stage = [base + (1 if stage < extra else 0) for stage in range(count)]
+    if split is not None and not layers:
+        raise UsageError(f"pp_split {split} counts the model's layers, which --params alone do not give; add --layers.")
+    per_stage = [len(stage) for stage in stage_layers(layers, count, split)] if layers else [0] * count
     return [
         Stage(
             rank=rank,

@@ -120,7 +120,7 @@ def strategy_memory(name: str, shape: ModelShape, config: PlanConfig, batch: int
 def _stages(shape: ModelShape, config: PlanConfig) -> list[Stage]:
     layers = shape.transformer.layers if shape.transformer else 0
     return pipeline_stages(
-        layers, config.pp_size, config.pp_stages_per_rank, config.pp_schedule, config.microbatches or 1
+        layers, config.pp_size, config.pp_stages_per_rank, config.pp_schedule, config.microbatches or 1, config.pp_split
     )
 
 
