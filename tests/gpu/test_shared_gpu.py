@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist import multigpu
+from tests.recipes.test_finetune import write_text
 
 # fp32 on both sides: the two runs differ only in how the batch is split and summed (and in CUDA's atomics, which
 # sum in any order: ~1e-6 relative); a wrong scale, route or missing reduction moves the loss far more.
@@ -40,12 +41,6 @@ def verify(layout: list[str], target: list[str]) -> None:
     assert result.returncode == 0 and report["passed"], result.stdout
 
 
-def write_text(tmp_path: Path) -> str:
-    text = tmp_path / "text.txt"
-    text.write_text(" ".join(f"Line {i}: to be, or not to be." for i in range(300)))
-    return str(text)
-
-
 @pytest.mark.parametrize("name", RUNS)
 def test_two_processes_on_one_gpu_compute_what_one_process_does(name: str) -> None:
     verify(RUNS[name], SCRIPT)
@@ -53,14 +48,15 @@ def test_two_processes_on_one_gpu_compute_what_one_process_does(name: str) -> No
 
 def test_context_parallelism_on_one_shared_gpu(tmp_path: Path) -> None:
     """Ulysses' all-to-alls on CUDA tensors through gloo, on the tiny Llama."""
-    recipe = ["-m", "multigpu.recipes.finetune", "--model", "tiny", "--data", write_text(tmp_path), "--seq-len", "32"]
+    data = write_text(tmp_path / "text.txt")
+    recipe = ["-m", "multigpu.recipes.finetune", "--model", "tiny", "--data", data, "--seq-len", "32"]
     verify(["--strategy", "ddp", "--cp-size", "2"], [*recipe, "--method", "full", "--save-dir", str(tmp_path / "r")])
 
 
 @pytest.mark.parametrize("name", REFUSED)
 def test_what_gloo_cannot_carry_on_cuda_is_refused_before_the_launch(tmp_path: Path, name: str) -> None:
     layout, needs = REFUSED[name]
-    args = ["finetune", "--share-gpus", "--nproc", "2", "--data", write_text(tmp_path), *layout]
+    args = ["finetune", "--share-gpus", "--nproc", "2", "--data", write_text(tmp_path / "text.txt"), *layout]
     result = multigpu(*args, "--save-dir", str(tmp_path / "run"), timeout=120)
     assert result.returncode == 2, result.stdout
     assert f"talk over gloo, whose all-gathers and sends crash on CUDA tensors, and {needs} needs them" in result.stdout

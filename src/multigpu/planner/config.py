@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from multigpu.config.layout import (
@@ -131,9 +132,10 @@ class PlanConfig(Settings):
         if self.qlora and self.lora_r is None:
             self.lora_r = 16  # QLoRA trains LoRA adapters on the quantised base; 16 is peft's usual rank
 
-    @property
+    @functools.cached_property
     def node_gpus(self) -> list[GpuKind]:
-        """Each GPU of a node (refuses what cannot be one, before anything is planned)."""
+        """Each GPU of a node (refuses what cannot be one, before anything is planned); read once, as the plan asks
+        it for the world size and the smallest memory at every row."""
         return node_gpus(self.gpus, self.gpu_memory)
 
     @property
