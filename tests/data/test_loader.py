@@ -28,7 +28,7 @@ def loaders(samples: int, world: int, batch: int, accum: int = 1, **kwargs) -> l
             batch_size=batch,
             shuffle=kwargs.get("shuffle", True),
             drop_last=kwargs.get("drop_last", False),
-            num_workers=0,
+            num_workers=kwargs.get("num_workers", 0),
             collate_fn=None,
             rank=rank,
             world_size=world,
@@ -325,6 +325,28 @@ def test_shares_split_the_one_process_global_batches_by_weight_and_resume_anywhe
         for loader in after:
             loader.load_state_dict(before[0].state_dict())
         assert Counter(seen_before + take(after)) == Counter(range(samples))
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_shares_changed_during_a_pass_split_the_batches_not_yet_planned(workers: int) -> None:
+    """batch_shares auto's change after the third batch: with a worker, the DataLoader has planned two batches
+    more (prefetch_factor 2), on every rank alike; the global batches stay one process's, and each rank's
+    yielded batches are recomputed as they were read."""
+    group = loaders(56, 2, 4, shuffle=True, num_workers=workers)
+    one = take(loaders(56, 1, 8))
+    iterators = [iter(loader) for loader in group]
+    parts, values = [], []
+    for step in range(7):
+        batches = [next(it)[0] for it in iterators]
+        parts.append([len(batch) for batch in batches])
+        values += [v for batch in batches for v in batch.tolist()]
+        if step == 2:
+            for loader in group:
+                loader.set_shares((3.0, 1.0))
+    assert parts == [[4, 4]] * (3 + 2 * workers) + [[6, 2]] * (4 - 2 * workers)
+    assert sorted(values) == sorted(one) and len(set(values)) == 56
+    for loader in group:
+        assert [loader.yielded[k].real for k in range(7)] == [part[loader.rank] for part in parts]
 
 
 def test_split_by_shares_adds_up_gives_each_rank_one_and_follows_the_weights() -> None:

@@ -191,6 +191,16 @@ def test_shares_split_each_global_batch_by_weight_and_resume_evenly() -> None:
         part.load_state_dict(shared[0].state_dict())
     rest = zip(*(itertools.islice(part, 8) for part in even), strict=True)
     assert [sorted(torch.cat(step).tolist()) for step in rest] == one[12:]
+    # Shares changed between two batches (batch_shares auto): the next global batch is split the new way.
+    moved = [loader(2, rank, shares=(3, 1)) for rank in range(2)]
+    passes, steps = [iter(part) for part in moved], []
+    for step in range(4):
+        steps.append([next(part) for part in passes])
+        if step == 1:
+            for part in moved:
+                part.set_shares((1.0, 3.0))
+    assert [[len(part) for part in step] for step in steps] == [[3, 1], [3, 1], [1, 3], [1, 3]]
+    assert [sorted(torch.cat(step).tolist()) for step in steps] == one[:4]
 
 
 def test_state_dict_round_trip_continues_with_the_same_batches() -> None:

@@ -7,6 +7,7 @@ import io
 import itertools
 import json
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -91,6 +92,7 @@ def two_process_checks(log_dir: str) -> dict:
         "tokens": {name: token_normalised_step(name, str(Path(log_dir, name))) for name in TOKENS},
         "overflow": [overflow_once(strategy) for strategy in ("ddp", "zero3")],
         "misuse": ddp_misuse(),
+        "auto_shares": auto_shares(str(Path(log_dir, "auto_shares"))),
     }
 
 
@@ -179,6 +181,66 @@ def test_count_gives_the_token_mean_over_the_global_batch_and_the_monitor_logs(
         assert records[0]["perf/flops_per_step"] == 144 * 2 * 2
         assert records[0]["perf/mfu"] > 0
         assert records[0]["batch_shares"] == ([0.25, 0.75] if "shares" in name else [0.5, 0.5])
+
+
+def burn(seconds: float) -> None:
+    """Keeps this thread on its CPU for `seconds`: a slower rank's compute, as its clock measures it."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+AUTO_STEPS = 14  # two checks (after steps 6 and 10: balance.WARMUP_STEPS, CHECK_EVERY) and the steps after them
+
+
+def auto_shares(log_dir: str) -> dict:
+    """zero3 under batch_shares auto, rank 1 spending 1 ms more per sample: one optimizer step per epoch of 16."""
+    engine = mg.Engine(strategy="zero3", batch_shares="auto", log_every=2, log_dir=log_dir, peak_tflops=1.0)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 1)
+    model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    loader = engine.dataloader(TensorDataset(*AUTO_DATA), batch_size=8, shuffle=False)
+    sizes = []
+    for _ in range(AUTO_STEPS):
+        for x, y in loader:
+            burn(1e-3 * len(x) * engine.rank)
+            engine.backward(torch.nn.functional.mse_loss(model(x), y))
+            engine.step(optimizer)
+            sizes.append(len(x))
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        engine.close()
+    weights = {k: _full(v).detach().clone() for k, v in engine.model_state_dict(model).items()}
+    return {"weights": weights, "sizes": sizes, "shares": engine.batch_shares, "said": said.getvalue()}
+
+
+AUTO_DATA = (torch.randn(16, 5, generator=torch.Generator().manual_seed(3)), torch.linspace(-1, 1, 16)[:, None])
+
+
+def test_auto_shares_move_toward_the_faster_rank_and_train_as_one_process(
+    two_processes: tuple[Path, list[dict]],
+) -> None:
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(5, 1)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for _ in range(AUTO_STEPS):  # the whole global batch of 16 in one process
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(reference(AUTO_DATA[0]), AUTO_DATA[1]).backward()
+        optimizer.step()
+    ranks = [rank["auto_shares"] for rank in two_processes[1]]
+    for result in ranks:  # the same gradient at every split: ~1e-7 apart from the order of the sums
+        assert torch.allclose(result["weights"]["weight"], reference.weight, atol=1e-6)
+        assert torch.allclose(result["weights"]["bias"], reference.bias, atol=1e-6)
+    # Rank 1 costs ~1 ms a sample against rank 0's ~0.05: the split moved to rank 0 and the parts add up to 16.
+    sizes = [rank["sizes"] for rank in ranks]
+    assert sizes[0][:6] == sizes[1][:6] == [8] * 6
+    assert all(a + b == 16 for a, b in zip(*sizes, strict=True)) and sizes[0][-1] >= 12
+    assert ranks[0]["shares"][0] >= 0.75 and "batch_shares auto settled on" in ranks[0]["said"]
+    log = two_processes[0] / "auto_shares" / "metrics.jsonl"
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert records[0]["batch_shares"] == [0.5, 0.5] and "batch_speeds/samples_per_s" not in records[0]
+    speeds = records[-1]["batch_speeds/samples_per_s"]
+    assert records[-1]["batch_shares"][0] >= 0.75 and speeds[0] > speeds[1]
 
 
 def overflow_once(strategy: str) -> dict:

@@ -160,6 +160,27 @@ def test_dp_replicas_compute_in_bf16() -> None:
 
 
 @two_gpus
+def test_dp_batch_shares_give_gpu_0_fewer_rows_and_the_same_output() -> None:
+    """dp with batch_shares 1,3: GPU 0 (which gathers the outputs) computes 4 of 16 rows; the gathered output is the
+    even split's."""
+    from multigpu.strategies.dp import AutocastDataParallel
+
+    rows: dict[int, int] = {}
+
+    class Probe(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            rows[x.device.index] = x.shape[0]
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    inner, x = Probe(8, 8).cuda(), torch.randn(16, 8, device="cuda")
+    shares = (1.0, 3.0) + (1.0,) * (torch.cuda.device_count() - 2)
+    uneven = AutocastDataParallel(inner, shares)(x)
+    assert rows[0] < rows[1] and sum(rows.values()) == 16
+    assert torch.allclose(uneven, AutocastDataParallel(inner)(x), atol=1e-6)
+
+
+@two_gpus
 def test_two_gpus_train_like_one(tmp_path: Path) -> None:
     from tests.reference import train_reference
     from tests.strategies.test_equivalence import MATRIX, assert_matches

@@ -11,8 +11,11 @@ one resumes.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
+import os
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -90,7 +93,12 @@ CELLS: dict[str, tuple[int, dict]] = {
     # numbers as the plain run, so the same reference. Checkpointing recomputes with the same kernels on the same
     # inputs (bit for bit, tests/models/test_recompute.py); inductor fuses and reorders fp32 sums (~1e-7 relative).
     # ddp compiled: tests/parallel/test_experts.py's ddp-compile cell; full checkpointing compiled: zero3-compile-full.
-    "ddp-full": (2, {"batch_size": 2, "multi_gpu": "ddp", "activation_checkpointing": "full"}),
+    # (batch_shares auto beside it: too few steps for a check, so it trains even; its checks move the split in
+    # tests/engine/test_engine.py.)
+    "ddp-full-auto-shares": (
+        2,
+        {"batch_size": 2, "multi_gpu": "ddp", "activation_checkpointing": "full", "batch_shares": "auto"},
+    ),
     "zero1-compile-offload": (2, {"batch_size": 2, "multi_gpu": "zero1", **AOT, "activation_checkpointing": "offload"}),
     "zero2-compile-selective": (
         2,
@@ -172,7 +180,8 @@ DEMOS: dict[str, tuple[int, dict, dict]] = {
     "pp-interleaved": (2, INTERLEAVED, DEMO),
     # 5 rows in 5 micro-batches: too few for whole interleaved rounds on 2 ranks; then 4 wanted, 1 divides 5.
     "pp-interleaved-5-rows": (2, {**INTERLEAVED, "pp_microbatches": 5}, DEMO),
-    "pp-uneven-rows": (2, {"strategy": "pp", "pp_microbatches": 4}, DEMO),
+    # pp_split auto, rank 1 measured 4x slower than rank 0: 4 layers and 1.
+    "pp-split-auto-uneven-rows": (2, {"strategy": "pp", "pp_microbatches": 4, "pp_split": "auto"}, DEMO),
     "pp-interleaved-x-tp": (4, {**INTERLEAVED, "tp_size": 2}, DEMO),
     # 2 stages x 2 replicas of hsdp, 5 rows per replica, accumulating 2 batches: one process at a global batch of 10.
     "one-process-10-rows": (1, {"strategy": "single", "grad_accum_steps": 2}, {**DEMO, "batch_size": 10}),
@@ -205,7 +214,12 @@ def run_cells(workdir: str, runs: list[tuple[str, dict]], demos: list[str]) -> d
     out = {}
     for name in demos:
         _, settings, demo_settings = DEMOS[name]
-        out[f"demo {name}"] = demo.train(mg.Engine(**settings), demo.DemoConfig(**demo_settings))
+        said = io.StringIO()
+        slowed = 1.0 + 3 * int(os.environ.get("RANK", "0"))  # rank 1's probe takes 4x rank 0's time
+        slow = mock.patch("multigpu.strategies.pp.probe_s", lambda device, seconds=slowed: seconds)
+        with slow if settings.get("pp_split") == "auto" else contextlib.nullcontext(), contextlib.redirect_stdout(said):
+            out[f"demo {name}"] = demo.train(mg.Engine(**settings), demo.DemoConfig(**demo_settings))
+        out[f"said {name}"] = said.getvalue()
     for name, settings in runs:
         torch._dynamo.reset()  # each cell is a run of its own: compiled blocks of earlier cells count for nothing
         options = {"batch_size": GLOBAL_BATCH, "max_steps": STEPS, "resume": "none", "method": "full", **settings}
@@ -295,7 +309,7 @@ def test_each_layout_reaches_the_one_process_validation_loss(results: dict, name
     # halved again where zero shards the slice; a pipeline's rank 0 holds layer 0 whole, or what tp or zero leave.
     split = {"tp-32": 32, "tp-bf16-mixed": 32, "tp-accumulate-2": 32, "replicas-x-tp": 32}
     split |= {"tp-fp16-mixed": 32, "hsdp-2x2-selective": 32, "zero2-compile-selective": 32}
-    split |= {"zero3-compile-full": 32, "ddp-full": 64, "zero1-compile-offload": 64}
+    split |= {"zero3-compile-full": 32, "ddp-full-auto-shares": 64, "zero1-compile-offload": 64}
     split |= {"zero3-lora-selective": 32, "ddp-shares-3-1": 64, "zero3-shares-1-3": 32}
     # cp ranks hold what their data-parallel rank holds: zero shards over shard x cp.
     split |= {
@@ -359,8 +373,9 @@ def test_a_checkpoint_moves_between_layouts_and_lands_where_one_process_does(res
         ),
         (["--nproc", "2", "--strategy", "tp", "--batch-shares", "3,1"], "but tp on 2 processes has one (every "),
         (["--nproc", "1", "--batch-shares", "2,1"], "but single on 1 process has one (every process reads the same "),
-        (["--nproc", "2", "--batch-shares", "3,0"], "batch_shares must be even or positive finite weights separated "),
-        (["--nproc", "2", "--batch-shares", "3,nan"], "batch_shares must be even or positive finite weights "),
+        (["--nproc", "2", "--strategy", "tp", "--batch-shares", "auto"], "batch_shares auto splits each global batch "),
+        (["--nproc", "2", "--batch-shares", "3,0"], "batch_shares must be even, auto or positive finite weights "),
+        (["--nproc", "2", "--batch-shares", "3,nan"], "batch_shares must be even, auto or positive finite weights "),
         (["--nproc", "2", "--batch-shares", "fast"], "one per data-parallel rank (e.g. 3,1), not 'fast'."),
     ],
 )
@@ -392,7 +407,7 @@ def test_a_sequence_or_heads_that_cp_cannot_split_are_refused_before_anything_st
         # pp_split: one count of layers per stage, adding up to the model's.
         (["--nproc", "2", "--pp-split", "1,2"], "pp_split 1,2 names 2 stages of 3 layers in all, but the pipeline "),
         (["--nproc", "2", "--pp-split", "2"], "give 2 counts adding up to 2."),
-        (["--nproc", "2", "--pp-split", "0,2"], "pp_split must be whole numbers of layers of at least 1, one per "),
+        (["--nproc", "2", "--pp-split", "0,2"], "pp_split must be auto or whole numbers of layers of at least 1, "),
         (["--nproc", "2", "--multi-gpu", "ddp", "--pp-split", "1,1"], "pp_split is an option of strategy pp "),
         (
             ["--nproc", "3", "--multi-gpu", "tp"],
@@ -409,13 +424,17 @@ def test_stages_or_heads_the_model_cannot_take_are_refused_before_anything_start
     assert printed.count(sentence) == 1 and printed.count("\n") == 1, printed
 
 
-@pytest.mark.parametrize("name", ["pp-interleaved", "pp-interleaved-5-rows", "pp-uneven-rows", "pp-interleaved-x-tp"])
+@pytest.mark.parametrize(
+    "name", ["pp-interleaved", "pp-interleaved-5-rows", "pp-split-auto-uneven-rows", "pp-interleaved-x-tp"]
+)
 def test_the_demo_under_a_pipeline_trains_as_one_process(results: dict, name: str) -> None:
     """The demo's MLP (5 layers in 4 interleaved stages on 2 processes, or 2 stages), batches of 5 rows, lands on one
     process's loss and accuracy; fp32, so only the order of sums differs (the pipeline's micro-batches, tp's split
     products). (tp alone: the layouts above and `multigpu verify --strategy tp`.)"""
     (loss, accuracy), (split_loss, split_accuracy) = results["demo one-process"], results[f"demo {name}"]
     assert split_loss == pytest.approx(loss, rel=1e-3) and abs(split_accuracy - accuracy) <= 2 / 1024
+    if "split-auto" in name:
+        assert "pp_split auto -> 4,1: each stage's measured speed " in results[f"said {name}"]
 
 
 def test_the_demo_sharded_inside_a_pipeline_trains_as_one_process(results: dict) -> None:

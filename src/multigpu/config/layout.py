@@ -28,6 +28,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 #: ranks; CUDA only).
 CP_METHODS = ("ulysses", "ring")
 EVEN = "even"  # batch_shares: every data-parallel rank reads batch_size samples of each global batch
+AUTO = "auto"  # batch_shares: from even, each rank's part moved toward its measured speed (engine/balance.py)
 
 
 @dataclass
@@ -66,9 +67,10 @@ class LayoutSettings(Settings):
     )
     batch_shares: str = setting(
         EVEN,
-        "each data-parallel rank's part of every global batch: even, or one weight per data-parallel rank (replicas "
-        "x shards, in rank order; the tp, cp and pp ranks of a group share its part), e.g. 3,1 for a GPU three "
-        "times as fast as the other; the global batch stays batch_size x data-parallel ranks",
+        "each data-parallel rank's part of every global batch: even; auto (from even, moved toward each rank's "
+        "measured speed every few steps, within what its memory holds); or one weight per data-parallel rank "
+        "(replicas x shards, in rank order; the tp, cp and pp ranks of a group share its part), e.g. 3,1 for a GPU "
+        "three times as fast as the other; the global batch stays batch_size x data-parallel ranks",
     )
 
     def check(self) -> None:
@@ -124,7 +126,8 @@ class PipelineOptions(StrategyOptions):
     pp_split: str | None = setting(
         None,
         "pp: layers per stage, in stage order, e.g. 10,6 to give a faster first GPU more of them (default: as even "
-        "as the layers allow); one count per stage (pp_size x pp_stages_per_rank), adding up to the model's layers",
+        "as the layers allow); one count per stage (pp_size x pp_stages_per_rank), adding up to the model's layers; "
+        "or auto: in proportion to each stage's speed, which its ranks measure at setup",
     )
 
     def check(self) -> None:
@@ -164,28 +167,30 @@ def check_schedule(schedule: str, stages_per_rank: int) -> None:
 
 
 def parse_pp_split(text: str | None) -> tuple[int, ...] | None:
-    """pp_split's layer counts, or None for an even split; one sentence refuses anything else."""
-    if text is None:
+    """pp_split's layer counts, or None for an even split (auto's before it is measured); one sentence refuses
+    anything else."""
+    if text is None or text.strip() == AUTO:
         return None
     parts = [part.strip() for part in text.split(",")]
     if not all(part.isdigit() and int(part) >= 1 for part in parts):
         raise UsageError(
-            f"pp_split must be whole numbers of layers of at least 1, one per pipeline stage, separated by commas "
-            f"(e.g. 10,6), not {text!r}."
+            f"pp_split must be auto or whole numbers of layers of at least 1, one per pipeline stage, separated by "
+            f"commas (e.g. 10,6), not {text!r}."
         )
     return tuple(int(part) for part in parts)
 
 
-def stage_layers(layers: int, stages: int, split: str | None = None) -> list[range]:
-    """The layers each pipeline stage runs, in order: pp_split's counts, else as even as they allow. Refuses more
-    stages than layers, or counts that are not one per stage adding up to the layers. The CLI asks this of the
-    model's config before any process starts; strategy pp of the model it builds."""
+def stage_layers(layers: int, stages: int, split: str | tuple[float, ...] | None = None) -> list[range]:
+    """The layers each pipeline stage runs, in order: pp_split's counts, in proportion to the stages' speeds where
+    `split` gives them (measured: pp_split auto), else as even as they allow. Refuses more stages than layers, or
+    counts that are not one per stage adding up to the layers. The CLI asks this of the model's config before any
+    process starts; strategy pp of the model it builds."""
     if layers < stages:
         raise UsageError(
             f"The model's {layers} layers cannot fill {stages} pipeline stages (pp_size x pp_stages_per_rank); "
             f"choose a pp_size and pp_stages_per_rank whose product is at most {layers}."
         )
-    counts = parse_pp_split(split)
+    counts = tuple(split_by_shares(layers, split)) if isinstance(split, tuple) else parse_pp_split(split)
     if counts is None:
         base, extra = divmod(layers, stages)
         counts = tuple(base + (1 if stage < extra else 0) for stage in range(stages))
@@ -218,8 +223,9 @@ def cp_chunks(cp: int) -> int:
 
 
 def parse_shares(text: str) -> tuple[float, ...] | None:
-    """batch_shares' weights, or None for even; one sentence refuses anything else."""
-    if text.strip() == EVEN:
+    """batch_shares' weights, or None for even and for auto (which starts even); one sentence refuses anything
+    else."""
+    if text.strip() in (EVEN, AUTO):
         return None
     try:
         weights = tuple(float(part) for part in text.split(","))
@@ -227,8 +233,8 @@ def parse_shares(text: str) -> tuple[float, ...] | None:
         weights = ()
     if not weights or not all(0 < weight < math.inf for weight in weights):
         raise UsageError(
-            f"batch_shares must be even or positive finite weights separated by commas, one per data-parallel rank "
-            f"(e.g. 3,1), not {text!r}."
+            f"batch_shares must be even, auto or positive finite weights separated by commas, one per data-parallel "
+            f"rank (e.g. 3,1), not {text!r}."
         )
     return weights
 
@@ -351,9 +357,11 @@ class Spread:
 
     fills: tuple[str, ...] = ()
     takes: frozenset[str] = field(default_factory=frozenset)
+    gpus_in_process: bool = False  # one process drives several GPUs: batch_shares splits each batch over them
 
 
-ALONE = Spread()  # one process: single, dp
+ALONE = Spread()  # one process: single
+IN_PROCESS = Spread(gpus_in_process=True)  # dp: one process, a replica per GPU
 REPLICAS = Spread(("replicate",), frozenset({"cp", "ep"}))  # ddp
 # zero1: ZeroRedundancyOptimizer partitions whole parameters over the replicas, which ep's experts are not
 OPTIMIZER_SHARDS = Spread(("replicate",), frozenset({"cp"}))
@@ -417,15 +425,17 @@ def resolve_layout(request: LayoutSettings, spread: Spread, world: int, nodes: i
             "process, or use ddp/zero1/zero2/zero3."
         )
     dims = ParallelDims(**degrees, ep=request.ep_size or 1)
+    if spread.gpus_in_process:  # the shares split each batch over the process's GPUs: the strategy takes them
+        return dims
     return replace(dims, shares=resolve_shares(getattr(request, "batch_shares", EVEN), dims, name))
 
 
 def resolve_shares(text: str, dims: ParallelDims, name: str) -> tuple[float, ...] | None:
     """batch_shares' weights for `dims`, one per data-parallel rank; one sentence refuses a count that differs."""
-    shares = parse_shares(text)
-    if shares is None or len(shares) == dims.data_parallel_size:
+    shares, readers = parse_shares(text), dims.data_parallel_size
+    auto = text.strip() == AUTO
+    if (shares is None and not auto) or (shares is not None and len(shares) == readers) or (auto and readers > 1):
         return shares
-    readers = dims.data_parallel_size
     if readers == 1:
         raise UsageError(
             f"batch_shares {text} splits each global batch between data-parallel ranks, but {name} on "

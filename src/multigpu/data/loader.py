@@ -13,6 +13,9 @@ is evaluated per index, `multigpu.data.shuffle`), so the first batch comes as fa
 With batch shares (one weight per rank, for ranks of different speeds), rank r takes a consecutive run of each
 global batch instead, its share of it (multigpu.config.layout.split_by_shares): the same global batches, split
 otherwise.
+The shares may change during a pass (batch_shares auto): the new ones split the batches not yet planned (the
+DataLoader's workers plan a few ahead, and every rank as many), and `SplitChanges` keeps which batch each split
+began at, so the pass's batches can still be recomputed.
 
 The last global batch of an epoch may be short. It is split as evenly as possible (by the shares, if any); when
 it has fewer samples than there are ranks, the ranks left over get one *padding* sample whose loss weight is zero
@@ -22,9 +25,10 @@ optimizer step the mean over the real samples of its global batch, whatever the 
 
 from __future__ import annotations
 
+import bisect
 import collections
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -71,6 +75,7 @@ class EpochPlan(Sequence[Batch]):
     drop_last: bool
     order: Permutation | None  # None: the dataset's own order
     shares: tuple[float, ...] | None = None  # each rank's weight in the split of a global batch; None: even
+    changes: SplitChanges | None = None  # the shares from a batch on, where they change during the pass
     global_batch: int = field(init=False)
     stop: int = field(init=False)
     _count: int = field(init=False, repr=False)
@@ -95,7 +100,8 @@ class EpochPlan(Sequence[Batch]):
         first = self.start + k * global_batch
         size = min(global_batch, self.stop - first)
         if size >= world:
-            positions = rank_positions(first, size, self.rank, world, self.shares)
+            shares = self.shares if self.changes is None else self.changes.at(k)
+            positions = rank_positions(first, size, self.rank, world, shares)
             real = len(positions)
         else:  # fewer samples than ranks: one each, and the ranks left over repeat the first as padding
             positions = range(first + self.rank, first + self.rank + 1) if self.rank < size else range(first, first + 1)
@@ -120,6 +126,25 @@ def rank_positions(first: int, size: int, rank: int, world: int, shares: tuple[f
     parts = split_by_shares(size, shares)
     begin = first + sum(parts[:rank])
     return range(begin, begin + parts[rank])
+
+
+class SplitChanges:
+    """The shares each batch of a pass is split by: `shares` from batch 0, and each change from the batch it began
+    at (it applies to every batch after it until the next)."""
+
+    def __init__(self, shares: tuple[float, ...] | None) -> None:
+        self.starts: list[int] = [0]
+        self.shares: list[tuple[float, ...] | None] = [shares]
+
+    def at(self, k: int) -> tuple[float, ...] | None:
+        return self.shares[bisect.bisect_right(self.starts, k) - 1]
+
+    def change(self, k: int, shares: tuple[float, ...] | None) -> None:
+        if k == self.starts[-1]:  # nothing was split by the last change yet
+            self.shares[-1] = shares
+        else:
+            self.starts.append(k)
+            self.shares.append(shares)
 
 
 class Yielded(Sequence[Batch]):
@@ -213,6 +238,10 @@ class LoaderBase:
         self.shares = shares  # each rank's weight in the split of a global batch (None: even)
         self.yielded: Sequence[Batch] = ()  # this epoch's batches so far on this rank, for Engine.gather
 
+    def set_shares(self, shares: tuple[float, ...]) -> None:
+        """Splits the global batches not yet read (or planned) by `shares` from now on (batch_shares auto)."""
+        self.shares = shares
+
     def batch_size_line(self) -> str:
         line = batch_size_line(self.batch_size, self.grad_accum_steps, self.world_size)
         if self.shares is None:
@@ -237,6 +266,12 @@ class DistributedLoader(LoaderBase):
         self.epoch = 0
         self.position = 0  # real samples of this epoch already handed out, counted over all ranks
         self._started = False  # a pass is under way (a new __iter__ before it ends abandons it)
+        self._sampler: _Sampler | None = None  # the pass's, while one is under way
+
+    def set_shares(self, shares: tuple[float, ...]) -> None:
+        super().set_shares(shares)
+        if self._sampler is not None:
+            self._sampler.plan.changes.change(self._sampler.planned, shares)  # type: ignore[union-attr]
 
     def __len__(self) -> int:
         return len(self._plan(0))
@@ -285,12 +320,13 @@ class DistributedLoader(LoaderBase):
         if self._started:  # the previous pass was abandoned midway: its epoch counts as done
             self._advance()
         self._started = True
-        plan = self._plan(self.position)
+        plan = replace(self._plan(self.position), changes=SplitChanges(self.shares))
         self.yielded = yielded = Yielded(plan)
         pending: collections.deque[Batch] = collections.deque()  # planned for the DataLoader, not yet yielded
+        self._sampler = _Sampler(plan, pending)
         loader = DataLoader(
             self.dataset,
-            batch_sampler=_Sampler(plan, pending),
+            batch_sampler=self._sampler,
             num_workers=self.num_workers,
             collate_fn=self.collate_fn,
             pin_memory=self.device.type == "cuda",
@@ -306,7 +342,7 @@ class DistributedLoader(LoaderBase):
             yield move_to(data, self.device)
         # A finished pass moves on at once, so `while loader.epoch < epochs: for batch in loader:` resumes right
         # even from a checkpoint taken at the very end of an epoch. `yielded` stays for Engine.gather.
-        self._started = False
+        self._started, self._sampler = False, None
         self._advance()
 
     def _advance(self) -> None:
@@ -349,12 +385,14 @@ class _Sampler:
 
     def __init__(self, plan: EpochPlan, pending: collections.deque[Batch]) -> None:
         self.plan, self.pending = plan, pending
+        self.planned = 0  # batches computed so far: a change of shares applies from the next
 
     def __len__(self) -> int:
         return len(self.plan)
 
     def __iter__(self) -> Iterator[list[int]]:
         for batch in self.plan:
+            self.planned += 1
             self.pending.append(batch)
             yield batch.indices
 

@@ -103,7 +103,7 @@ class StreamLoader(LoaderBase):
         """Batches from the saved position on. A pass left midway (a `break`) loses nothing: the next one carries on
         after the last batch yielded, as the position only moves when a batch is handed out."""
         global_batch = self.batch_size * self.world_size
-        places = set(rank_positions(0, global_batch, self.rank, self.world_size, self.shares))  # this rank's
+        places = self._places()
         mine: list[Any] = []
         indices: list[int] = []
         filled = 0
@@ -122,6 +122,11 @@ class StreamLoader(LoaderBase):
             self.yielded = [batch]
             self._on_batch(self, batch)
             yield move_to(data, self.device)
+            places = self._places()  # the step that read the batch may have changed the shares (batch_shares auto)
+
+    def _places(self) -> set[int]:
+        """This rank's places in the next global batch."""
+        return set(rank_positions(0, self.batch_size * self.world_size, self.rank, self.world_size, self.shares))
 
     def _batch(self, indices: list[int]) -> Batch:
         self._micro_batches += 1

@@ -19,6 +19,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset
 
+from multigpu.config.layout import AUTO
 from multigpu.config.precision import Precision
 from multigpu.core import faults
 from multigpu.core.env import DistEnv
@@ -26,6 +27,7 @@ from multigpu.core.errors import UsageError
 from multigpu.data.loader import Batch, DistributedLoader
 from multigpu.data.stream import Loader, StreamLoader, WindowedStream
 from multigpu.engine import model_values, start
+from multigpu.engine.balance import Balancer
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.cross_rank import AcrossRanks
 from multigpu.engine.lr_schedule import SampleSchedule
@@ -69,6 +71,8 @@ class Engine(Saving, Reporting, AcrossRanks):
         wants_loss = any(observer.wants_loss for observer in self.observers)
         # The ranks whose gradients are averaged: the data-parallel ones and, each with its own tokens, the cp ones.
         self._window = Window(config.grad_accum_steps, self._data_world, self.device, wants_loss, layout.cp)
+        auto_shares = config.batch_shares.strip() == AUTO
+        self._balance = Balancer(layout, self.env.rank, self.env.world_size, self.device) if auto_shares else None
         self._backward_ran = False  # since the last engine.step
         self._lm_loss_made = False  # engine.lm_loss made the loss function a loss setting other than plain needs
         self._loader: Loader | None = None
@@ -108,8 +112,21 @@ class Engine(Saving, Reporting, AcrossRanks):
 
     @property
     def batch_shares(self) -> tuple[float, ...]:
-        """Each data-parallel rank's fraction of every global batch (ParallelDims.batch_fractions)."""
-        return self._strategy.layout.batch_fractions
+        """Each data-parallel rank's fraction of every global batch (ParallelDims.batch_fractions; under
+        batch_shares auto, the split it settled on so far)."""
+        moved = self._balance.fractions if self._balance is not None else None
+        return moved or self._strategy.layout.batch_fractions
+
+    @property
+    def batch_speeds(self) -> tuple[str, list[float]] | None:
+        """Under batch_shares auto, after its first check: what each data-parallel rank's speed is measured in
+        (samples_per_s on CPUs, probe_tflops on GPUs), and its speeds."""
+        balance = self._balance
+        return None if balance is None or balance.speeds is None else (balance.speed_unit, balance.speeds)
+
+    def batch_shares_summary(self) -> str | None:
+        """Under batch_shares auto, once: the split the run settled on and the step time it saved (measured)."""
+        return self._balance.summary() if self._balance is not None else None
 
     @property
     def sequence_multiple(self) -> int:
@@ -223,6 +240,8 @@ class Engine(Saving, Reporting, AcrossRanks):
 
     def _on_batch(self, loader: Loader, batch: Batch) -> None:
         self._loader, self._window.batch = loader, batch
+        if self._balance is not None:
+            self._balance.start_batch()
         if self._train_loader is not None and loader is not self._train_loader:
             self.mark_untimed()  # an evaluation pass between two training steps
 
@@ -264,6 +283,8 @@ class Engine(Saving, Reporting, AcrossRanks):
         return self._window.account(loss, count, experts)
 
     def _end_micro_step(self, ended_window: bool) -> None:
+        if self._balance is not None and self._window.batch is not None:
+            self._balance.end_backward(self._window.batch.real)
         self._window.end_micro_step(ended_window)
         self._backward_ran = True
 
@@ -387,9 +408,18 @@ class Engine(Saving, Reporting, AcrossRanks):
             self._steps, seconds, totals.samples, count or 0.0, totals.busy_s, not totals.other_work, loss, applied
         )
         self._hooks.step_end(stats)
+        if self._balance is not None:  # after the observers saw the split this step trained with
+            self._balance.end_step(seconds, stats.timed, self._train_loader)
         if self._faults:
             faults.inject("step", self._steps, self.rank)  # tests' MULTIGPU_FAULT, in any script's loop
         self._window.mark = time.perf_counter()
+
+    def close(self) -> None:
+        """Ends the run's logging (Reporting.close), after saying what batch_shares auto settled on."""
+        summary = self.batch_shares_summary()
+        if summary is not None:
+            self.print(summary)
+        super().close()
 
     def mark_untimed(self) -> None:
         """The step under way does other work (evaluation, a checkpoint, a FLOP count): left out of throughput."""

@@ -91,6 +91,7 @@ class StepMonitor:
         self.peak = peak if peak is not None else peak_tflops(name, precision)
         self.flops_per_step: float | None = None  # all ranks together, counted once by the Engine
         self.batch_shares: tuple[float, ...] | None = None  # each data-parallel rank's fraction of a global batch
+        self.batch_speeds: tuple[str, list[float]] | None = None  # batch_shares auto's measure of each rank's speed
         self._interval: list[tuple[float, int, float, float]] = []  # (seconds, samples, tokens, data+forward s)
         if self.peak is None and every:
             say(
@@ -133,6 +134,8 @@ class StepMonitor:
             record["perf/tokens_per_s"] = tokens / seconds
         if self.batch_shares is not None:
             record["batch_shares"] = [round(share, 6) for share in self.batch_shares]
+        if self.batch_speeds is not None:
+            record[f"batch_speeds/{self.batch_speeds[0]}"] = [round(speed, 6) for speed in self.batch_speeds[1]]
         if self.flops_per_step is not None:
             record["perf/flops_per_step"] = self.flops_per_step
             record["perf/tflops_per_device"] = (
@@ -158,6 +161,8 @@ class StepMonitor:
             parts.append(f"{record['perf/tflops_per_device']:.3g} TFLOP/s per device")
         if "perf/mfu" in record:
             parts.append(f"MFU {record['perf/mfu']:.1%}")
+        if self.batch_shares is not None and len(set(self.batch_shares)) > 1:
+            parts.append("batch shares " + "/".join(f"{share:.3f}" for share in self.batch_shares))
         parts.append("peak MB " + "/".join(f"{m / 2**20:.0f}" for m in ranks[:, 1].tolist()))
         self.say("  ".join(parts) + "".join(f"\n  imbalance: {w}" for w in warnings))
         if self.log is not None:
@@ -286,7 +291,6 @@ class Monitor(StepObserver):
 
     def on_setup(self, model: nn.Module) -> None:
         self._model = model
-        self.reports.batch_shares = self._engine.batch_shares  # the strategy is settled by now (auto included)
         if not (self.reports.every or self.count_flops):  # nothing to report or count: no hook on every step
             leave_out(self, "on_backward_end", "on_step_end")
 
@@ -305,6 +309,7 @@ class Monitor(StepObserver):
             self._counter = None
 
     def on_step_end(self, stats: StepStats) -> None:
+        self.reports.batch_shares, self.reports.batch_speeds = self._engine.batch_shares, self._engine.batch_speeds
         self.reports.add(stats.step, stats.seconds, stats.samples, stats.tokens, stats.busy_s, stats.timed)
         self._steps_seen += 1
         if self._steps_seen == 1 and self.count_flops and self._model is not None:

@@ -15,9 +15,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from multigpu.config.layout import ParallelDims, resolve_layout
+from multigpu.config.layout import AUTO, ParallelDims, resolve_layout
 from multigpu.config.precision import Precision, PrecisionPlan
 from multigpu.config.settings import strategy_option_fields
+from multigpu.core.compute_clock import check_measurable
 from multigpu.core.env import DistEnv, check_backend, init_process_group
 from multigpu.core.errors import UsageError
 from multigpu.engine.config import EngineConfig
@@ -143,6 +144,9 @@ def check(config: EngineConfig, nproc: int) -> ParallelDims:
     precision_plan(strategy, config, env)
     if config.backend is not None:
         check_backend(config.backend, env)
+    for name in ("batch_shares", "pp_split"):
+        if (getattr(config, name) or "").strip() == AUTO:
+            check_measurable(env.device.type, name)
     if config.log_dir is not None:  # the main worker would refuse it after the launch, and the others wait meanwhile
         check_servers(parse_log_to(config.log_to, config.log_dir))
     return strategy.layout

@@ -94,23 +94,38 @@ class DecoderStage(nn.Module):
 
 
 def stage_parts(
-    model: nn.Module, stages: int, split: str | None = None
+    model: nn.Module, stages: int, split: str | tuple[float, ...] | None = None
 ) -> list[tuple[dict[str, nn.Module], Callable[[bool, bool], nn.Module]]]:
     """For each stage: {name in the model: module} and a function (first, last) -> the stage's forward module; the
-    layers split by `split` (pp_split), else as evenly as they allow."""
+    layers split by `split` (pp_split's counts, or the stages' speeds), else as evenly as they allow."""
     inner, prefix = language_model(model)
-    decoder = getattr(inner, "model", None)
-    if hasattr(inner, "lm_head") and hasattr(decoder, "rotary_emb"):
-        return _decoder_parts(inner, prefix, stages, decoder_plan(decoder), split)
+    if _is_decoder(inner):
+        return _decoder_parts(inner, prefix, stages, decoder_plan(inner.model), split)
+    children = _pipeline_layers(model)
+    parts = []
+    for run in stage_layers(len(children), stages, split):
+        chunk = children[run.start : run.stop]
+        modules = [module for _, module in chunk]
+        parts.append((dict(chunk), lambda first, last, modules=modules: SequentialStage(modules)))
+    return parts
+
+
+def layer_count(model: nn.Module) -> int:
+    """How many layers strategy pp shares out among the stages of `model`."""
+    inner, _ = language_model(model)
+    if _is_decoder(inner):
+        return len(getattr(inner.model, decoder_plan(inner.model)[1]))
+    return len(_pipeline_layers(model))
+
+
+def _is_decoder(inner: nn.Module) -> bool:
+    return hasattr(inner, "lm_head") and hasattr(getattr(inner, "model", None), "rotary_emb")
+
+
+def _pipeline_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     given = getattr(model, "pp_layers", None)
     if given or isinstance(model, nn.Sequential):
-        children = listed_layers(model, given) if given else list(model.named_children())
-        parts = []
-        for run in stage_layers(len(children), stages, split):
-            chunk = children[run.start : run.stop]
-            modules = [module for _, module in chunk]
-            parts.append((dict(chunk), lambda first, last, modules=modules: SequentialStage(modules)))
-        return parts
+        return listed_layers(model, given) if given else list(model.named_children())
     raise UsageError(
         f"Strategy pp splits an nn.Sequential, a model with a pp_layers list or a Hugging Face decoder language "
         f"model, not {type(model).__name__}; give it pp_layers (its layers' names in the order each takes the "
@@ -135,7 +150,9 @@ def listed_layers(model: nn.Module, names: list[str]) -> list[tuple[str, nn.Modu
     return found
 
 
-def _decoder_parts(inner: nn.Module, prefix: str, stages: int, names: tuple[str, str, str], split: str | None) -> list:
+def _decoder_parts(
+    inner: nn.Module, prefix: str, stages: int, names: tuple[str, str, str], split: str | tuple[float, ...] | None
+) -> list:
     embed, layer_list, norm = names
     decoder, layers = inner.model, list(getattr(inner.model, layer_list))
     parts = []

@@ -311,7 +311,7 @@ class ProgressBar:
     """A progress bar on a terminal, plain lines otherwise; rank 0 only."""
 
     def __init__(self, engine: Engine, total: int) -> None:
-        self.bar = None
+        self.bar, self.engine = None, engine
         if engine.is_main_process and sys.stdout.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -327,11 +327,17 @@ class ProgressBar:
 
     def advance(self, step: int, status: str) -> None:
         if self.bar is not None:
+            if self.engine.batch_speeds is not None:  # batch_shares auto: the split it moved to so far
+                status += "  shares " + ":".join(f"{share:.2f}" for share in self.engine.batch_shares)
             self.bar.update(self.task, completed=step, status=status)
 
     def close(self) -> None:
+        """Ends the bar; the run's training is over: batch_shares auto says what it settled on."""
         if self.bar is not None:
             self.bar.stop()
+        summary = self.engine.batch_shares_summary()
+        if summary is not None:
+            self.engine.print(summary)
 
 
 # -- after training --------------------------------------------------------------------------------------------

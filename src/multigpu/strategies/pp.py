@@ -27,13 +27,14 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
-from multigpu.config.layout import PIPELINE, PipelineOptions, TensorParallelOptions, check_schedule
+from multigpu.config.layout import AUTO, PIPELINE, PipelineOptions, TensorParallelOptions, check_schedule, stage_layers
 from multigpu.config.precision import Precision, PrecisionPlan
-from multigpu.core.env import DistEnv
+from multigpu.core.compute_clock import probe_s, probe_tflop
+from multigpu.core.env import DistEnv, collective_device
 from multigpu.core.errors import UsageError
 from multigpu.models.modules import repoint
 from multigpu.parallel.mesh import with_cp
-from multigpu.parallel.pipeline_stages import DecoderStage, stage_parts
+from multigpu.parallel.pipeline_stages import DecoderStage, layer_count, stage_parts
 from multigpu.parallel.tensor_parallel import check_sequence_parallel, start_alike, tied_places
 from multigpu.strategies.base import StepOutcome, Strategy, frozen_names
 from multigpu.strategies.fsdp import FSDP
@@ -121,6 +122,26 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
         start_alike(model, env.device)  # every rank cuts its stages from the same model
         return True
 
+    def _stage_speeds(self, model: nn.Module, env: DistEnv) -> tuple[float, ...]:
+        """pp_split auto: each stage's speed, its slowest rank's on the probe (core/compute_clock.py; a stage runs
+        on its row of the grid: every replica's and tp rank's copy of it). The layers are alike, so a stage's time
+        is its layers over its speed; the first and last stages' embedding and head are left out of the count."""
+        speed = probe_tflop(env.device.type) / probe_s(env.device)
+        on = collective_device(env.device)
+        speeds = [torch.empty((), dtype=torch.float64, device=on) for _ in range(dist.get_world_size())]
+        dist.all_gather(speeds, torch.tensor(speed, dtype=torch.float64, device=on))
+        rows = [min(float(speeds[rank]) for rank in row) for row in self._grid.tolist()]
+        stages = tuple(rows[stage % len(rows)] for stage in range(self._stages))  # interleaved: stage s on rank s % pp
+        if dist.get_rank() == 0:
+            counts = ",".join(str(len(run)) for run in stage_layers(layer_count(model), self._stages, stages))
+            print(
+                f"pp_split auto -> {counts}: each stage's measured speed "
+                + ", ".join(f"{speed:.3g}" for speed in stages)
+                + " TFLOP/s (a matrix product each rank timed)",
+                flush=True,
+            )
+        return stages
+
     def local_stages(self) -> list[nn.Module]:
         return list(getattr(self, "_forwards", []))  # made in setup
 
@@ -139,7 +160,8 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
         self._stages = pp * self.pp_stages_per_rank
         self._mine = list(range(rank, self._stages, pp))  # interleaved: stages r, r + pp, ...
         # tp and ep split the whole model's layers already (engine/parallelize.py); the stages take their slices.
-        parts = stage_parts(model, self._stages, self.pp_split)
+        split = self._stage_speeds(model, env) if (self.pp_split or "").strip() == AUTO else self.pp_split
+        parts = stage_parts(model, self._stages, split)
         kept = {name: module for stage in self._mine for name, module in parts[stage][0].items()}
         held = {id(p) for module in kept.values() for p in module.parameters()}
         ties = self._tied_groups(model, parts, pp, rank)
