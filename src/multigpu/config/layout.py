@@ -28,7 +28,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 #: ranks; CUDA only).
 CP_METHODS = ("ulysses", "ring")
 EVEN = "even"  # batch_shares: every data-parallel rank reads batch_size samples of each global batch
-AUTO = "auto"  # batch_shares: from even, each rank's part moved toward its measured speed (engine/balance.py)
+AUTO = "auto"  # batch_shares and pp_split: measured as the run goes (engine/balance.py, strategies/pp.py)
 
 
 @dataclass
@@ -167,8 +167,7 @@ def check_schedule(schedule: str, stages_per_rank: int) -> None:
 
 
 def parse_pp_split(text: str | None) -> tuple[int, ...] | None:
-    """pp_split's layer counts, or None for an even split (auto's before it is measured); one sentence refuses
-    anything else."""
+    """pp_split's layer counts, or None for even (and auto, until measured); one sentence refuses anything else."""
     if text is None or text.strip() == AUTO:
         return None
     parts = [part.strip() for part in text.split(",")]
@@ -223,8 +222,7 @@ def cp_chunks(cp: int) -> int:
 
 
 def parse_shares(text: str) -> tuple[float, ...] | None:
-    """batch_shares' weights, or None for even and for auto (which starts even); one sentence refuses anything
-    else."""
+    """batch_shares' weights, or None for even (and auto, which starts even); one sentence refuses anything else."""
     if text.strip() in (EVEN, AUTO):
         return None
     try:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from multigpu.config.layout import (
     ALONE,
     HYBRID,
+    IN_PROCESS,
     OPTIMIZER_SHARDS,
     OWN_GROUPS,
     PIPELINE,
@@ -34,7 +35,7 @@ OPTIMIZERS = ("adamw", "sgd", "adamw8bit")
 #: strategy's own are when it runs.
 SPREADS = {
     "single": ALONE,
-    "dp": ALONE,
+    "dp": IN_PROCESS,
     "ddp": REPLICAS,
     "zero1": OPTIMIZER_SHARDS,
     "zero2": SHARDS,
