@@ -59,7 +59,7 @@ def samples_per_s(metrics: Path) -> float:
 
 def run(recipe: str, steps: int, nproc: int, cpus: str, shares: str | None, workdir: Path) -> tuple[float, str]:
     """One run's samples/s, and what it said last about batch_shares auto."""
-    save = workdir / f"{recipe}-{nproc}-{cpus}-{shares}"
+    save = Path(tempfile.mkdtemp(prefix=f"{recipe}-{nproc}-{cpus}-{shares}-", dir=workdir))
     args = [part.format(steps=steps, epochs=max(1, steps // 25)) for part in RECIPES[recipe]]
     command = ["taskset", "-c", cpus, sys.executable, "-m", "multigpu", *args, "--nproc", str(nproc)]
     command += ["--save-dir", str(save), "--resume", "none", "--log-every", "5"]
