@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,9 +59,11 @@ def next_split(parts: list[int], costs: list[float], most: list[float]) -> list[
 class Balancer:
     """One rank's measurements, and the split every rank computes from all of them."""
 
-    def __init__(self, layout: ParallelDims, rank: int, world_size: int, device: torch.device) -> None:
+    def __init__(
+        self, layout: ParallelDims, rank: int, world_size: int, device: torch.device, say: Callable[[str], None]
+    ) -> None:
         check_measurable(device.type, "batch_shares")
-        self.layout, self.rank, self.world_size, self.device = layout, rank, world_size, device
+        self.layout, self.rank, self.world_size, self.device, self.say = layout, rank, world_size, device, say
         self.parts: list[int] | None = None  # the split of a global micro-batch, once a check has seen the loader
         # Each data-parallel rank's measured speed: samples/s of compute (CPU) or the probe's TFLOP/s (GPU).
         self.speeds: list[float] | None = None
@@ -118,6 +121,9 @@ class Balancer:
         if split is not None:
             self.parts, self.changes, self._settled_s = split, self.changes + 1, []
             loader.set_shares(tuple(float(part) for part in split))
+            speeds = ", ".join(f"{speed:.3g}" for speed in self.speeds)
+            parts = ":".join(map(str, split))
+            self.say(f"batch_shares auto: split {parts} from step {self._steps + 1} ({self.speed_unit} {speeds})")
 
     def _gather(self) -> tuple[list[float], list[float]]:
         """Each data-parallel rank's cost per sample (its slowest member's: the tp, cp and pp ranks of a group

@@ -72,7 +72,9 @@ class Engine(Saving, Reporting, AcrossRanks):
         # The ranks whose gradients are averaged: the data-parallel ones and, each with its own tokens, the cp ones.
         self._window = Window(config.grad_accum_steps, self._data_world, self.device, wants_loss, layout.cp)
         auto_shares = config.batch_shares.strip() == AUTO
-        self._balance = Balancer(layout, self.env.rank, self.env.world_size, self.device) if auto_shares else None
+        self._balance = (
+            Balancer(layout, self.env.rank, self.env.world_size, self.device, self.print) if auto_shares else None
+        )
         self._backward_ran = False  # since the last engine.step
         self._lm_loss_made = False  # engine.lm_loss made the loss function a loss setting other than plain needs
         self._loader: Loader | None = None
