@@ -120,7 +120,7 @@ def no_worker_starts(monkeypatch: pytest.MonkeyPatch) -> None:
         (["train", "--peak-tflops", "0"], "peak_tflops must be a positive finite number"),
         (["finetune", "--log-every", "-1"], "log_every must be 0 or more"),
         (["finetune", "--grad-accum-steps", "0"], "grad_accum_steps must be 1 or more"),
-        (["train", "--weight-decay", "-1"], "--weight-decay must be 0 or more"),
+        (["train", "--weight-decay", "-1"], "weight_decay must be 0 or a positive number (got -1.0)."),
         (["train", "--num-workers", "-1"], "--num-workers must be 0 or more"),
         (["finetune", "--warmup-steps", "-1"], "--warmup-steps must be 0 or more"),
         (["finetune", "--save-every", "-1"], "--save-every must be 0 or more"),

@@ -22,6 +22,7 @@ LAYERS = {
     "parallel": 3,
     "strategies": 4,
     "checkpoint": 4,
+    "optimizers": 4,
     "engine": 5,
     "launch": 6,
     "tools": 7,

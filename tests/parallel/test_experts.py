@@ -30,17 +30,23 @@ TOLERANCE = {"32": 2e-5, "bf16-mixed": 2e-2}
 GRAD_NORM_TOLERANCE = {2e-5: 2e-4, 2e-2: 5e-3}
 LORA = {"method": "lora", "lora_experts": True}
 AOT = {"compile": True, "compile_backend": "aot_eager"}
+MUON = {"optimizer": "muon", "lr": 1e-2}  # Muon's steps at 3e-3 move these losses by too little to tell
 # name -> (processes, settings, reference cell); batch_size is per data-parallel rank: every global batch is 4.
 CELLS: dict[str, tuple[int, dict, str]] = {
     "single": (1, {"multi_gpu": "single"}, ""),
     "single-bf16-mixed": (1, {"multi_gpu": "single", "precision": "bf16-mixed"}, ""),
     "single-lora": (1, {"multi_gpu": "single", **LORA}, ""),
+    "single-muon": (1, {"multi_gpu": "single", **MUON}, ""),
     "single-qlora": (1, {"multi_gpu": "single", "method": "qlora", "lora_experts": True}, ""),
     # Two accumulated halves: a pipeline's two micro-batches, each its own load-balancing loss.
     "single-halves": (1, {"multi_gpu": "single", "batch_size": 2, "grad_accum_steps": 2}, ""),
     # Its global batches of 4 split 3:1 between the ranks (batch_shares): the tokens each ep rank sends its experts'
     # ranks differ in number, the router's load-balancing loss still counts the global batch's.
     "ep-2": (2, {"multi_gpu": "ddp", "batch_size": 2, "ep_size": 2, "save_every": 2, "batch_shares": "3,1"}, "single"),
+    # Muon on each expert's matrix of the stacked [experts, rows, columns] tensors: ep and zero3 split them by
+    # expert, so each rank orthogonalises its whole experts where they are.
+    "ep-2-muon": (2, {"multi_gpu": "ddp", "batch_size": 2, "ep_size": 2, **MUON}, "single-muon"),
+    "zero3-x-ep-2-muon": (2, {"multi_gpu": "zero3", "batch_size": 2, "ep_size": 2, **MUON}, "single-muon"),
     "zero3": (2, {"multi_gpu": "zero3", "batch_size": 2}, "single"),
     # The README's: each sequence split over the 2 ranks, which are also the ep group (DDP's group, not its mesh).
     "ep-2-x-cp-2": (2, {"multi_gpu": "ddp", "ep_size": 2, "cp_size": 2}, "single"),
@@ -98,14 +104,20 @@ def run_cells(workdir: str, names: list[str]) -> dict:
     out = {}
     for name in names:
         torch._dynamo.reset()  # a compiled cell's blocks and their guards are its own, as in a run of its own
-        options = {"batch_size": 4, "max_steps": STEPS, "resume": "none", "method": "full", **CELLS[name][1]}
+        options = {
+            "batch_size": 4,
+            "max_steps": STEPS,
+            "resume": "none",
+            "method": "full",
+            "lr": 3e-3,
+            **CELLS[name][1],
+        }
         if options["resume"] != "none":
             options["resume"] = str(Path(workdir) / options["resume"])
         config = FinetuneConfig(
             model="tiny-moe",
             data=str(Path(workdir) / "text.txt"),
             seq_len=32,
-            lr=3e-3,
             max_grad_norm=1e6,  # the norm measured, not clipped
             log_every=0,
             save_dir=str(Path(workdir) / name),

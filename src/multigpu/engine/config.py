@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from multigpu.config.layout import LayoutSettings, PipelineOptions, ShardingOptions, TensorParallelOptions
+from multigpu.config.optimizer import LOW_BIT, OptimizerSettings
 from multigpu.config.settings import ComputeSettings, Settings, TrainingSettings, setting
 from multigpu.core.env import BACKENDS
 from multigpu.core.errors import UsageError, require
@@ -45,6 +46,7 @@ class EngineConfig(
     PipelineOptions,
     TensorParallelOptions,
     LayoutSettings,
+    OptimizerSettings,
     ComputeSettings,
     TrainingSettings,
     StrategyChoice,
@@ -92,6 +94,24 @@ class EngineConfig(
             ),
         )
         parse_log_to(self.log_to, self.log_dir)
+        self._check_optimizer()
+
+    def _check_optimizer(self) -> None:
+        # DeepSpeed steps the optimizer over flat partitions of many parameters; the sharding strategies' offload
+        # steps on host copies, which muon's gather of each matrix cannot take over NCCL.
+        sharded_own_way = self.strategy == "deepspeed" and (self.optimizer == "muon" or self.optimizer in LOW_BIT)
+        require(
+            (
+                not sharded_own_way,
+                f"Strategy deepspeed steps its optimizer over flat partitions of many parameters, which optimizer "
+                f"{self.optimizer} cannot update; use zero2 or zero3 with it, or adamw under deepspeed.",
+            ),
+            (
+                not (self.cpu_offload and self.optimizer == "muon"),
+                "optimizer muon gathers each matrix's update across ranks, which zero3's cpu_offload keeps in host "
+                "memory; drop cpu_offload, or use adamw or a low-bit adamw with it.",
+            ),
+        )
 
     @classmethod
     def of(cls, strategy: str, settings: dict[str, Any]) -> EngineConfig:

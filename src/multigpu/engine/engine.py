@@ -39,6 +39,7 @@ from multigpu.models.float8 import refresh_all_gather_scales
 from multigpu.models.loss import TokenLoss, outputs_for
 from multigpu.models.modules import call_with, on_meta
 from multigpu.models.pretrained import SafetensorsCheckpoint
+from multigpu.optimizers.build import build_optimizer
 from multigpu.parallel.context import sliced
 from multigpu.parallel.experts import MixtureOfExperts, weigh_pipeline
 from multigpu.strategies import Strategy
@@ -87,6 +88,7 @@ class Engine(Saving, Reporting, AcrossRanks):
         self._pretrained: dict[int, SafetensorsCheckpoint] = {}  # load_pretrained's, by model, until setup
         self._model: nn.Module | None = None
         self._set_up: list[nn.Module] = []  # what setup was given and returned, so a second setup is caught
+        self._built_optimizers: list[torch.optim.Optimizer] = []  # engine.optimizer's, which setup accepts
         self._step_end = time.perf_counter()
         self._steps = 0
         self._faults = "MULTIGPU_FAULT" in os.environ  # a test's fault, set before the Engine is built: read once
@@ -153,6 +155,7 @@ class Engine(Saving, Reporting, AcrossRanks):
                 "engine.setup() was already called on this model; call it once and use the model it returned."
             )
         given = model
+        start.check_optimizer(self.config, optimizer, self._built_optimizers)
         if self._auto_pending:
             self._strategy = start.strategy_for(model, optimizer, self.env, self.config, self.print)
             self._plan = start.precision_plan(self._strategy, self.config, self.env)
@@ -170,6 +173,13 @@ class Engine(Saving, Reporting, AcrossRanks):
         self._hooks = Hooks(self.observers)  # found again: an observer leaves out the hooks of a feature that is off
         self._window.mark = self._step_end = time.perf_counter()
         return model, optimizer
+
+    def optimizer(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+        """The optimizer the `optimizer` setting names, with its settings, over `model`'s trainable parameters at
+        `lr` (muon: the matrices to Muon, the rest to AdamW); pass it to setup with the model."""
+        built = build_optimizer(model, self.config, lr)
+        self._built_optimizers.append(built)
+        return built
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The model engine.setup was given, from the one it returned, for the model's own methods and attributes

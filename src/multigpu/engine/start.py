@@ -178,7 +178,7 @@ def strategy_for(
         memory = torch.cuda.get_device_properties(env.device).total_memory
     else:  # the processes of a node share its RAM
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / env.local_world_size
-    kind = "sgd" if isinstance(optimizer, torch.optim.SGD) else "adamw"  # others counted as Adam (2 states)
+    kind = "sgd" if isinstance(optimizer, torch.optim.SGD) else config.optimizer  # a script's own: as AdamW
     name, reason, ep_size = choose_strategy(
         model,
         kind,
@@ -212,3 +212,12 @@ def build_context(
     if meta or (meta is None and auto_pending):
         return parameters_on_meta()
     return strategy.build_context(env, plan) if meta is None else contextlib.nullcontext()
+
+
+def check_optimizer(config: EngineConfig, optimizer: torch.optim.Optimizer | None, built: list) -> None:
+    """Refuses an optimizer setting that the optimizer given to setup is not: only engine.optimizer builds it."""
+    if config.optimizer != "adamw" and optimizer is not None and not any(optimizer is b for b in built):
+        raise UsageError(
+            f"optimizer {config.optimizer} is built by engine.optimizer(model, lr), and this script gave setup a "
+            f"{type(optimizer).__name__} of its own; build it with engine.optimizer, or drop the optimizer setting."
+        )

@@ -44,7 +44,7 @@ class MoELayer:
     entry: nn.Module  # what the block calls with the tokens: the experts, or a LoRA wrapper around them
 
 
-def _is_experts(module: nn.Module) -> bool:
+def is_experts(module: nn.Module) -> bool:
     count = getattr(module, "num_experts", None)
     params = list(module.parameters(recurse=False))
     if not isinstance(count, int) or isinstance(count, bool) or not params:
@@ -74,7 +74,7 @@ def find_layers(model: nn.Module, default_top_k: int | None = None) -> list[MoEL
     router beside it) and router; refuses an experts module with no router, or several, beside it."""
     layers = []
     for name, module in model.named_modules():
-        if not _is_experts(module):
+        if not is_experts(module):
             continue
         count, path = module.num_experts, name.split(".")
         for depth in range(len(path) - 1, -1, -1):  # up through any wrappers to the block

@@ -24,12 +24,10 @@ from multigpu.config.layout import (
     cp_chunks,
     resolve_layout,
 )
+from multigpu.config.optimizer import OPTIMIZERS, OptimizerSettings  # noqa: F401  (importers)
 from multigpu.config.settings import ComputeSettings, Settings, TrainingSettings, setting, shown
 from multigpu.core.errors import UsageError
 from multigpu.planner.gpus import GpuKind, node_gpus
-
-OPTIMIZERS = ("adamw", "sgd", "adamw8bit")
-
 
 #: Which strategy each of the planner's rows is, as a layout (config/layout.py): each row's degrees are resolved as the
 #: strategy's own are when it runs.
@@ -97,7 +95,7 @@ class PlanConfig(Settings):
     )
     nodes: int = setting(1, "machines")
     gpu_memory: str = setting("80GB", "memory of one GPU, e.g. 80GB or 24GiB")
-    optimizer: str = setting("adamw", "optimizer states to count", choices=OPTIMIZERS)
+    optimizer: str = shown(OptimizerSettings, note=" (the planner counts its states)")
     batch_size: int = setting(8, "sequences per GPU per micro-batch")
     seq_len: int = setting(2048, "tokens per sequence")
     lora_r: int | None = setting(None, "LoRA rank: train adapters on every projection")

@@ -19,9 +19,29 @@ def bytes_per_param(precision: str) -> int:
     return 2 if precision == "bf16-true" else 4
 
 
-def optimizer_bytes(optimizer: str, precision: str) -> float:
+#: Bytes of state per parameter in each low-bit optimizer, two states each: bf16's 2 bytes, torchao's 8-bit codes
+#: with a float32 scale per 256 values, its 4-bit codes with one per 128 (tensors under 4,096 values stay float32,
+#: too few to count).
+LOW_BIT_STATE_BYTES = {"adamw-bf16": 2 * 2, "adamw-8bit": 2 * (1 + 4 / 256), "adamw-4bit": 2 * (0.5 + 4 / 128)}
+
+
+def optimizer_bytes(optimizer: str, precision: str, trainable: int, matrices: int) -> float:
+    """Optimizer-state bytes of `trainable` parameters, `matrices` of them Muon's under muon (one momentum each; the
+    rest AdamW's two states); sgd keeps one momentum buffer."""
     state = bytes_per_param(precision)
-    return {"adamw": 2 * state, "sgd": state, "adamw8bit": 2.0}[optimizer]  # sgd: one momentum buffer
+    if optimizer in LOW_BIT_STATE_BYTES:
+        return trainable * LOW_BIT_STATE_BYTES[optimizer]
+    if optimizer == "muon":
+        return matrices * state + (trainable - matrices) * 2 * state
+    return trainable * (state if optimizer == "sgd" else 2 * state)
+
+
+def muon_matrices(shape: ModelShape, trainable: int, lora: bool) -> int:
+    """The trainable parameters Muon takes: every adapter (LoRA's are matrices), the experts, and the hidden linear
+    layers' weights (not the embeddings nor the head)."""
+    if lora or shape.name == "experts":
+        return trainable
+    return min(trainable, shape.linear_params)
 
 
 def model_states(shape: ModelShape, config: PlanConfig) -> tuple[float, float, float, int]:
@@ -38,7 +58,9 @@ def model_states(shape: ModelShape, config: PlanConfig) -> tuple[float, float, f
             frozen_16bit = (shape.params - shape.linear_params) * 2
             base = shape.linear_params * (0.5 + 4 / 64) + frozen_16bit
         params = base + trainable * weight
-    return params, trainable * weight, trainable * optimizer_bytes(config.optimizer, config.precision), trainable
+    matrices = muon_matrices(shape, trainable, config.lora_r is not None)
+    optimizer = optimizer_bytes(config.optimizer, config.precision, trainable, matrices)
+    return params, trainable * weight, optimizer, trainable
 
 
 def split_experts(shape: ModelShape) -> tuple[ModelShape, ModelShape | None]:

@@ -20,7 +20,7 @@ from multigpu.checkpoint import run_lock
 from multigpu.config.config_writer import RUN_CONFIG, save_run_config
 from multigpu.config.flags import config_to_argv
 from multigpu.config.layout import ParallelDims
-from multigpu.config.settings import Settings, setting
+from multigpu.config.settings import Settings, setting, shown
 from multigpu.core import atomic
 from multigpu.core.errors import UsageError, require
 from multigpu.core.launcher_notes import LAST_CHECKPOINT, LAUNCHER_DIR, attempt, launched, launcher_note
@@ -64,6 +64,20 @@ class RecipeSettings(Settings):
     def values_for(self, source: type) -> dict[str, Any]:
         values = super().values_for(source)
         return values | {"log_dir": self.save_dir} if source is EngineConfig else values
+
+
+@dataclass
+class OptimizerChoice(Settings):
+    """The Engine's optimizer settings, as train and finetune show them (each keeping its one definition)."""
+
+    optimizer: str = shown(EngineConfig)
+    weight_decay: float = shown(EngineConfig)
+    beta1: float = shown(EngineConfig)
+    beta2: float = shown(EngineConfig)
+    momentum: float = shown(EngineConfig)
+    muon_ns_steps: int = shown(EngineConfig)
+    muon_params: str = shown(EngineConfig)
+    muon_lr_scale: str = shown(EngineConfig)
 
 
 #: What a recipe's --nproc adds to the launch's help, and what its unset value means.

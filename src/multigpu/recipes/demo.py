@@ -29,7 +29,7 @@ from multigpu.recipes.common import run_recipe
 class DemoConfig(Settings):
     epochs: int = setting(8, "passes over the training set")
     batch_size: int = setting(64, "samples per device per micro-batch")
-    lr: float = setting(3e-3, "AdamW learning rate")
+    lr: float = setting(3e-3, "learning rate")
     samples: int = setting(4096, "size of the generated training set")
 
     def check(self) -> None:
@@ -56,8 +56,7 @@ def train(engine: Engine, config: DemoConfig) -> tuple[float, float]:
     # Under tensor parallelism: the first layer's outputs split, the GELU works on each slice, the second layer
     # sums the slices' contributions (strategies/tp.py).
     model.tp_plan = {"0": "colwise", "2": "rowwise"}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
-    model, optimizer = engine.setup(model, optimizer)
+    model, optimizer = engine.setup(model, engine.optimizer(model, config.lr))
     engine.print(f"strategy {engine.strategy}, precision {engine.precision.name}, {engine.world_size} process(es)")
     train_loader = engine.dataloader(spiral(config.samples), batch_size=config.batch_size, shuffle=True)
     val_loader = engine.dataloader(spiral(1024, seed=99), batch_size=256, shuffle=False)

@@ -33,6 +33,7 @@ from multigpu.recipes import lm_fit, lm_models
 from multigpu.recipes.common import (
     NPROC_NOTE,
     NPROC_UNSET,
+    OptimizerChoice,
     ProgressBar,
     RecipeSettings,
     RunDirSettings,
@@ -58,7 +59,7 @@ SCHEDULE_LENGTH = ("max_steps", "epochs", "warmup_steps")
 
 
 @dataclass
-class FinetuneSettings(RecipeSettings):
+class FinetuneSettings(RecipeSettings, OptimizerChoice):
     """The launch's, the run directory's and the Engine's settings that finetune shows, each keeping its one
     definition (config/settings.py: shown); the strategy is --multi-gpu here."""
 
@@ -108,7 +109,7 @@ class FinetuneSettings(RecipeSettings):
 class FinetuneConfig(lm_data.DataSettings, FinetuneSettings, lm_models.ModelSettings):
     method: str = setting("lora", "what trains", choices=lm_models.METHODS)
     batch_size: int = setting(4, "sequences per device per micro-batch")
-    lr: float = setting(2e-4, "peak learning rate (AdamW)")
+    lr: float = setting(2e-4, "peak learning rate")
     epochs: int = setting(1, "passes over the data (unless --max-steps stops sooner)")
     max_steps: int | None = setting(None, "stop after this many optimizer steps' samples at the starting world size")
     warmup_steps: int = setting(10, "linear warm-up over this many steps' samples, then cosine decay")
@@ -208,9 +209,7 @@ def build(config: FinetuneConfig, engine: Engine) -> tuple[nn.Module, torch.opti
         )
     if skeleton:
         engine.load_pretrained(model, lm_models.model_dir(config.model))
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
-    model, optimizer = engine.setup(model, optimizer)
+    model, optimizer = engine.setup(model, engine.optimizer(model, config.lr))
     return model, optimizer, tokenizer, data
 
 

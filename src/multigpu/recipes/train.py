@@ -34,6 +34,7 @@ from multigpu.recipes.common import (
     NPROC_NOTE,
     NPROC_UNSET,
     RUN_RESULT,
+    OptimizerChoice,
     ProgressBar,
     RecipeSettings,
     RunDirSettings,
@@ -58,7 +59,7 @@ SCHEDULE_LENGTH = ("epochs", "warmup_epochs")
 
 
 @dataclass
-class TrainSettings(RecipeSettings):
+class TrainSettings(RecipeSettings, OptimizerChoice):
     """The launch's, the run directory's and the Engine's settings that train shows, each keeping its one definition
     (config/settings.py: shown); the strategy is --multi-gpu here."""
 
@@ -73,6 +74,7 @@ class TrainSettings(RecipeSettings):
     precision: str = shown(EngineConfig)
     grad_accum_steps: int = shown(EngineConfig)
     max_grad_norm: float | None = shown(EngineConfig)
+    weight_decay: float = shown(EngineConfig, default=1e-4)
     seed: int = shown(EngineConfig)
     activation_checkpointing: str = shown(EngineConfig)
     compile: bool = shown(EngineConfig)
@@ -103,7 +105,6 @@ class TrainConfig(TrainSettings):
     lr: float = setting(1e-3, "peak learning rate before --lr-scaling")
     lr_scaling: str = setting("none", "multiply lr by world x accumulation (or its root)", choices=LR_SCALING)
     warmup_epochs: float = setting(2.0, "linear warm-up, then cosine decay to zero")
-    weight_decay: float = setting(1e-4, "AdamW weight decay")
     num_workers: int = setting(0, "data-loading processes per rank (the data is in memory)")
     keep_last: int = setting(3, "checkpoints to keep")
     async_save: bool = setting(False, "write checkpoints in the background")
@@ -114,7 +115,6 @@ class TrainConfig(TrainSettings):
             (self.batch_size >= 1, f"--batch-size must be 1 or more (got {self.batch_size}); it is per device."),
             (0 < self.lr < math.inf, f"--lr must be a positive finite number (got {self.lr})."),
             (0 <= self.warmup_epochs < math.inf, f"--warmup-epochs must be 0 or more (got {self.warmup_epochs})."),
-            (0 <= self.weight_decay < math.inf, f"--weight-decay must be 0 or more (got {self.weight_decay})."),
             (self.num_workers >= 0, f"--num-workers must be 0 or more (got {self.num_workers})."),
             (self.keep_last >= 1, f"--keep-last must be 1 or more (got {self.keep_last})."),
             (
@@ -210,8 +210,7 @@ def set_up(config: TrainConfig, engine: Engine) -> TrainRun:
     lr = scaled_lr(config, engine.data_parallel_size)
     if config.lr_scaling != "none":
         engine.print(f"lr {config.lr:g} x {lr / config.lr:g} ({config.lr_scaling} scaling) = {lr:g}")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=config.weight_decay)
-    model, optimizer = engine.setup(model, optimizer)
+    model, optimizer = engine.setup(model, engine.optimizer(model, lr))
     train_loader = engine.dataloader(
         data.train, batch_size=config.batch_size, shuffle=True, num_workers=config.num_workers
     )

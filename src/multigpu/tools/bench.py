@@ -55,6 +55,7 @@ class BenchConfig(Settings):
     compile_backend: str | None = override(EngineConfig, note=EVERY_RUN)
     float8: str | None = override(EngineConfig, note=EVERY_RUN)
     loss: str | None = override(EngineConfig, note=EVERY_RUN)
+    optimizer: str | None = override(EngineConfig, note=EVERY_RUN)
     cp_size: int | None = override(EngineConfig, note=EVERY_MULTI_PROCESS_RUN)
     ep_size: int | None = override(EngineConfig, note=EVERY_MULTI_PROCESS_RUN)
     nproc: str = setting("1,2", "comma-separated process counts, e.g. 1,2,4")
@@ -136,6 +137,9 @@ def run_cell(
         "precision": ranks[0]["precision"],
         # The ring's share of what each rank hands to the gradient collectives (harness.py); none on 1 process.
         "grad_bytes": ranks[0]["gradient_bytes"] * wire_factor(strategy, n) if strategy in REDUCING and n > 1 else None,
+        "state_bytes": [r["optimizer_state_bytes"] for r in ranks],
+        "state_elements": [r["optimizer_state_elements"] for r in ranks],
+        "gathered_bytes": ranks[0]["optimizer_gathered_bytes"],
     }
 
 
@@ -160,6 +164,11 @@ def summarise(
         "samples_per_s": spread([run["samples"] / s for run, s in zip(runs, seconds, strict=True)]),
         "tokens_per_s": None,
         "peak_memory_mb": [max(run["memory"][r] for run in runs) / 2**20 for r in range(n)],
+        # The optimizer's states per rank, and per parameter element they are for (8.0: AdamW's two float32).
+        "optimizer_state_mb": [b / 2**20 for b in runs[0]["state_bytes"]],
+        "state_bytes_per_param": sum(runs[0]["state_bytes"]) / max(1, sum(runs[0]["state_elements"])),
+        # What Muon all-gathers per step to orthogonalise whole matrices of shards (0: none, or not Muon).
+        "optimizer_gather_mb": runs[0]["gathered_bytes"] / 2**20,
         "comm_share": None,
     }
     if all(run["tokens"] for run in runs):
@@ -266,6 +275,7 @@ def print_report(report: dict[str, Any]) -> None:
     table = Table(title=f"bench on {report['device']} ({report['precision']}{split}): {report['target']}")
     columns = ["procs", "strategy", "samples/s (min/med/max)", *(["tokens/s"] if tokens else [])]
     columns += ["step ms med / p90", "speedup", "efficiency", "comm share", "grad MB sent/step", "peak MB per rank"]
+    columns += ["optimizer MB per rank", "state B/param", "Muon gather MB/step"]
     for column in columns:
         table.add_column(column, justify="right")
     for c in report["cells"]:
@@ -280,6 +290,9 @@ def print_report(report: dict[str, Any]) -> None:
             f"{c['comm_share']:.0%}" if c["comm_share"] is not None else "-",
             f"{c['grad_bytes_sent'] / 2**20:,.3f}" if c.get("grad_bytes_sent") is not None else "-",
             " / ".join(f"{m:,.0f}" for m in c["peak_memory_mb"]),
+            " / ".join(f"{m:,.1f}" for m in c["optimizer_state_mb"]),
+            f"{c['state_bytes_per_param']:.2f}",
+            f"{c['optimizer_gather_mb']:,.2f}",
         ]
         table.add_row(*row)
     console = Console()

@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from multigpu.core.errors import UsageError
 from multigpu.engine import Engine, EngineConfig, StepObserver, StepStats, observe_every_engine
 from multigpu.engine.monitor import Monitor, peak_memory_bytes
 from multigpu.launch import worker
 from multigpu.launch.launcher import LaunchConfig, launch
+from multigpu.optimizers.build import state_bytes
 from multigpu.parallel.compression import step_payload_bytes
 
 
@@ -104,6 +105,8 @@ class Recorder(StepObserver):
         self.engine = engine
         self.monitor = next(observer for observer in engine.observers if isinstance(observer, Monitor))
         self.monitor.count_flops = True
+        self.optimizer: torch.optim.Optimizer | None = None  # the one the script steps: bench measures its states
+        register_optimizer_step_post_hook(lambda optimizer, *_: setattr(self, "optimizer", optimizer))
         _RECORDERS.append(self)
 
     def on_setup(self, model: torch.nn.Module) -> None:
@@ -161,9 +164,14 @@ class Recorder(StepObserver):
         Path(self.harness.directory, f"rank{self.engine.rank}.json").write_text(json.dumps(self.record()))
 
     def record(self) -> dict[str, Any]:
+        held, elements = state_bytes(self.optimizer) if self.optimizer is not None else (0, 0)
         return {
             **self.meta,
             "peak_memory_bytes": peak_memory_bytes(self.engine.device),
+            # This rank's optimizer states, the parameter elements they are for, and Muon's gathers per step.
+            "optimizer_state_bytes": held,
+            "optimizer_state_elements": elements,
+            "optimizer_gathered_bytes": getattr(self.optimizer, "gathered_bytes", 0),
             "steps": self.steps,
             "first_step_rows": self.first_rows,
         }
