@@ -89,6 +89,26 @@ def test_passes_the_nanogpt_shaped_example_that_fixes_the_global_batch(tmp_path:
     assert report["strategy"] == strategy and [s["step"] for s in report["steps"]] == [1, 2, 3]
 
 
+def test_passes_the_nanogpt_shaped_example_stepping_with_muon(tmp_path: Path) -> None:
+    """The example with its AdamW swapped for engine.optimizer under optimizer muon, as a user would: zero3 shards
+    each matrix, Muon gathers it whole; the comparison takes Muon's tolerance (verify.py: OPTIMIZER_TOLERANCES)."""
+    text = Path(NANOGPT).read_text()
+    own = "torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=0.1)"
+    assert own in text and "seed=1337)" in text
+    text = text.replace(own, "engine.optimizer(model, args.learning_rate)")
+    text = text.replace("seed=1337)", 'seed=1337, optimizer="muon", beta2=0.95, weight_decay=0.1)')
+    script = tmp_path / "nanogpt_muon.py"
+    script.write_text(text)
+    (tmp_path / "nanogpt_model.py").write_text(Path(NANOGPT).with_name("nanogpt_model.py").read_text())
+    result = multigpu(
+        "verify", "--json", "--steps", "3", "--strategy", "zero3", str(script), "--max-iters", "3",
+        "--out-dir", str(tmp_path / "out"), timeout=240,
+    )  # fmt: skip
+    report = json.loads(result.stdout[result.stdout.index("{\n") :])
+    assert result.returncode == 0 and report["passed"], report
+    assert report["param_tolerance"] == 0.15
+
+
 def test_fails_a_dataloader_that_every_rank_reads_whole() -> None:
     code, report = verify("--strategy", "ddp", bug="plain-loader")
     assert code == 1 and report["first_divergence"] == 1

@@ -116,6 +116,7 @@ class Recorder(StepObserver):
             "precision": engine.precision.name,
             "grad_compression": engine.config.grad_compression,
             "float8": engine.config.float8,
+            "optimizer": engine.config.optimizer,
             "world_size": engine.world_size,
             "data_parallel_size": engine.data_parallel_size,
             "grad_accum_steps": engine.config.grad_accum_steps,
