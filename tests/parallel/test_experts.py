@@ -37,6 +37,7 @@ CELLS: dict[str, tuple[int, dict, str]] = {
     "single-bf16-mixed": (1, {"multi_gpu": "single", "precision": "bf16-mixed"}, ""),
     "single-lora": (1, {"multi_gpu": "single", **LORA}, ""),
     "single-muon": (1, {"multi_gpu": "single", **MUON}, ""),
+    "single-adamw-8bit": (1, {"multi_gpu": "single", "optimizer": "adamw-8bit"}, ""),
     "single-qlora": (1, {"multi_gpu": "single", "method": "qlora", "lora_experts": True}, ""),
     # Two accumulated halves: a pipeline's two micro-batches, each its own load-balancing loss.
     "single-halves": (1, {"multi_gpu": "single", "batch_size": 2, "grad_accum_steps": 2}, ""),
@@ -47,6 +48,12 @@ CELLS: dict[str, tuple[int, dict, str]] = {
     # expert, so each rank orthogonalises its whole experts where they are.
     "ep-2-muon": (2, {"multi_gpu": "ddp", "batch_size": 2, "ep_size": 2, **MUON}, "single-muon"),
     "zero3-x-ep-2-muon": (2, {"multi_gpu": "zero3", "batch_size": 2, "ep_size": 2, **MUON}, "single-muon"),
+    # 8-bit states of the experts: each rank quantises its experts' stack, in the blocks one process does.
+    "ep-2-adamw-8bit": (
+        2,
+        {"multi_gpu": "ddp", "batch_size": 2, "ep_size": 2, "optimizer": "adamw-8bit"},
+        "single-adamw-8bit",
+    ),
     "zero3": (2, {"multi_gpu": "zero3", "batch_size": 2}, "single"),
     # The README's: each sequence split over the 2 ranks, which are also the ep group (DDP's group, not its mesh).
     "ep-2-x-cp-2": (2, {"multi_gpu": "ddp", "ep_size": 2, "cp_size": 2}, "single"),

@@ -226,3 +226,26 @@ def test_auto_picks_the_fastest_strategy_that_fits() -> None:
     assert pick(1.22 * GIB) == "zero2"
     assert pick(1.16 * GIB) == "zero3"
     assert pick(1.1 * GIB) == "zero3+offload"
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "bytes_per_param"),
+    [("adamw", 8), ("adamw-bf16", 4), ("adamw-8bit", 2 * (1 + 4 / 256)), ("adamw-4bit", 2 * (0.5 + 4 / 128))],
+)
+def test_the_optimizer_states_shrink_with_their_bits(optimizer: str, bytes_per_param: float) -> None:
+    """`plan --optimizer adamw-8bit`: the states' bytes per parameter (codes and each block's float32 scale), halved
+    where zero shards them; their measured bytes: tests/optimizers/test_low_bit.py."""
+    rows = by_strategy(plan("llama-2-7b", gpus=2, precision="bf16-mixed", optimizer=optimizer))
+    params = 6_738_415_616
+    assert rows["ddp"].optimizer == pytest.approx(params * bytes_per_param)
+    assert rows["zero3"].optimizer == pytest.approx(params * bytes_per_param / 2)
+
+
+def test_muon_keeps_one_state_for_the_hidden_matrices_and_adamws_two_for_the_rest() -> None:
+    shape = BUILTIN["smollm2-135m"]
+    result = plan("smollm2-135m", gpus=1, precision="32", optimizer="muon")
+    model = from_transformer(shape, "smollm2-135m")
+    matrices = model.linear_params  # the hidden linear layers: not the (tied) embeddings and head
+    want = matrices * 4 + (result.params - matrices) * 8
+    assert by_strategy(result)["single"].optimizer == pytest.approx(want)
+    assert 0 < matrices < result.params

@@ -36,7 +36,11 @@ _MASK32 = 0xFFFFFFFF
 
 class _LocalStep:
     """torchao's AdamW step, per parameter, on each rank's local tensors; lr stays a float in the param groups, as
-    schedulers and checkpoints expect (torchao keeps it a tensor)."""
+    schedulers and checkpoints expect (torchao keeps it a tensor); checkpoints as the module's docstring says."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _checkpoint_dequantised(self)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         torch.optim.Optimizer.add_param_group(self, param_group)  # type: ignore[arg-type]
@@ -105,25 +109,13 @@ class _QuantisedAsWhole:
 class AdamW8bit(_QuantisedAsWhole, _LocalStep, _TorchaoAdamW8bit):
     """torchao's AdamW8bit (states in 8 bits, a scale per 256), stepping and checkpointing as described above."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        _checkpoint_dequantised(self)
-
 
 class AdamW4bit(_QuantisedAsWhole, _LocalStep, _TorchaoAdamW4bit):
     """torchao's AdamW4bit (states in 4 bits, a scale per 128), stepping and checkpointing as described above."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        _checkpoint_dequantised(self)
-
 
 class AdamWBf16(_LocalStep, _AdamW):
     """AdamW with both states in bfloat16, rounded stochastically by a hash (above); the update itself in float32."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        _checkpoint_dequantised(self)
 
     def _new_buffer(self, param: torch.Tensor, signed: bool) -> torch.Tensor:
         return torch.zeros_like(param, dtype=torch.bfloat16)
