@@ -94,6 +94,7 @@ CELLS: dict[str, tuple[int, dict]] = {
         {"multi_gpu": "pp", **DEEP, **INTERLEAVED_ZB, "batch_size": 2, "grad_accum_steps": 2},
     ),
     "zero3-x-pp-zbv": (4, {"multi_gpu": "zero3", "pp_size": 2, "batch_size": 2, **DEEP, "pp_schedule": "zbv"}),
+    "pp-x-tp-zbv": (4, {"multi_gpu": "pp", "tp_size": 2, **DEEP, "pp_schedule": "zbv"}),
     # Pipelines of 2 stages inside 4 processes: whole replicas, zero sharding each stage, tp splitting each stage.
     # (Their global batches split 3:1 between the replicas: batch_shares, below.)
     "pp-x-replicas-shares-3-1": (4, {"multi_gpu": "pp", "pp_size": 2, "batch_size": 2, "batch_shares": "3,1"}),
