@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from multigpu.planner.layout import bubble_fraction, micro_batches_in_flight
 from multigpu.planner.shapes import load_shape
 from multigpu.tools.simulate import INTERCONNECTS, Link, SimulateConfig, flops_per_token, simulate
 
@@ -171,4 +172,31 @@ print(
     "- Across nodes the prediction hangs on the per-GPU batch (compute to hide behind) and the NIC: see the\n"
     "  batch sweep above. torchtitan's 2.7% loss at 128 GPUs is likewise beyond a model in which InfiniBand\n"
     "  at 8 x 46 GB/s per node keeps every gather hidden: stragglers and network contention are not modelled."
+)
+
+# The 405B 3-D layout by pipeline schedule. torchtitan publishes 1F1B and interleaved 1F1B only (Table 5 above);
+# the zero-bubble rows are the simulator's alone, each bubble from planner.layout.bubble_fraction (a forward, an
+# input half and a weight half taking alike), the activations from micro_batches_in_flight on the binding rank.
+print("\n405B 3-D (FSDP 8 x TP 8 x PP 8, 512 H100) by pipeline schedule; published: torchtitan Table 5")
+print(f"{'schedule':<34} {'published':>10} {'predicted':>10} {'bubble':>8} {'activations':>12}")
+SCHEDULES = [
+    ("1f1b", 1, 8, 100),
+    ("interleaved", 2, 8, 128),
+    ("interleaved-zb", 2, 8, None),
+    ("zbv", 2, 8, None),
+    ("zbv", 2, 16, None),
+    ("dualpipev", 2, 16, None),
+]
+for schedule, per_rank, micro, published in SCHEDULES:
+    layout = {**three_d, "pp_schedule": schedule, "pp_stages_per_rank": per_rank, "microbatches": micro}
+    predicted = model_parallel("llama-3.1-405b", 32, 512, **layout)
+    bubble = bubble_fraction(8, micro, per_rank, schedule)
+    held = max(micro_batches_in_flight(schedule, 8, rank, per_rank, micro) for rank in range(8))
+    shown = "-" if published is None else f"{published:,}"
+    name = f"{schedule}, {micro} micro-batches"
+    print(f"{name:<34} {shown:>10} {predicted:>10,.0f} {bubble:>8.1%} {held:>9.1f} mb")
+print(
+    "- activations: micro-batches of one rank's layers held at the busiest rank's peak (1f1b: pp = 8).\n"
+    "- No published zero-bubble figure for this layout was found; the zbv and dualpipev rows assume their split\n"
+    "  backward costs nothing extra, where torch's runs each weight half as a second autograd pass."
 )

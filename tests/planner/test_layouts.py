@@ -104,14 +104,19 @@ def test_without_tp_or_pp_nothing_changes() -> None:
         ),
         (
             {"gpus": 8, "pp_size": 2, "pp_stages_per_rank": 2},
-            "pp_stages_per_rank 2 does not fit pp_schedule 1f1b: interleaved takes 2 or more stages per rank, "
-            "gpipe and 1f1b take 1; set them together.",
+            "pp_stages_per_rank 2 does not fit pp_schedule 1f1b: interleaved and interleaved-zb take 2 or more "
+            "stages per rank, gpipe and 1f1b take 1 (zbv and dualpipev set 2 themselves); set them together.",
         ),
         (
             {"gpus": 8, "pp_schedule": "zigzag"},
-            "Unknown pp_schedule 'zigzag'; choose one of gpipe, 1f1b, interleaved.",
+            "Unknown pp_schedule 'zigzag'; choose one of gpipe, 1f1b, interleaved, interleaved-zb, zbv, dualpipev.",
         ),
         ({"gpus": 8, "microbatches": 0}, "microbatches must be 1 or more (got 0)."),
+        (
+            {"gpus": 8, "pp_size": 2, "pp_schedule": "dualpipev", "microbatches": 2},
+            "pp_schedule dualpipev runs at least one micro-batch per stage, so pp_microbatches 2 is too few for its "
+            "4 stages (2 x pp_size 2); give 4 or more.",
+        ),
         (
             {"gpus": 8, "sequence_parallel": True},
             "--sequence-parallel splits the sequence over the tp GPUs; add --tp-size or drop it.",
@@ -133,8 +138,100 @@ def test_a_layout_the_model_cannot_take_is_refused() -> None:
 
 def test_bubble_fraction() -> None:
     assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
-    assert bubble_fraction(4, 4, 2) == pytest.approx(3 / 11)
+    assert bubble_fraction(4, 4, 2, "interleaved") == pytest.approx(3 / 11)
     assert bubble_fraction(1, 8) == 0.0
+    # zbv with 2 pp micro-batches idles pp - 1 forwards of a stage beside its 3 x 2 x m: 3 / 51 on 4 ranks.
+    assert bubble_fraction(4, 8, 2, "zbv") == pytest.approx(3 / 51)
+
+
+def torch_order(name: str, pp: int, m: int, v: int = 2) -> dict:
+    """torch's own per-rank compute order for `name` (its schedule class's arithmetic, without any process)."""
+    from torch.distributed.pipelining import schedules
+
+    cls = {
+        "zbv": schedules.ScheduleZBVZeroBubble,
+        "dualpipev": schedules.ScheduleDualPipeV,
+        "interleaved-zb": schedules.ScheduleInterleavedZeroBubble,
+        "interleaved": schedules.ScheduleInterleaved1F1B,
+    }[name]
+    schedule = object.__new__(cls)
+    schedule.pp_group_size, schedule._n_microbatches, schedule.n_local_stages = pp, m, v
+    schedule.num_stages = schedule._num_stages = pp * v
+    schedule.number_of_rounds = max(1, m // pp)
+    schedule.microbatches_per_round = m // schedule.number_of_rounds
+    order = {}
+    for rank in range(pp):
+        schedule.rank = rank
+        order[rank] = schedule._calculate_single_rank_operations(rank)
+    if name == "interleaved-zb":
+        schedule.pipeline_order = order
+        order = schedule._add_bubbles_to_actions(pp * v)
+    return {rank: [a for a in actions if a is not None] for rank, actions in order.items()}
+
+
+def run_order(order: dict, stages: int) -> tuple[float, list[int]]:
+    """Runs every rank's order step by step, a forward, an input half and a weight half each 1 (a whole backward 2),
+    each action when its rank is free and its inputs are there: (the step's length, each rank's peak of stage
+    activations kept, from a forward to its backward's weight half)."""
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    cost = {C.FORWARD: 1, C.BACKWARD_INPUT: 1, C.BACKWARD_WEIGHT: 1, C.FULL_BACKWARD: 2}
+    done: dict = {}
+    position, free, live, peak = dict.fromkeys(order, 0), dict.fromkeys(order, 0.0), dict.fromkeys(order, 0), {}
+    moved = True
+    while moved:
+        moved = False
+        for rank, actions in order.items():
+            while position[rank] < len(actions):
+                parts = actions[position[rank]].sub_actions or (actions[position[rank]],)
+                needs = []
+                for a in parts:
+                    s, mb, kind = a.stage_index, a.microbatch_index, a.computation_type
+                    needs += [(s - 1, mb, "F")] if kind == C.FORWARD and s > 0 else []
+                    if kind in (C.BACKWARD_INPUT, C.FULL_BACKWARD):
+                        needs += [(s, mb, "F")] + ([(s + 1, mb, "B")] if s < stages - 1 else [])
+                    needs += [(s, mb, "I")] if kind == C.BACKWARD_WEIGHT else []
+                if any(need not in done for need in needs):
+                    break
+                time = max([free[rank], *(done[need] for need in needs)])
+                for a in parts:
+                    time += cost[a.computation_type]
+                    kind = a.computation_type
+                    key = "F" if kind == C.FORWARD else "I" if kind == C.BACKWARD_INPUT else "W"
+                    done[(a.stage_index, a.microbatch_index, key)] = time
+                    if kind in (C.BACKWARD_INPUT, C.FULL_BACKWARD):
+                        done[(a.stage_index, a.microbatch_index, "B")] = time
+                    live[rank] += 1 if kind == C.FORWARD else -1 if kind in (C.BACKWARD_WEIGHT, C.FULL_BACKWARD) else 0
+                    peak[rank] = max(peak.get(rank, 0), live[rank])
+                free[rank], position[rank], moved = time, position[rank] + 1, True
+    assert all(position[rank] == len(actions) for rank, actions in order.items()), "the order deadlocked"
+    return max(free.values()), [peak[rank] for rank in sorted(order)]
+
+
+@pytest.mark.parametrize("name", ["zbv", "dualpipev", "interleaved-zb"])
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_zero_bubble_bubbles_and_activations_are_torchs_orders_run_step_by_step(name: str, pp: int) -> None:
+    """The planner's closed forms (bubble_fraction, micro_batches_in_flight) against torch's own orders run step by
+    step, for every micro-batch count the schedule takes up to 3 x pp (and v = 2, 3 for interleaved-zb)."""
+    for v in (2, 3) if name == "interleaved-zb" else (2,):
+        for m in range(1, 3 * pp + 1):
+            if (name == "dualpipev" and m < 2 * pp) or (name == "interleaved-zb" and m % max(1, m // pp)):
+                continue
+            length, peaks = run_order(torch_order(name, pp, m, v), pp * v)
+            assert 1 - 3 * v * m / length == pytest.approx(bubble_fraction(pp, m, v, name)), (m, v)
+            in_flight = [micro_batches_in_flight(name, pp, rank, v, m) * v for rank in range(pp)]
+            assert peaks == pytest.approx(in_flight), (m, v)
+
+
+def test_interleaved_activations_are_torchs_order_too() -> None:
+    for pp, m in ((2, 4), (4, 8), (4, 4)):
+        _, peaks = run_order(torch_order("interleaved", pp, m), 2 * pp)
+        assert peaks == [micro_batches_in_flight("interleaved", pp, rank, 2, m) * 2 for rank in range(pp)]
+
+
+def test_a_v_puts_the_head_beside_the_embedding_on_rank_0() -> None:
+    stages = pipeline_stages(32, 4, 2, "zbv", 8)
+    assert [(s.layers, s.first, s.last) for s in stages] == [(8, True, True)] + [(8, False, False)] * 3
 
 
 def test_each_planner_row_lays_processes_out_as_its_strategy_does() -> None:

@@ -465,6 +465,9 @@ def test_gpipe_bubble_is_three_sevenths_with_four_stages_and_four_micro_batches(
     assert p.bubble_s / (p.compute_s + p.bubble_s) == pytest.approx(3 / 7)
     interleaved = predict(gpus=(4,), pp_size=4, microbatches=4, pp_schedule="interleaved", pp_stages_per_rank=2)
     assert interleaved.bubble_s / (interleaved.compute_s + interleaved.bubble_s) == pytest.approx(3 / 11)
+    # zbv: 8 micro-batches (its default on 4 ranks: one per stage) idle 3 stage-forwards beside 3 x 2 x 8.
+    zbv = predict(gpus=(4,), pp_size=4, pp_schedule="zbv")
+    assert zbv.bubble_s / (zbv.compute_s + zbv.bubble_s) == pytest.approx(3 / 51)
 
 
 def test_tp_adds_four_all_reduces_per_layer_on_the_intra_node_link() -> None:

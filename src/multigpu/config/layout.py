@@ -11,7 +11,6 @@ inside a node). ep (experts spread over ranks) reuses processes of shard x cp ra
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -22,7 +21,6 @@ from multigpu.core.errors import UsageError, require
 #: Mesh dimensions outermost first. Ranks that differ only in the innermost dimension are neighbours (consecutive
 #: ranks, so the same node), which is where tp's per-layer collectives must run; pp talks least, so it spans nodes.
 MESH_ORDER = ("pp", "replicate", "shard", "cp", "tp")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 #: How attention sees a whole sequence split over the cp ranks: ulysses (all-to-all from position slices to head
 #: slices around attention and back; any device) or ring (torch's context_parallel passes keys and values round the
 #: ranks; CUDA only).
@@ -111,38 +109,6 @@ class TensorParallelOptions(StrategyOptions):
 
 
 @dataclass
-class PipelineOptions(StrategyOptions):
-    """How a pipeline runs its stages (strategy pp, and zero2, zero3 or hsdp beside pp_size)."""
-
-    pp_schedule: str = setting(
-        "1f1b", "pp: gpipe (all forwards, then all backwards), 1f1b (less memory) or interleaved", choices=PP_SCHEDULES
-    )
-    pp_stages_per_rank: int = setting(
-        1, "pp with schedule interleaved: stages per process (2 or more; a smaller bubble)"
-    )
-    pp_microbatches: int | None = setting(
-        None, "pp: slices of each batch that flow through the pipeline one after another (default: one per stage)"
-    )
-    pp_split: str | None = setting(
-        None,
-        "pp: layers per stage, in stage order, e.g. 10,6 to give a faster first GPU more of them (default: as even "
-        "as the layers allow); one count per stage (pp_size x pp_stages_per_rank), adding up to the model's layers; "
-        "or auto: in proportion to each stage's speed, which its ranks measure at setup",
-    )
-
-    def check(self) -> None:
-        parse_pp_split(self.pp_split)
-        # Whether the schedule and its stages per rank fit is checked where a pipeline is built (check_schedule):
-        # under a strategy without pp, the sentence to give is that pp_schedule is pp's option, not how it fits.
-        require(
-            (
-                self.pp_microbatches is None or self.pp_microbatches >= 1,
-                f"pp_microbatches must be 1 or more (got {self.pp_microbatches}).",
-            )
-        )
-
-
-@dataclass
 class ShardingOptions(StrategyOptions):
     """What zero2, zero3 and hsdp do with their shards (the planner counts both)."""
 
@@ -152,55 +118,6 @@ class ShardingOptions(StrategyOptions):
         "zero2/zero3: accumulate whole gradients locally and reduce-scatter once per optimizer step (less "
         "communication, a full gradient per rank) instead of on every micro-step",
     )
-
-
-def check_schedule(schedule: str, stages_per_rank: int) -> None:
-    """Refuses an unknown schedule, or stages per rank that do not fit it (interleaved takes 2 or more, the others
-    1)."""
-    if schedule not in PP_SCHEDULES:
-        raise UsageError(f"Unknown pp_schedule {schedule!r}; choose one of {', '.join(PP_SCHEDULES)}.")
-    if stages_per_rank < 1 or (stages_per_rank > 1) != (schedule == "interleaved"):
-        raise UsageError(
-            f"pp_stages_per_rank {stages_per_rank} does not fit pp_schedule {schedule}: interleaved takes 2 or more "
-            "stages per rank, gpipe and 1f1b take 1; set them together."
-        )
-
-
-def parse_pp_split(text: str | None) -> tuple[int, ...] | None:
-    """pp_split's layer counts, or None for even (and auto, until measured); one sentence refuses anything else."""
-    if text is None or text.strip() == AUTO:
-        return None
-    parts = [part.strip() for part in text.split(",")]
-    if not all(part.isdigit() and int(part) >= 1 for part in parts):
-        raise UsageError(
-            f"pp_split must be auto or whole numbers of layers of at least 1, one per pipeline stage, separated by "
-            f"commas (e.g. 10,6), not {text!r}."
-        )
-    return tuple(int(part) for part in parts)
-
-
-def stage_layers(layers: int, stages: int, split: str | tuple[float, ...] | None = None) -> list[range]:
-    """The layers each pipeline stage runs, in order: pp_split's counts, in proportion to the stages' speeds where
-    `split` gives them (measured: pp_split auto), else as even as they allow. Refuses more stages than layers, or
-    counts that are not one per stage adding up to the layers. The CLI asks this of the model's config before any
-    process starts; strategy pp of the model it builds."""
-    if layers < stages:
-        raise UsageError(
-            f"The model's {layers} layers cannot fill {stages} pipeline stages (pp_size x pp_stages_per_rank); "
-            f"choose a pp_size and pp_stages_per_rank whose product is at most {layers}."
-        )
-    counts = tuple(split_by_shares(layers, split)) if isinstance(split, tuple) else parse_pp_split(split)
-    if counts is None:
-        base, extra = divmod(layers, stages)
-        counts = tuple(base + (1 if stage < extra else 0) for stage in range(stages))
-    elif len(counts) != stages or sum(counts) != layers:
-        raise UsageError(
-            f"pp_split {split} names {len(counts)} stage{'s' if len(counts) > 1 else ''} of {sum(counts)} layers in "
-            f"all, but the pipeline has {stages} stages (pp_size x pp_stages_per_rank) and the model {layers} layers; "
-            f"give {stages} counts adding up to {layers}."
-        )
-    bounds = [0, *itertools.accumulate(counts)]
-    return [range(start, stop) for start, stop in itertools.pairwise(bounds)]
 
 
 def check_tp_heads(config: object, degree: int) -> None:

@@ -9,8 +9,9 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from multigpu.config.layout import LayoutSettings, PipelineOptions, ShardingOptions, TensorParallelOptions
+from multigpu.config.layout import LayoutSettings, ShardingOptions, TensorParallelOptions
 from multigpu.config.optimizer import LOW_BIT, OptimizerSettings
+from multigpu.config.pipeline import PipelineOptions
 from multigpu.config.settings import ComputeSettings, Settings, TrainingSettings, setting
 from multigpu.core.env import BACKENDS
 from multigpu.core.errors import UsageError, require

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from multigpu.config.layout import AUTO, ParallelDims, resolve_layout
+from multigpu.config.pipeline import ZERO_BUBBLE
 from multigpu.config.precision import Precision, PrecisionPlan
 from multigpu.config.settings import strategy_option_fields
 from multigpu.core.compute_clock import check_measurable
@@ -85,6 +86,12 @@ def precision_plan(strategy: Strategy, config: EngineConfig, env: DistEnv) -> Pr
             "activation_checkpointing full cannot run with compile under tensor parallelism on torch 2.13: a compiled "
             "block that recomputes attention on tp's split heads saves a DeviceMesh for its backward and fails; use "
             "activation_checkpointing selective (which keeps attention's output) or offload, or drop compile."
+        )
+    if config.compile and strategy.layout.pp > 1 and config.pp_schedule in ZERO_BUBBLE:
+        raise UsageError(
+            f"pp_schedule {config.pp_schedule} cannot run with compile on torch 2.13: its split backward runs each "
+            "compiled block's backward in two halves over a kept graph, which a compiled backward refuses (pytorch "
+            "issue 161904); drop compile, or use pp_schedule gpipe, 1f1b or interleaved."
         )
     if strategy.layout.cp > 1 and config.cp_method == "ring" and env.device.type != "cuda":
         raise UsageError(

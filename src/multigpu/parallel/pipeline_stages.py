@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from multigpu.config.layout import stage_layers
+from multigpu.config.pipeline import stage_layers
 from multigpu.core.errors import UsageError
 from multigpu.models.modules import name_pattern
 from multigpu.parallel.decoder import decoder_plan, language_model, packed_attention_kwargs
@@ -94,16 +94,16 @@ class DecoderStage(nn.Module):
 
 
 def stage_parts(
-    model: nn.Module, stages: int, split: str | tuple[float, ...] | None = None
+    model: nn.Module, stages: int, split: str | tuple[float, ...] | None = None, schedule: str | None = None
 ) -> list[tuple[dict[str, nn.Module], Callable[[bool, bool], nn.Module]]]:
     """For each stage: {name in the model: module} and a function (first, last) -> the stage's forward module; the
     layers split by `split` (pp_split's counts, or the stages' speeds), else as evenly as they allow."""
     inner, prefix = language_model(model)
     if _is_decoder(inner):
-        return _decoder_parts(inner, prefix, stages, decoder_plan(inner.model), split)
+        return _decoder_parts(inner, prefix, stages, decoder_plan(inner.model), split, schedule)
     children = _pipeline_layers(model)
     parts = []
-    for run in stage_layers(len(children), stages, split):
+    for run in stage_layers(len(children), stages, split, schedule):
         chunk = children[run.start : run.stop]
         modules = [module for _, module in chunk]
         parts.append((dict(chunk), lambda first, last, modules=modules: SequentialStage(modules)))
@@ -151,12 +151,17 @@ def listed_layers(model: nn.Module, names: list[str]) -> list[tuple[str, nn.Modu
 
 
 def _decoder_parts(
-    inner: nn.Module, prefix: str, stages: int, names: tuple[str, str, str], split: str | tuple[float, ...] | None
+    inner: nn.Module,
+    prefix: str,
+    stages: int,
+    names: tuple[str, str, str],
+    split: str | tuple[float, ...] | None,
+    schedule: str | None,
 ) -> list:
     embed, layer_list, norm = names
     decoder, layers = inner.model, list(getattr(inner.model, layer_list))
     parts = []
-    for index, run in enumerate(stage_layers(len(layers), stages, split)):
+    for index, run in enumerate(stage_layers(len(layers), stages, split, schedule)):
         first, last = index == 0, index == stages - 1
         kept = {f"{prefix}model.{layer_list}.{i}": layers[i] for i in run}
         kept[f"{prefix}model.rotary_emb"] = decoder.rotary_emb

@@ -17,14 +17,13 @@ from multigpu.config.layout import (
     TENSOR,
     LayoutSettings,
     ParallelDims,
-    PipelineOptions,
     ShardingOptions,
     TensorParallelOptions,
-    check_schedule,
     cp_chunks,
     resolve_layout,
 )
 from multigpu.config.optimizer import OPTIMIZERS, OptimizerSettings  # noqa: F401  (importers)
+from multigpu.config.pipeline import ZERO_BUBBLE, PipelineOptions, check_microbatches, check_schedule
 from multigpu.config.settings import ComputeSettings, Settings, TrainingSettings, setting, shown
 from multigpu.core.errors import UsageError
 from multigpu.planner.gpus import GpuKind, node_gpus
@@ -109,9 +108,13 @@ class PlanConfig(Settings):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be 1 or more (got {getattr(self, name)}).")
         self.tp_size, self.pp_size, self.cp_size = self.tp_size or 1, self.pp_size or 1, self.cp_size or 1
-        check_schedule(self.pp_schedule, self.pp_stages_per_rank)
+        self.pp_stages_per_rank = check_schedule(self.pp_schedule, self.pp_stages_per_rank)  # zbv, dualpipev: 2
         if self.microbatches is None:
-            self.microbatches = self.pp_size  # torchtitan's default: one micro-batch per stage
+            # torchtitan's default: one micro-batch per stage (per rank, as it always was here, for the older ones)
+            zero_bubble = self.pp_schedule in ZERO_BUBBLE
+            self.microbatches = self.pp_size * (self.pp_stages_per_rank if zero_bubble else 1)
+        if self.pp_size > 1:
+            check_microbatches(self.pp_schedule, self.pp_size, self.pp_stages_per_rank, self.microbatches)
         if self.sequence_parallel and self.tp_size == 1:
             raise UsageError("--sequence-parallel splits the sequence over the tp GPUs; add --tp-size or drop it.")
         if self.world % (self.tp_size * self.pp_size * self.cp_size):

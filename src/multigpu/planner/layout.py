@@ -5,13 +5,18 @@ The layout is the mesh's (config/layout.py): pp outermost, then the data-paralle
        output head by vocabulary; norm weights stay whole, and so do the norms' and the residual stream's
        activations unless sequence parallelism splits those by position.
   pp   consecutive layers on consecutive ranks, the embedding on the first, the final norm and head on the last.
-       With `stages_per_rank` v above 1 (interleaved) the layers form pp x v stages and rank r holds stages
-       r, r + pp, ... The ranks differ, so the planner reports the one whose total binds.
-A pipeline rank holds the activations of every micro-batch whose backward has not run yet:
-  gpipe        all forwards before any backward: every micro-batch of the step, on every rank;
-  1f1b         rank r runs pp - r forwards before its first backward, so min(microbatches, pp - r);
-  interleaved  Megatron's warm-up: 2 (pp - r - 1) + (v - 1) pp + 1 stage-sized chunks, at most microbatches x v,
-               i.e. about pp + (pp - 1) / v micro-batches of a whole rank's layers on the first rank.
+       With `stages_per_rank` v above 1 (interleaved, interleaved-zb) the layers form pp x v stages and rank r
+       holds stages r, r + pp, ...; in a V (zbv, dualpipev) stages r and 2 pp - 1 - r (config/pipeline.py). The
+       ranks differ, so the planner reports the one whose total binds.
+A pipeline rank holds the activations of every micro-batch whose backward (a zero-bubble schedule's weight half)
+has not run yet, in stage-sized chunks (1/v of a rank's layers), as torch's orders run them (the tests count them):
+  gpipe           all forwards before any backward: every micro-batch of the step, on every rank;
+  1f1b            rank r runs pp - r forwards before its first backward, so min(microbatches, pp - r);
+  interleaved     Megatron's warm-up: 2 (pp - r - 1) + (v - 1) pp + 1 chunks, at most microbatches x v,
+                  i.e. about pp + (pp - 1) / v micro-batches of a whole rank's layers on the first rank;
+  interleaved-zb  min(k, pp) v + max(0, k - pp) (v - 1) chunks on every rank, k the micro-batches of a round;
+  zbv             min(2 pp, m + 1 + r, 2 m) chunks: pp micro-batches, 1f1b's first rank's, on every rank;
+  dualpipev       2 pp + 1 chunks (m >= 2 pp): half a micro-batch more than zbv.
 Pure arithmetic on a ModelShape; nothing here imports torch.
 """
 
@@ -20,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from multigpu.config.layout import stage_layers
+from multigpu.config.pipeline import LOOPED, ZERO_BUBBLE, stage_layers, stage_owners
 from multigpu.core.errors import UsageError
 from multigpu.planner.activations import layer_parts, layers_kept, transformer_parts
 from multigpu.planner.shapes import ModelShape
@@ -41,23 +46,32 @@ class Stage:
 
 
 def micro_batches_in_flight(schedule: str, pp: int, rank: int, stages_per_rank: int, microbatches: int) -> float:
+    """The micro-batches of a whole rank's layers whose activations rank `rank` keeps at its peak (see the module's
+    docstring); a zero-bubble schedule's counted until each one's weight half has run."""
     if pp == 1:
         return 1.0  # no pipeline: gradient accumulation finishes each micro-batch's backward before the next
+    m, v = microbatches, stages_per_rank
     if schedule == "gpipe":
-        return float(microbatches)
+        return float(m)
     if schedule == "1f1b":
-        return float(min(microbatches, pp - rank))
-    v = stages_per_rank
-    chunks = min(microbatches * v, 2 * (pp - rank - 1) + (v - 1) * pp + 1)
+        return float(min(m, pp - rank))
+    if schedule == "zbv":
+        return min(2 * pp, m + 1 + rank, 2 * m) / 2
+    if schedule == "dualpipev":
+        return min(2 * pp + 1, 2 * m) / 2
+    if schedule == "interleaved-zb":
+        per_round = m // max(1, m // pp)
+        return (min(per_round, pp) * v + max(0, per_round - pp) * (v - 1)) / v
+    chunks = min(m * v, 2 * (pp - rank - 1) + (v - 1) * pp + 1)
     return chunks / v
 
 
 def pipeline_stages(
     layers: int, pp: int, stages_per_rank: int, schedule: str, microbatches: int, split: str | None = None
 ) -> list[Stage]:
-    """Every pipeline rank's share: `split`'s layers per stage (pp_split), else as even as they allow. `layers` 0 (a
-    model without known layers) splits nothing but the in-flight count; the caller divides its parameters evenly
-    instead."""
+    """Every pipeline rank's share: `split`'s layers per stage (pp_split), else as even as they allow; in a V
+    (zbv, dualpipev) rank 0 holds the last stage as well as the first. `layers` 0 (a model without known layers)
+    splits nothing but the in-flight count; the caller divides its parameters evenly instead."""
     count = pp * stages_per_rank
     if layers and count > layers:
         raise UsageError(
@@ -67,24 +81,46 @@ def pipeline_stages(
     if split is not None and not layers:
         raise UsageError(f"pp_split {split} counts the model's layers, which --params alone do not give; add --layers.")
     per_stage = [len(stage) for stage in stage_layers(layers, count, split)] if layers else [0] * count
+    owners = stage_owners(schedule, pp, stages_per_rank)
     return [
         Stage(
             rank=rank,
-            layers=sum(per_stage[rank::pp]),
-            first=rank == 0,
-            last=rank == pp - 1,
+            layers=sum(n for n, owner in zip(per_stage, owners, strict=True) if owner == rank),
+            first=rank == owners[0],
+            last=rank == owners[-1],
             in_flight=micro_batches_in_flight(schedule, pp, rank, stages_per_rank, microbatches),
         )
         for rank in range(pp)
     ]
 
 
-def bubble_fraction(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
-    """The share of a pipelined step each rank sits idle: (pp - 1) / (v m + pp - 1). GPipe and 1F1B fill and
-    drain alike (1F1B saves memory, not time); interleaving v stages per rank shortens the fill v-fold."""
+def bubble_fraction(pp: int, microbatches: int, stages_per_rank: int = 1, schedule: str = "1f1b") -> float:
+    """The share of a pipelined step each rank sits idle, a forward, a backward's input half and its weight half
+    taking alike (the zero-bubble paper's assumption; a whole backward is two forwards). GPipe and 1F1B fill and drain
+    alike, (pp - 1) / (m + pp - 1) (1F1B saves memory, not time); interleaving v stages per rank shortens the fill
+    v-fold. The zero-bubble schedules idle `idle_chunks` forwards of one stage beside the 3 v m of their work, which
+    the tests check against a step-by-step run of torch's own orders."""
     if pp <= 1:
         return 0.0
-    return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
+    v, m = stages_per_rank, microbatches
+    if schedule in ZERO_BUBBLE:
+        idle = idle_chunks(schedule, pp, v, m)
+        return idle / (3 * v * m + idle)
+    if schedule not in LOOPED:
+        v = 1
+    return (pp - 1) / (v * m + pp - 1)
+
+
+def idle_chunks(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> int:
+    """How long each rank of a zero-bubble schedule idles in a step, in forwards of one stage: the fill and drain
+    that its weight halves cannot cover, longer when there are too few micro-batches to cover them."""
+    v, m = stages_per_rank, microbatches
+    if schedule == "dualpipev":
+        return 2 * (pp - 1)
+    if schedule == "zbv":
+        return max(pp - 1, 4 * (pp - 1) - 2 * (m - 1))
+    per_round = m // max(1, m // pp)  # interleaved-zb
+    return (pp - 1) + v * max(0, pp - per_round) + (v - 1) * max(0, pp - 2 * per_round)
 
 
 def _split_lora(linears: dict[str, tuple[int, int]], tp: int) -> tuple[tuple[int, int], ...]:

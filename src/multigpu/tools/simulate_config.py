@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from multigpu.config.layout import CP_METHODS, SHARDS, LayoutSettings, ParallelDims, check_schedule, resolve_layout
+from multigpu.config.layout import CP_METHODS, SHARDS, LayoutSettings, ParallelDims, resolve_layout
+from multigpu.config.pipeline import ZERO_BUBBLE, check_microbatches, check_schedule
 from multigpu.core.errors import UsageError
 from multigpu.tools.links import INTERCONNECTS
 
@@ -40,7 +41,7 @@ class SimulateConfig:
     pp_size: int = 1
     pp_schedule: str = "1f1b"
     pp_stages_per_rank: int = 1
-    microbatches: int | None = None  # pipeline micro-batches per step; None: pp_size
+    microbatches: int | None = None  # pipeline micro-batches per step; None: pp_size (x 2 for zbv, dualpipev)
     hidden: int = 0  # the model's width: tp's all-reduces and pp's sends move tokens x hidden activations
     tokens_per_unit: float = 1.0  # seq_len where the unit is samples
     activation_bytes: int = 2
@@ -62,8 +63,6 @@ class SimulateConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gpus", tuple(self.gpus))  # a list from the CLI would leave the config unhashable
-        if self.microbatches is None:
-            object.__setattr__(self, "microbatches", self.pp_size)
         self._check_layout()
         positive = {"--params": self.params, "--compute-s": self.compute_s, "--units-per-step": self.units_per_step}
         for flag, value in positive.items():
@@ -109,6 +108,10 @@ class SimulateConfig:
         return resolve_layout(request, SHARDS, n, -(-n // self.gpus_per_node), self.strategy)
 
     def _check_layout(self) -> None:
+        object.__setattr__(self, "pp_stages_per_rank", check_schedule(self.pp_schedule, self.pp_stages_per_rank))
+        if self.microbatches is None:  # one per stage: per rank, as it always was here, for the older schedules
+            per_rank = self.pp_stages_per_rank if self.pp_schedule in ZERO_BUBBLE else 1
+            object.__setattr__(self, "microbatches", self.pp_size * per_rank)
         for flag, value in (
             ("--tp-size", self.tp_size),
             ("--pp-size", self.pp_size),
@@ -118,7 +121,8 @@ class SimulateConfig:
         ):
             if not value >= 1:
                 raise UsageError(f"{flag} must be 1 or more (got {value}).")
-        check_schedule(self.pp_schedule, self.pp_stages_per_rank)
+        if self.pp_size > 1:
+            check_microbatches(self.pp_schedule, self.pp_size, self.pp_stages_per_rank, self.microbatches)
         if self.cp_method not in CP_METHODS:
             raise UsageError(f"--cp-method must be one of {', '.join(CP_METHODS)} (got {self.cp_method!r}).")
         self._check_experts()
