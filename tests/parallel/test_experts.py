@@ -30,6 +30,7 @@ TOLERANCE = {"32": 2e-5, "bf16-mixed": 2e-2}
 GRAD_NORM_TOLERANCE = {2e-5: 2e-4, 2e-2: 5e-3}
 LORA = {"method": "lora", "lora_experts": True}
 AOT = {"compile": True, "compile_backend": "aot_eager"}
+DEEP = {"model": "tiny-moe-deep"}
 MUON = {"optimizer": "muon", "lr": 1e-2}  # Muon's steps at 3e-3 move these losses by too little to tell
 # name -> (processes, settings, reference cell); batch_size is per data-parallel rank: every global batch is 4.
 CELLS: dict[str, tuple[int, dict, str]] = {
@@ -41,6 +42,7 @@ CELLS: dict[str, tuple[int, dict, str]] = {
     "single-qlora": (1, {"multi_gpu": "single", "method": "qlora", "lora_experts": True}, ""),
     # Two accumulated halves: a pipeline's two micro-batches, each its own load-balancing loss.
     "single-halves": (1, {"multi_gpu": "single", "batch_size": 2, "grad_accum_steps": 2}, ""),
+    "single-deep-halves": (1, {"multi_gpu": "single", "batch_size": 2, "grad_accum_steps": 2, **DEEP}, ""),
     # Its global batches of 4 split 3:1 between the ranks (batch_shares): the tokens each ep rank sends its experts'
     # ranks differ in number, the router's load-balancing loss still counts the global batch's.
     "ep-2": (2, {"multi_gpu": "ddp", "batch_size": 2, "ep_size": 2, "save_every": 2, "batch_shares": "3,1"}, "single"),
@@ -88,6 +90,12 @@ CELLS: dict[str, tuple[int, dict, str]] = {
         {"multi_gpu": "pp", "pp_size": 2, "pp_schedule": "gpipe", "batch_size": 2, "ep_size": 2},
         "single-halves",
     ),
+    # zbv's V of 4 stages (2 per rank) over a 4-layer mixture, each stage's experts over 2 ranks.
+    "pp-zbv-x-ep-2": (
+        4,
+        {"multi_gpu": "pp", "pp_size": 2, "pp_schedule": "zbv", "batch_size": 2, "ep_size": 2, **DEEP},
+        "single-deep-halves",
+    ),
     "zero3-x-pp-x-ep-2": (
         4,
         {"multi_gpu": "zero3", "pp_size": 2, "pp_schedule": "gpipe", "batch_size": 2, "ep_size": 2},
@@ -112,6 +120,7 @@ def run_cells(workdir: str, names: list[str]) -> dict:
     for name in names:
         torch._dynamo.reset()  # a compiled cell's blocks and their guards are its own, as in a run of its own
         options = {
+            "model": "tiny-moe",
             "batch_size": 4,
             "max_steps": STEPS,
             "resume": "none",
@@ -122,7 +131,6 @@ def run_cells(workdir: str, names: list[str]) -> dict:
         if options["resume"] != "none":
             options["resume"] = str(Path(workdir) / options["resume"])
         config = FinetuneConfig(
-            model="tiny-moe",
             data=str(Path(workdir) / "text.txt"),
             seq_len=32,
             max_grad_norm=1e6,  # the norm measured, not clipped

