@@ -14,9 +14,10 @@ class CompileReport(StepObserver):
 
     def attach(self, engine: Any) -> None:
         self._say = engine.print if engine.config.compile else None
+        if self._say is None:  # nothing compiled, nothing to report: no hook on every step, nor torch._dynamo's
+            leave_out(self, "on_step_end")  # import (half a second) in a run that never compiles
+            return
         self._graphs = compiled_graphs()
-        if self._say is None:  # nothing compiled, nothing to report: no hook on every step
-            leave_out(self, "on_step_end")
 
     def on_step_end(self, stats: StepStats) -> None:
         if self._say is None or compiled_graphs() == self._graphs:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from multigpu.config.optimizer import OptimizerSettings
 from multigpu.core.errors import UsageError
 from multigpu.core.lazy import imported
-from multigpu.optimizers.muon import Muon
 from multigpu.parallel.experts import is_experts
 
-#: Where each low-bit optimizer is: imported when built, since they import torchao, which takes seconds.
+#: Where each optimizer of ours is: imported when built, as torchao (the low-bit ones) and DTensor (all) take a
+#: second or more to import, which a run of plain AdamW need not pay.
+MUON_CLASS = "multigpu.optimizers.muon:Muon"
 LOW_BIT_CLASSES = {
     "adamw-bf16": "multigpu.optimizers.low_bit:AdamWBf16",
     "adamw-8bit": "multigpu.optimizers.low_bit:AdamW8bit",
@@ -26,7 +26,7 @@ def build_optimizer(model: nn.Module, settings: OptimizerSettings, lr: float) ->
     betas = (settings.beta1, settings.beta2)
     name = settings.optimizer
     if name == "muon":
-        return Muon(
+        return imported(MUON_CLASS)(
             muon_groups(model, settings.muon_params),
             lr=lr,
             weight_decay=settings.weight_decay,
@@ -86,4 +86,6 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor  # imported already wherever a DTensor exists
+
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
