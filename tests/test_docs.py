@@ -132,18 +132,19 @@ def test_the_readmes_demo_trains_on_two_processes(session: ReadmeSession) -> Non
     assert re.search(epoch, result.stdout, flags=re.MULTILINE), result.stdout
 
 
-@pytest.mark.timeout(COMMAND_TIMEOUT * 4)
-def test_the_default_run_reaches_the_accuracy_the_readme_states(session: ReadmeSession) -> None:
-    """The README's `multigpu train --nproc 2`, what `./scripts/train.sh` runs: the CNN, 20 epochs under ddp on 2
-    processes, seglearn's watch data (run once, by the test above, whose `export` reads its last checkpoint).
+@pytest.mark.timeout(COMMAND_TIMEOUT * 2)
+def test_the_readmes_training_reaches_the_accuracy_its_comment_states(session: ReadmeSession) -> None:
+    """The README's `multigpu train --nproc 2 --epochs 3`: the CNN under ddp on 2 processes, seglearn's watch data
+    (run once, by the test above, whose `export` reads its last checkpoint).
 
-    The run is deterministic on one machine, but floating-point kernels differ between CPUs (0.878 on the machine
-    this project is developed on, 0.876 on an AVX512-BF16 one, in the loader's earlier order; 0.882 here now): so
-    the README's figure is held within 0.01, the spread seen across machines, and not to the digit. A broken loss,
-    schedule or data split costs far more.
+    The run is deterministic on one machine, but floating-point kernels differ between CPUs (the 20-epoch run gave
+    0.878 on the machine this project is developed on and 0.876 on an AVX512-BF16 one, in the loader's earlier
+    order): so the comment's figure is held within 0.01, the spread seen across machines, and not to the digit. A
+    broken loss, schedule or data split costs far more. The default 20 epochs (`./scripts/train.sh`) are a figure
+    the README reports, measured: 3 epochs test the same code in a sixth of the time.
     """
-    stated = float(re.search(r"It reaches about \*\*(0\.\d+)\s+validation accuracy", README.read_text()).group(1))
-    index = next(i for i, command in enumerate(COMMANDS) if command.startswith("multigpu train --nproc 2 --save-dir "))
+    index = next(i for i, command in enumerate(COMMANDS) if command.startswith("multigpu train --nproc 2 "))
+    stated = float(re.search(r"about (0\.\d+) accuracy", COMMANDS[index]).group(1))
     result = session.result(index)
     assert result.returncode == 0, result.stdout
     reached = float(re.search(r"final val accuracy (0\.\d+)", result.stdout).group(1))

@@ -73,25 +73,14 @@ def test_fails_per_rank_randomness_and_per_rank_token_means(bug: str) -> None:
 NANOGPT = "docs/examples/nanogpt_train.py"
 
 
-def test_passes_the_nanogpt_shaped_example_that_fixes_the_global_batch(tmp_path: Path) -> None:
+def test_passes_the_nanogpt_shaped_example_that_fixes_the_global_batch_stepping_with_muon(tmp_path: Path) -> None:
     """The porting guide's example: a tied GPT-2-shaped model, random windows, global_batch_size=16 of 4 per device,
     so the one-process reference accumulates 4 micro-batches where each of 2 processes accumulates 2 (2x theirs, by
     the Engine's own derivation, not verify's); evaluation and checkpoints run on every rank inside the steps.
-    Under zero3, which holds the tied embedding and head in one FSDP unit."""
-    strategy = "zero3"
-    result = multigpu(
-        "verify", "--json", "--steps", "3", "--strategy", strategy, NANOGPT, "--max-iters", "3",
-        "--eval-interval", "2", "--out-dir", str(tmp_path), timeout=240,
-    )  # fmt: skip
-    report = json.loads(result.stdout[result.stdout.index("{\n") :])
-    assert result.returncode == 0 and report["passed"], report
-    assert report["samples_per_step"] == 16 and report["reference_grad_accum"] == 2
-    assert report["strategy"] == strategy and [s["step"] for s in report["steps"]] == [1, 2, 3]
-
-
-def test_passes_the_nanogpt_shaped_example_stepping_with_muon(tmp_path: Path) -> None:
-    """The example with its AdamW swapped for engine.optimizer under optimizer muon, as a user would: zero3 shards
-    each matrix, Muon gathers it whole; the comparison takes Muon's tolerance (verify.py: OPTIMIZER_TOLERANCES)."""
+    Under zero3, which holds the tied embedding and head in one FSDP unit, and with its AdamW swapped for
+    engine.optimizer under optimizer muon, as a user would: zero3 shards each matrix, Muon gathers it whole; the
+    comparison takes Muon's tolerance (verify.py: OPTIMIZER_TOLERANCES). (The example as written trains under zero3
+    and resumes at another world size in tests/launch/test_ecosystem_scripts.py.)"""
     text = Path(NANOGPT).read_text()
     own = "torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=0.1)"
     assert own in text and "seed=1337)" in text
@@ -102,10 +91,12 @@ def test_passes_the_nanogpt_shaped_example_stepping_with_muon(tmp_path: Path) ->
     (tmp_path / "nanogpt_model.py").write_text(Path(NANOGPT).with_name("nanogpt_model.py").read_text())
     result = multigpu(
         "verify", "--json", "--steps", "3", "--strategy", "zero3", str(script), "--max-iters", "3",
-        "--out-dir", str(tmp_path / "out"), timeout=240,
+        "--eval-interval", "2", "--out-dir", str(tmp_path / "out"), timeout=240,
     )  # fmt: skip
     report = json.loads(result.stdout[result.stdout.index("{\n") :])
     assert result.returncode == 0 and report["passed"], report
+    assert report["samples_per_step"] == 16 and report["reference_grad_accum"] == 2
+    assert report["strategy"] == "zero3" and [s["step"] for s in report["steps"]] == [1, 2, 3]
     assert report["param_tolerance"] == 0.15
 
 
