@@ -249,3 +249,24 @@ def test_muon_keeps_one_state_for_the_hidden_matrices_and_adamws_two_for_the_res
     want = matrices * 4 + (result.params - matrices) * 8
     assert by_strategy(result)["single"].optimizer == pytest.approx(want)
     assert 0 < matrices < result.params
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "refused"),
+    [
+        ("muon", ("deepspeed1", "deepspeed2", "deepspeed3", "zero3+offload")),
+        ("adamw-8bit", ("deepspeed1", "deepspeed2", "deepspeed3")),
+        ("adamw", ()),
+    ],
+)
+def test_rows_a_run_of_the_optimizer_refuses_are_left_out_with_the_reason(optimizer: str, refused: tuple) -> None:
+    """DeepSpeed cannot step Muon or the low-bit states, nor zero3's offload Muon (EngineConfig refuses those runs):
+    the plan neither shows nor recommends them, and says why. Where only offload would fit, Muon's plan names no
+    --cpu-offload, which its run would refuse."""
+    result = plan("llama-2-7b", gpus=8, gpu_memory="80GB", precision="bf16-mixed", optimizer=optimizer)
+    shown = set(by_strategy(result))
+    assert not shown & set(refused) and {"ddp", "zero3"} <= shown
+    assert all(name in result.left_out for name in refused) and (result.left_out == "") == (not refused)
+    if optimizer != "adamw-8bit":  # the README's plan, where only zero3+offload fits AdamW's states
+        tight = plan("llama-3.1-8b", gpus=8, gpu_memory="80GB", batch_size=2, seq_len=4096, optimizer=optimizer)
+        assert ("--cpu-offload" in tight.reason) == ("zero3+offload" not in refused), tight.reason

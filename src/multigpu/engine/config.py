@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from multigpu.config.layout import LayoutSettings, ShardingOptions, TensorParallelOptions
-from multigpu.config.optimizer import LOW_BIT, OptimizerSettings
+from multigpu.config.optimizer import NOT_UNDER_DEEPSPEED, NOT_WITH_CPU_OFFLOAD, OptimizerSettings
 from multigpu.config.pipeline import PipelineOptions
 from multigpu.config.settings import ComputeSettings, Settings, TrainingSettings, setting
 from multigpu.core.env import BACKENDS
@@ -98,17 +98,14 @@ class EngineConfig(
         self._check_optimizer()
 
     def _check_optimizer(self) -> None:
-        # DeepSpeed steps the optimizer over flat partitions of many parameters; the sharding strategies' offload
-        # steps on host copies, which muon's gather of each matrix cannot take over NCCL.
-        sharded_own_way = self.strategy == "deepspeed" and (self.optimizer == "muon" or self.optimizer in LOW_BIT)
         require(
             (
-                not sharded_own_way,
+                not (self.strategy == "deepspeed" and self.optimizer in NOT_UNDER_DEEPSPEED),
                 f"Strategy deepspeed steps its optimizer over flat partitions of many parameters, which optimizer "
                 f"{self.optimizer} cannot update; use zero2 or zero3 with it, or adamw under deepspeed.",
             ),
             (
-                not (self.cpu_offload and self.optimizer == "muon"),
+                not (self.cpu_offload and self.optimizer in NOT_WITH_CPU_OFFLOAD),
                 "optimizer muon gathers each matrix's update across ranks, which zero3's cpu_offload keeps in host "
                 "memory; drop cpu_offload, or use adamw or a low-bit adamw with it.",
             ),

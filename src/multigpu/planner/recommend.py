@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from multigpu.config.optimizer import NOT_UNDER_DEEPSPEED, NOT_WITH_CPU_OFFLOAD
 from multigpu.core.errors import UsageError
 from multigpu.planner.config import PlanConfig, takes_ep
 from multigpu.planner.gpus import MixedGpus, shares_that_fit
@@ -39,9 +40,7 @@ def plan_shape(shape: ModelShape, config: PlanConfig, per: str = "GPU") -> Plan:
         if name == "zero3" and shape.experts and config.world > 1:  # zero3 at every other ep, just below
             others = [ep for ep in ep_degrees(shape, config, name) if ep != row_ep(name, config)]
             plan.strategies += [filled_row(name, shape, replace(config, ep_size=ep)) for ep in others]
-    if (config.cp_size > 1 or (config.ep_size or 1) > 1) and not config.model_parallel:
-        without = "--cp-size or --ep-size"
-        plan.left_out = f"{', '.join(DEEPSPEED)}: DeepSpeed lays out its own process groups, without {without}"
+    plan.left_out = _left_out(config)
     candidates = _candidates(config)
     if config.mixed and not config.model_parallel and config.cp_size == 1:  # one GPU per data-parallel rank
         return recommend_mixed(plan, shape, config, per)
@@ -139,7 +138,8 @@ def _check_ep(shape: ModelShape, ep: int | None) -> None:
 def _candidates(config: PlanConfig) -> tuple[str, ...]:
     """The rows a recommendation is drawn from. One GPU: single unless only offload fits; several: the guides'
     order, fastest first."""
-    return ("single", "zero3+offload") if config.world == 1 else _rows(config) if config.model_parallel else ORDER
+    rows = ("single", "zero3+offload") if config.world == 1 else _rows(config) if config.model_parallel else ORDER
+    return tuple(name for name in rows if name not in _refused_names(config))
 
 
 def _more_cp(shape: ModelShape, config: PlanConfig) -> tuple[StrategyMemory, int] | None:
@@ -162,6 +162,43 @@ def _more_cp(shape: ModelShape, config: PlanConfig) -> tuple[StrategyMemory, int
 
 
 def _rows(config: PlanConfig) -> tuple[str, ...]:
+    """The plan's rows: the layout's, less those a run of this optimizer refuses."""
+    return tuple(name for name in _layout_rows(config) if name not in _refused_names(config))
+
+
+def _refused_names(config: PlanConfig) -> set[str]:
+    return {name for names, _ in _refused_rows(config) for name in names}
+
+
+def _refused_rows(config: PlanConfig) -> list[tuple[tuple[str, ...], str]]:
+    """(rows, why) for each kind of row a run under this optimizer refuses (config/optimizer.py says which)."""
+    refused = []
+    if config.optimizer in NOT_UNDER_DEEPSPEED:
+        refused.append(
+            (DEEPSPEED, f"DeepSpeed steps flat partitions of many parameters, which {config.optimizer} cannot")
+        )
+    if config.optimizer in NOT_WITH_CPU_OFFLOAD:
+        refused.append(
+            (("zero3+offload",), f"{config.optimizer} gathers each matrix's update, which offload keeps on the host")
+        )
+    return refused
+
+
+def _left_out(config: PlanConfig) -> str:
+    """The rows the plan does not show, and why (Plan.left_out)."""
+    notes = []
+    if (config.cp_size > 1 or (config.ep_size or 1) > 1) and not config.model_parallel:
+        notes.append(
+            f"{', '.join(DEEPSPEED)}: DeepSpeed lays out its own process groups, without --cp-size or --ep-size"
+        )
+    laid_out = _layout_rows(config)
+    for names, why in _refused_rows(config):
+        if shown := [name for name in names if name in laid_out]:
+            notes.append(f"{', '.join(shown)}: {why}")
+    return "; ".join(notes)
+
+
+def _layout_rows(config: PlanConfig) -> tuple[str, ...]:
     if not config.model_parallel:
         if config.cp_size > 1 or (config.ep_size or 1) > 1:
             return ORDER  # DeepSpeed's rows take no cp and no ep (Plan.left_out)
