@@ -47,7 +47,8 @@ CELLS: dict[str, tuple[int, dict, str]] = {
     # ranks differ in number, the router's load-balancing loss still counts the global batch's.
     "ep-2": (2, {"multi_gpu": "ddp", "batch_size": 2, "ep_size": 2, "save_every": 2, "batch_shares": "3,1"}, "single"),
     # Muon on each expert's matrix of the stacked [experts, rows, columns] tensors: ep and zero3 split them by
-    # expert, so each rank orthogonalises its whole experts where they are (ep alone: the same local stacks).
+    # expert, so each rank orthogonalises its whole experts where they are.
+    "ep-2-muon": (2, {"multi_gpu": "ddp", "batch_size": 2, "ep_size": 2, **MUON}, "single-muon"),
     "zero3-x-ep-2-muon": (2, {"multi_gpu": "zero3", "batch_size": 2, "ep_size": 2, **MUON}, "single-muon"),
     # 8-bit states of the experts: each rank quantises its experts' stack, in the blocks one process does.
     "ep-2-adamw-8bit": (

@@ -178,26 +178,26 @@ CELLS: dict[str, tuple[int, dict]] = {
     "ddp-shares-3-1": (2, {"multi_gpu": "ddp", "batch_size": 2, "batch_shares": "3,1"}),
     "zero3-shares-1-3": (2, {"multi_gpu": "zero3", "batch_size": 2, "batch_shares": "1,3"}),
     "zero3-x-tp-shares-3-1": (4, {"multi_gpu": "zero3", "tp_size": 2, "batch_size": 2, "batch_shares": "3,1"}),
-    # Muon orthogonalises each whole matrix: every layout gathers what it splits (zero's rows, tp's slices, both
-    # at once) or, as zero1 and pp, owns whole matrices (hsdp gathers as zero3 x tp does, over one dimension of a
-    # 2-D mesh). lr 1e-2: Muon's steps at 3e-3 move these losses by only 0.03.
+    # Muon orthogonalises each whole matrix: every layout gathers what it splits (zero's rows, tp's slices) or, as
+    # zero1 and pp, owns whole matrices. lr 1e-2: Muon's steps at 3e-3 move these losses by only 0.03.
     "single-muon": (1, {"multi_gpu": "single", **MUON}),
     "zero1-muon": (2, {"multi_gpu": "zero1", "batch_size": 2, **MUON}),
     "zero3-muon": (2, {"multi_gpu": "zero3", "batch_size": 2, **MUON}),
     "tp-muon": (2, {"multi_gpu": "tp", **MUON}),
     "pp-muon": (2, {"multi_gpu": "pp", **MUON}),
     "zero3-x-tp-muon": (4, {"multi_gpu": "zero3", "tp_size": 2, "batch_size": 2, **MUON}),
+    "hsdp-muon": (4, {"multi_gpu": "hsdp", "replicate": 2, "batch_size": 1, **MUON}),
     # AdamW's states in 8 bits and in bfloat16, sharded by zero3 (a resume of each: OPTIMIZER_MOVES).
     "single-adamw-8bit": (1, {"multi_gpu": "single", "optimizer": "adamw-8bit"}),
     "zero3-adamw-8bit": (2, {"multi_gpu": "zero3", "batch_size": 2, "optimizer": "adamw-8bit"}),
     "single-adamw-bf16": (1, {"multi_gpu": "single", "optimizer": "adamw-bf16"}),
     "zero3-adamw-bf16": (2, {"multi_gpu": "zero3", "batch_size": 2, "optimizer": "adamw-bf16"}),
     "single-adamw-4bit": (1, {"multi_gpu": "single", "optimizer": "adamw-4bit"}),
-    # The other layouts: each rank quantises the piece it holds (zero1: whole parameters, in the optimizer zero1
-    # builds again from the class; tp: slices). hsdp's shards quantise as zero3's, a pipeline's stages as one
-    # process's whole parameters.
+    # The other layouts: each rank quantises the piece it holds (zero1: whole parameters; tp: slices).
     "zero1-adamw-8bit": (2, {"multi_gpu": "zero1", "batch_size": 2, "optimizer": "adamw-8bit"}),
     "tp-adamw-8bit": (2, {"multi_gpu": "tp", "optimizer": "adamw-8bit"}),
+    "hsdp-adamw-8bit": (4, {"multi_gpu": "hsdp", "replicate": 2, "batch_size": 1, "optimizer": "adamw-8bit"}),
+    "pp-adamw-bf16": (2, {"multi_gpu": "pp", "optimizer": "adamw-bf16"}),
     "zero3-x-tp-adamw-4bit": (4, {"multi_gpu": "zero3", "tp_size": 2, "batch_size": 2, "optimizer": "adamw-4bit"}),
 }
 # A run under one layout saves a checkpoint at step 2; another layout resumes it: (processes, settings) of each.
@@ -378,8 +378,9 @@ def test_each_layout_reaches_the_one_process_validation_loss(results: dict, name
     split |= {"tp-lora": 32} | {cell: 32 for cell in CELLS if cell.startswith("tp-sequence")}
     split |= {cell: 64 if "x-tp" not in cell else 32 for cell in CELLS if cell.startswith("pp")}
     split |= {cell: 32 for cell in CELLS if "-x-pp" in cell}
-    split |= {"zero1-muon": 64, "zero3-muon": 32, "tp-muon": 32}
+    split |= {"zero1-muon": 64, "zero3-muon": 32, "tp-muon": 32, "hsdp-muon": 32}
     split |= {"zero3-adamw-8bit": 32, "zero3-adamw-bf16": 32, "zero1-adamw-8bit": 64, "tp-adamw-8bit": 32}
+    split |= {"hsdp-adamw-8bit": 32}
     assert found["query_rows"] == split.get(name, 16)
     assert found["norm_on_tp"] == ("sequence-parallel" in name)
 
