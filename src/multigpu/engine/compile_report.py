@@ -14,8 +14,8 @@ class CompileReport(StepObserver):
 
     def attach(self, engine: Any) -> None:
         self._say = engine.print if engine.config.compile else None
-        if self._say is None:  # nothing compiled, nothing to report: no hook on every step, nor torch._dynamo's
-            leave_out(self, "on_step_end")  # import (half a second) in a run that never compiles
+        if self._say is None:  # nothing compiled, nothing to report: no hook on every step, and torch._dynamo
+            leave_out(self, "on_step_end")  # (half a second to import) left to what needs it
             return
         self._graphs = compiled_graphs()
 
