@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from multigpu.core.errors import UsageError
+from multigpu.core.network import interface_environment, route_to
 
 BACKENDS = ("nccl", "gloo")
 
@@ -157,6 +158,10 @@ def init_process_group(env: DistEnv, backend: str, timeout: timedelta) -> None:
     check_backend(backend, env)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if env.world_size > env.local_world_size:
+        # Several nodes: talk on the interface that reaches node 0 (`multigpu run` has set it already; srun,
+        # mpirun and a plain torchrun have not), not on the one the hostname names, often loopback.
+        os.environ.update(interface_environment(route_to(env.master_addr, "MASTER_ADDR")))
     if env.launcher == "torchrun":
         # torchrun's agent already serves a store at MASTER_PORT; env:// joins it instead of binding again.
         init_method = "env://"

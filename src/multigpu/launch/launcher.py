@@ -34,6 +34,7 @@ from multigpu.launch.failures import (
     release,
     report_failure,
 )
+from multigpu.launch.nodes import prepare_node
 from multigpu.launch.stop import LAUNCHER_PID, raising_on_stop, report_stop
 
 WORKER = ("multigpu.launch.worker",)  # what each process runs: see its module doc
@@ -243,6 +244,8 @@ def launch(config: LaunchConfig, target: list[str], module: bool = False, worker
     warning = crowding_warning(nproc, present, usable_cores())
     if warning:
         print(warning, file=sys.stderr)
+    if config.nnodes > 1:
+        prepare_node(config.nnodes, config.node_rank, config.master_addr, config.master_port)
     if present == 0 and nproc * config.nnodes > 1:
         use_cpu_for_accelerate(nproc * config.nnodes)
     # The workers' rank 0 serves their store, not this process. Measured: with the rendezvous store shared,
