@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -110,19 +110,26 @@ def running(*args: str) -> Iterator[subprocess.Popen]:
         process.wait()
 
 
-def run_in_processes(target: str, nproc: int, timeout: float = 120, **kwargs: Any) -> list[Any]:
+def run_in_processes(
+    target: str, nproc: int, timeout: float = 120, nodes: Sequence[str] = (), **kwargs: Any
+) -> list[Any]:
     """Runs `module:function` in `nproc` processes of one process group; returns each rank's result, in rank order.
 
     The processes are forked from a server that imported torch once (multiprocessing's forkserver): a test pays for
     its own work, not for three interpreters importing torch. Each is otherwise what `multigpu run` starts: its own
     process, torchrun's variables, multigpu's worker around the call (the same exit handling), its output kept.
+    `nodes`: network namespaces (tests/nodes.py), the ranks spread over them in order, node 0 the first's address:
+    each rank enters its node's namespace and nothing tells it which interface to use.
     """
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         (folder / "kwargs.pkl").write_bytes(pickle.dumps(kwargs))
         started, port = time.perf_counter(), free_port()
         start_forkserver()
-        ranks = [_FORKS.Process(target=_rank_main, args=(target, folder, rank, nproc, port)) for rank in range(nproc)]
+        ranks = [
+            _FORKS.Process(target=_rank_main, args=(target, folder, rank, nproc, port, tuple(nodes)))
+            for rank in range(nproc)
+        ]
         for process in ranks:
             process.start()
         failed = _wait(ranks, time.monotonic() + timeout)
@@ -134,10 +141,12 @@ def run_in_processes(target: str, nproc: int, timeout: float = 120, **kwargs: An
         return [pickle.loads((folder / f"rank{rank}.pkl").read_bytes()) for rank in range(nproc)]
 
 
-def run_each_in_processes(target: str, nproc: int, calls: list[dict], timeout: float = 120) -> list[list[Any]]:
+def run_each_in_processes(
+    target: str, nproc: int, calls: list[dict], timeout: float = 120, nodes: Sequence[str] = ()
+) -> list[list[Any]]:
     """Runs `module:function` once for each kwargs of `calls`, one after another, in one launch of `nproc`
     processes (a launch costs more than a small call); returns each rank's results, in rank then call order."""
-    return run_in_processes("tests.dist:call_each", nproc, timeout=timeout, function=target, calls=calls)
+    return run_in_processes("tests.dist:call_each", nproc, timeout=timeout, nodes=nodes, function=target, calls=calls)
 
 
 def call_each(function: str, calls: list[dict]) -> list[Any]:
@@ -171,14 +180,21 @@ def _wait(ranks: list[multiprocessing.process.BaseProcess], deadline: float) -> 
     return "did not finish within the timeout" if running else None
 
 
-def _rank_main(target: str, folder: Path, rank: int, nproc: int, port: int) -> None:
+def _rank_main(target: str, folder: Path, rank: int, nproc: int, port: int, nodes: tuple[str, ...] = ()) -> None:
     """One rank: its output to rank<R>.log, torchrun's variables, then multigpu's worker runs tests/dist_worker.py."""
     os.setsid()
     log = os.open(folder / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     for stream in (1, 2):
         os.dup2(log, stream)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONFAULTHANDLER="1")
+    per_node, master = nproc // max(1, len(nodes)), "127.0.0.1"
+    if nodes:
+        from tests.nodes import enter, node_address
+
+        enter(nodes[rank // per_node])
+        master = node_address(0)
+    local = rank % per_node
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(per_node))
+    os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), PYTHONFAULTHANDLER="1")
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR2, all_threads=True)
     from multigpu.launch import worker

@@ -13,6 +13,7 @@ its reason.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import subprocess
 import sys
@@ -22,6 +23,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SUBNET = "10.231.0"  # the nodes' addresses, inside their namespaces only
+_CLONE_NEWNET = 0x40000000
+
+
+def node_address(index: int) -> str:
+    return f"{SUBNET}.{index + 1}"
+
+
+def enter(namespace: str) -> None:
+    """Moves this process (single-threaded: a fork) into the network namespace `namespace`."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/var/run/netns/{namespace}") as handle:
+        if libc.setns(handle.fileno(), _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"cannot enter the network namespace {namespace}")
 
 
 class NodesRefused(RuntimeError):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import errno
 import functools
-import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -123,9 +122,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_env(args: argparse.Namespace) -> int:
     from multigpu.tools import preflight
 
-    if args.nproc < 1 or not 0 < args.size_mb < math.inf or args.iterations < 1:
-        raise UsageError("--nproc and --iterations must be 1 or more and --size-mb a positive number.")
-    return preflight.run(args.nproc, args.size_mb, args.iterations, args.json)
+    return preflight.run(config_from_args(preflight.EnvConfig, args), args.json)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -182,13 +179,6 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
     for dim in ("layers", "hidden", "heads", "vocab"):
         parser.add_argument(f"--{dim}", type=int, help=f"with --params: the transformer's {dim} (for activations)")
     add_json_flag(parser, "the plan")
-
-
-def add_env_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc", type=int, default=2, help="processes for the all-reduce smoke test (default: 2)")
-    parser.add_argument("--size-mb", type=finite_float, default=64, help="all-reduce message size in MB (default: 64)")
-    parser.add_argument("--iterations", type=int, default=10, help="timed all-reduces (default: 10)")
-    add_json_flag(parser, "the findings")
 
 
 def add_bench_flags(parser: argparse.ArgumentParser) -> None:
@@ -270,9 +260,12 @@ VERBS: dict[str, Verb] = {
         cmd_plan,
     ),
     "env": Verb(
-        "pre-flight checklist: versions, GPUs, topology, variables, an all-reduce smoke test",
-        "Check this machine before a run; exits 1 with advice when something is wrong.",
-        (add_env_flags,),
+        "pre-flight checklist: versions, GPUs, topology, variables, an all-reduce smoke test (one node or several)",
+        "Check this machine before a run; exits 1 with advice when something is wrong. Run on each node of a "
+        "multi-node run (--nnodes, --node-rank, --master-addr, --master-port), it says each node's interface and "
+        "address and measures the all-reduce bandwidth over every node and within each; --links-out saves both "
+        "links for `multigpu simulate`.",
+        ("multigpu.tools.preflight:EnvConfig", functools.partial(add_json_flag, what="the findings")),
         cmd_env,
     ),
     "bench": Verb(

@@ -575,3 +575,33 @@ def test_on_gpus_the_workers_record_collectives_and_dump_them_on_a_timeout(
     [environ] = started
     assert environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(environ["TORCH_FR_BUFFER_SIZE"]) > 0
     assert environ["TORCH_FR_DUMP_TEMP_FILE"] == str(Path(environ["MULTIGPU_EXIT_DIR"]) / NCCL_TRACE_PREFIX)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--node-timeout", "1"], "--node-timeout must be at least 3 seconds (got 1): a node beats every 1 s."),
+        (["--join-timeout", "0"], "--join-timeout must be more than 0 seconds (got 0)."),
+        (
+            ["--master-port", "65535"],
+            "--master-port must be in 1..65534 (got 65535): node 0 also listens on the next one.",
+        ),
+    ],
+)
+def test_bad_node_settings_are_one_sentence(tmp_path: Path, flags: list[str], message: str) -> None:
+    args = ("run", "--nnodes", "2", "--master-port", "29500", *flags, write_script(tmp_path))
+    assert refusal(*args) == f"multigpu: error: {message}\n"
+
+
+def test_node_0_needs_the_port_after_master_port_free_too(tmp_path: Path) -> None:
+    """The nodes' heartbeat listens on --master-port + 1: one that another process holds is named before any start."""
+    port = free_port()
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("0.0.0.0", port + 1))
+        taken.listen()
+        printed = refusal("run", "--nnodes", "2", "--master-port", str(port), write_script(tmp_path))
+    assert printed == (
+        f"multigpu: error: Port {port + 1} (the nodes' heartbeat, next to --master-port) is already in use on this "
+        "machine; pass another --master-port (the same on every node).\n"
+    )

@@ -27,7 +27,14 @@ from multigpu.checkpoint.finding import (
 )
 from multigpu.checkpoint.rng import NUMPY_RNG_GLOBALS, rng_state, set_rng_state
 from multigpu.checkpoint.sharded import begin_save, load, save, save_async, split_state, wait
-from multigpu.checkpoint.writing import check_writable, commit, last_committed, translate_write_error, write_failed
+from multigpu.checkpoint.writing import (
+    check_shared,
+    check_writable,
+    commit,
+    last_committed,
+    translate_write_error,
+    write_failed,
+)
 
 __all__ = [
     "COMMUNICATION",
@@ -38,6 +45,7 @@ __all__ = [
     "STEP_DIR",
     "begin_save",
     "check_checkpoint",
+    "check_shared",
     "check_writable",
     "commit",
     "damage",

@@ -18,7 +18,7 @@ from torch import nn
 from multigpu.checkpoint.files import COMMUNICATION, OBJECTS, RNG, barrier, grouped, load_data, save_synced, this_rank
 from multigpu.checkpoint.finding import check_checkpoint, prune
 from multigpu.checkpoint.rng import NUMPY_RNG_GLOBALS, rng_state, set_rng_state
-from multigpu.checkpoint.writing import agree_on_failure, commit, synced_writer, translate_write_error
+from multigpu.checkpoint.writing import agree_on_failure, check_shared, commit, synced_writer, translate_write_error
 from multigpu.core import faults
 from multigpu.core.atomic import partial_path
 from multigpu.core.errors import UsageError
@@ -70,6 +70,7 @@ def begin_save(path: Path, state: dict[str, Any], strategy: Strategy) -> tuple[P
     Raises UsageError on every rank when any rank could not write (a full disk, a read-only directory): a rank that
     stopped alone would leave the others waiting in DCP's collectives until the timeout.
     """
+    check_shared(path.parent)
     tmp = partial_path(path)
     tensors, objects, _ = split_state(state, strategy)
     failure = None

@@ -6,9 +6,12 @@ publish), so a crash or a power loss during a save never leaves something that r
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import shutil
+import socket
 import tempfile
+import uuid
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ import torch.distributed as dist
 from multigpu.checkpoint.files import grouped, this_rank
 from multigpu.checkpoint.finding import list_checkpoints
 from multigpu.core.atomic import causes, disk_error, disk_errors_raised, partial_path, publish
+from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
 from multigpu.core.launcher_notes import LAST_CHECKPOINT, note_for_launcher
 from multigpu.core.lazy import instance_of
@@ -87,6 +91,40 @@ def check_writable(directory: Path, flag: str, named: Path | None = None) -> Non
             f"{flag} {named} is not writable ({error.strerror} in {existing}); choose a directory you can write "
             "to, or fix its permissions."
         ) from None
+
+
+_seen_shared: set[Path] = set()  # directories every rank was shown to see alike
+
+
+def check_shared(directory: Path, flag: str = "the checkpoint directory") -> None:
+    """Refuses, on every rank of a run over several nodes, a directory some rank does not see as rank 0 does (a
+    path on each node's own disk): rank 0 writes a file there and every rank looks for it. A collective, made once
+    per directory; nothing on one node, where every rank reads the same disk."""
+    directory = Path(directory).resolve()
+    env = DistEnv.from_environ()
+    if directory in _seen_shared or not grouped() or env.world_size <= env.local_world_size:
+        return
+    token: list[str | None] = [None]
+    if this_rank() == 0:
+        with contextlib.suppress(OSError):  # then every rank refuses it below
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / (name := f".multigpu-shared-{uuid.uuid4().hex}")).touch()
+            token = [name]
+    dist.broadcast_object_list(token, src=0)
+    if token[0] is None:
+        raise UsageError(f"{flag} {directory} cannot be written on rank 0; choose a directory every node can write.")
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, ((directory / token[0]).exists(), socket.gethostname()))
+    if this_rank() == 0:
+        (directory / token[0]).unlink(missing_ok=True)
+    blind = [rank for rank, (found, _) in enumerate(seen) if not found]
+    if blind:
+        raise UsageError(
+            f"{flag} {directory} is not one directory every node shares: rank{'s' if len(blind) > 1 else ''} "
+            f"{', '.join(map(str, blind))} cannot see the file rank 0 wrote there; put it on a filesystem every node "
+            "mounts at the same path (NFS, Lustre, a cloud bucket's mount)."
+        )
+    _seen_shared.add(directory)
 
 
 _last_committed: Path | None = None  # by this process, for the line a stopped run ends with

@@ -345,6 +345,30 @@ def resolve_layout(request: LayoutSettings, spread: Spread, world: int, nodes: i
     return replace(dims, shares=resolve_shares(getattr(request, "batch_shares", EVEN), dims, name))
 
 
+def node_crossings(dims: ParallelDims, per_node: int) -> list[str]:
+    """A sentence for each group of `dims` that talks at every layer yet would span two nodes of `per_node`
+    processes: tp's and cp's groups, and the shards inside each replica (hsdp: its all-gathers run every layer, its
+    replicas only once a step). Consecutive ranks share a node, and a group of b consecutive ranks stays inside one
+    exactly when b divides the processes per node. pp's stages may cross nodes: they pass activations once a layer
+    group."""
+    blocks = [("tp", dims.tp, "tp_size"), ("cp", dims.cp * dims.tp, "cp_size")]
+    if dims.replicate > 1 and dims.shard > 1:
+        blocks.append(("shard", dims.shard * dims.cp * dims.tp, "replicate"))
+    lines = []
+    for dim, size, flag in blocks:
+        if getattr(dims, dim) > 1 and per_node % size:
+            fix = (
+                f"set replicate to {dims.world_size // per_node} (one replica per node)"
+                if dim == "shard" and dims.world_size % per_node == 0
+                else f"choose a {flag} whose group divides the {per_node} processes of a node"
+            )
+            lines.append(
+                f"the {dim} groups of {size} processes cross the node boundaries ({per_node} processes per node), so "
+                f"their collectives at every layer go over the network; {fix}"
+            )
+    return lines
+
+
 def resolve_shares(text: str, dims: ParallelDims, name: str) -> tuple[float, ...] | None:
     """batch_shares' weights for `dims`, one per data-parallel rank; one sentence refuses a count that differs."""
     shares, readers = parse_shares(text), dims.data_parallel_size

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from multigpu.config.layout import AUTO, ParallelDims, resolve_layout
+from multigpu.config.layout import AUTO, ParallelDims, node_crossings, resolve_layout
 from multigpu.config.pipeline import ZERO_BUBBLE
 from multigpu.config.precision import Precision, PrecisionPlan
 from multigpu.config.settings import strategy_option_fields
@@ -34,9 +34,18 @@ from multigpu.strategies.dp import DataParallel
 
 
 def resolve(given: str | Strategy, env: DistEnv, config: EngineConfig, say: Callable[[str], None]) -> Strategy:
-    """The strategy `config` names, built for `env`'s processes, or one sentence refusing it. `given` is what the
-    script passed: a configured Strategy keeps its options (its layout resolved for the processes launched, unless
-    it was built with one), unless an observer's configure renamed the strategy."""
+    """The strategy `config` names, built for `env`'s processes, or one sentence refusing it; a line for each of its
+    groups that would cross the nodes' boundaries. `given` is what the script passed: a configured Strategy keeps its
+    options (its layout resolved for the processes launched, unless it was built with one), unless an observer's
+    configure renamed the strategy."""
+    strategy = _resolve(given, env, config, say)
+    if node_count(env) > 1:
+        for line in node_crossings(strategy.layout, env.local_world_size):
+            say(f"warning: {line}.")
+    return strategy
+
+
+def _resolve(given: str | Strategy, env: DistEnv, config: EngineConfig, say: Callable[[str], None]) -> Strategy:
     nodes = node_count(env)
     if isinstance(given, Strategy) and given.name == config.strategy:
         if given.layout.world_size == env.world_size:

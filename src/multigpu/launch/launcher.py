@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
+import gc
 import importlib.machinery
 import importlib.util
 import logging
@@ -13,9 +15,11 @@ import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser
@@ -24,7 +28,7 @@ from torch.distributed.run import run as torch_run
 from multigpu.config.settings import Settings, setting
 from multigpu.core.env import free_port
 from multigpu.core.errors import UsageError
-from multigpu.core.launcher_notes import LAUNCHER_DIR
+from multigpu.core.launcher_notes import LAST_CHECKPOINT, LAUNCHER_DIR, launcher_note
 from multigpu.engine.flight_recorder import nccl_watchdog_environment
 from multigpu.launch.exit_watch import ending_stuck_workers, stuck_lines
 from multigpu.launch.failures import (
@@ -34,8 +38,9 @@ from multigpu.launch.failures import (
     release,
     report_failure,
 )
+from multigpu.launch.heartbeat import NodeInfo, NodeLost, NodeWatch, check_node_timeouts, heartbeat_port
 from multigpu.launch.nodes import prepare_node
-from multigpu.launch.stop import LAUNCHER_PID, raising_on_stop, report_stop
+from multigpu.launch.stop import LAUNCHER_PID, checkpoint_note, raising_on_stop, report_stop
 
 WORKER = ("multigpu.launch.worker",)  # what each process runs: see its module doc
 
@@ -53,6 +58,16 @@ class LaunchConfig(Settings):
     master_addr: str = setting("127.0.0.1", "address of node 0 (several nodes)")
     master_port: int | None = setting(None, "port on node 0; a free one is picked on a single node")
     max_restarts: int = setting(0, "restart all workers up to K times after a failure")
+    join_timeout: float = setting(
+        600.0,
+        "several nodes: seconds each node waits for all of them to start (each start of the workers); then one "
+        "sentence says which did not",
+    )
+    node_timeout: float = setting(
+        15.0,
+        "several nodes: seconds without a node's heartbeat after which it counts as lost and every node stops its "
+        "workers (the collective timeout stays as set)",
+    )
     share_gpus: bool = setting(
         False,
         "let --nproc exceed the GPUs, processes taking the GPUs in turn and talking over gloo (NCCL refuses two "
@@ -68,8 +83,11 @@ class LaunchConfig(Settings):
             raise UsageError(f"--max-restarts must be 0 or more (got {self.max_restarts}).")
         if self.nnodes > 1 and self.master_port is None:
             raise UsageError("Several nodes need the same --master-port on every node; pass e.g. --master-port 29500.")
-        if self.master_port is not None and not 0 < self.master_port < 65536:
-            raise UsageError(f"--master-port must be in 1..65535 (got {self.master_port}).")
+        if self.master_port is not None and not 0 < self.master_port < 65535:
+            raise UsageError(
+                f"--master-port must be in 1..65534 (got {self.master_port}): node 0 also listens on the next one."
+            )
+        check_node_timeouts(self.join_timeout, self.node_timeout)
 
 
 def parse_gpu_ids(gpu_ids: str, present: int, where: str = "this machine has") -> list[int]:
@@ -163,35 +181,43 @@ def check_port_free(config: LaunchConfig) -> None:
     minutes without a word. The check binds as the store does (on every address, IPv6 and IPv4, with
     SO_REUSEADDR, so a port that only old connections in TIME_WAIT still name counts as free).
     """
-    port = config.master_port
-    if port is None or config.node_rank != 0:
+    if config.master_port is None or config.node_rank != 0:
         return
     instead = ", or leave it out to get a free one" if config.nnodes == 1 else " (the same on every node)"
-    for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
-        try:
-            sock = socket.socket(family, socket.SOCK_STREAM)
-        except OSError:
-            continue  # no IPv6 on this machine: the store listens on IPv4 alone
-        with sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    ports = [config.master_port] + ([heartbeat_port(config.master_port)] if config.nnodes > 1 else [])
+    for port in ports:
+        name = (
+            f"--master-port {port}"
+            if port == config.master_port
+            else f"Port {port} (the nodes' heartbeat, next to --master-port)"
+        )
+        for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
             try:
-                sock.bind((address, port))
-            except OSError as error:
-                if error.errno == errno.EADDRINUSE:
-                    raise UsageError(
-                        f"--master-port {port} is already in use on this machine; pass another --master-port{instead}."
-                    ) from None
-                if family == socket.AF_INET:  # IPv6 addresses may just be unavailable here
-                    raise UsageError(
-                        f"--master-port {port} cannot be opened on this machine ({error.strerror}); pass another "
-                        f"--master-port{instead}."
-                    ) from None
+                sock = socket.socket(family, socket.SOCK_STREAM)
+            except OSError:
+                continue  # no IPv6 on this machine: the store listens on IPv4 alone
+            with sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    sock.bind((address, port))
+                except OSError as error:
+                    if error.errno == errno.EADDRINUSE:
+                        raise UsageError(
+                            f"{name} is already in use on this machine; pass another --master-port{instead}."
+                        ) from None
+                    if family == socket.AF_INET:  # IPv6 addresses may just be unavailable here
+                        raise UsageError(
+                            f"{name} cannot be opened on this machine ({error.strerror}); pass another "
+                            f"--master-port{instead}."
+                        ) from None
 
 
 def torchrun_argv(
     config: LaunchConfig, nproc: int, target: list[str], module: bool, worker: Sequence[str] = WORKER
 ) -> list[str]:
-    argv = [f"--nproc-per-node={nproc}", f"--nnodes={config.nnodes}", f"--max-restarts={config.max_restarts}"]
+    # Several nodes restart together (multigpu.launch.heartbeat), never one alone inside torch.distributed.run.
+    restarts = config.max_restarts if config.nnodes == 1 else 0
+    argv = [f"--nproc-per-node={nproc}", f"--nnodes={config.nnodes}", f"--max-restarts={restarts}"]
     if config.nnodes == 1:
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{config.master_port or free_port()}"]
     else:
@@ -244,8 +270,9 @@ def launch(config: LaunchConfig, target: list[str], module: bool = False, worker
     warning = crowding_warning(nproc, present, usable_cores())
     if warning:
         print(warning, file=sys.stderr)
+    route = None
     if config.nnodes > 1:
-        prepare_node(config.nnodes, config.node_rank, config.master_addr, config.master_port)
+        route = prepare_node(config.nnodes, config.node_rank, config.master_addr, config.master_port)
     if present == 0 and nproc * config.nnodes > 1:
         use_cpu_for_accelerate(nproc * config.nnodes)
     # The workers' rank 0 serves their store, not this process. Measured: with the rendezvous store shared,
@@ -255,17 +282,81 @@ def launch(config: LaunchConfig, target: list[str], module: bool = False, worker
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     args = get_args_parser().parse_args(torchrun_argv(config, nproc, target, module, worker))
+    ranks = range(config.node_rank * nproc, (config.node_rank + 1) * nproc)
+    if route is None:
+        return run_workers(args, present, ranks, lightning_defaults(nproc, config.nnodes))
+    node = NodeInfo(config.node_rank, route.address, nproc)
+    watch = NodeWatch(
+        config.nnodes, node, config.master_addr, config.master_port, config.join_timeout, config.node_timeout
+    )
+    return run_nodes(args, present, ranks, config, watch)
+
+
+def run_nodes(args: argparse.Namespace, present: int, ranks: range, config: LaunchConfig, watch: NodeWatch) -> int:
+    """This node's workers, started once every node has arrived, and again (up to --max-restarts) after a failure
+    anywhere: torch's static rendezvous restarts one node alone, which its peers never join."""
+    last_checkpoint: str | None = None
+    for attempt in range(config.max_restarts + 1):
+        try:
+            watch.arrive()
+        except NodeLost as lost:
+            print(f"multigpu run: {lost}.", file=sys.stderr)
+            return 1
+        with holding_rendezvous_store(config):
+            with watch.beating():
+                code = run_workers(args, present, ranks, lightning_defaults(args.nproc_per_node, config.nnodes), watch)
+            watch.ended("finished" if code == 0 and watch.lost is None else "failed")
+            if code == 0 and watch.lost is None:
+                watch.linger()
+                return 0
+        last_checkpoint = watch.last_checkpoint or last_checkpoint
+        if attempt < config.max_restarts:
+            print(
+                f"multigpu run: restarting every node's workers ({attempt + 1} of {config.max_restarts}) once all "
+                f"{config.nnodes} nodes are back{f', from {last_checkpoint}' if last_checkpoint else ''}.",
+                file=sys.stderr,
+            )
+    return code or 1
+
+
+@contextlib.contextmanager
+def holding_rendezvous_store(config: LaunchConfig) -> Iterator[None]:
+    """On node 0, serves torch's rendezvous store from this process (its agent shares it) for one start of the
+    workers, and past it, until every node has ended its own: the agent alone would close it as it leaves, and a
+    node still in torch's exit barrier then fails with a traceback (measured). A new store each start: the workers'
+    keys would otherwise meet those of the start before."""
+    if config.node_rank != 0:
+        yield
+        return
+    store = dist.TCPStore(
+        config.master_addr, config.master_port, None, True, timedelta(seconds=config.join_timeout),
+        wait_for_workers=False, multi_tenant=True,
+    )  # fmt: skip
+    try:
+        yield
+    finally:
+        del store
+        gc.collect()  # the agent's reference too (it may sit in a cycle): the server closes with its last one
+
+
+def run_workers(
+    args: argparse.Namespace,
+    present: int,
+    ranks: range,
+    defaults: contextlib.AbstractContextManager[None],
+    watch: NodeWatch | None = None,
+) -> int:
+    """One start of this node's workers under torch.distributed.run: their exit code, said in one place."""
     with tempfile.TemporaryDirectory(prefix="multigpu-exits-") as exits:
         os.environ[LAUNCHER_DIR] = exits
         os.environ[LAUNCHER_PID] = str(os.getpid())
         if present:
             for name, value in nccl_watchdog_environment(Path(exits)).items():
                 os.environ.setdefault(name, value)
-        ranks = range(config.node_rank * nproc, (config.node_rank + 1) * nproc)
         held: list[logging.LogRecord] = []
         try:
             with (
-                lightning_defaults(nproc, config.nnodes),
+                defaults,
                 raising_on_stop(),
                 quiet_after_usage_error(Path(exits)),
                 quiet_when_stopped(),
@@ -274,14 +365,31 @@ def launch(config: LaunchConfig, target: list[str], module: bool = False, worker
             ):
                 torch_run(args)
         except ChildFailedError as error:
+            if watch is not None and watch.lost is not None:
+                return report_lost(watch, Path(exits))
             return report_failure(error, Path(exits), held)
         except SignalException as stopped:
             release(held)
+            if watch is not None and watch.lost is not None:
+                return report_lost(watch, Path(exits))
             raise SystemExit(report_stop(stopped.sigval, Path(exits))) from None
+        finally:
+            if watch is not None:
+                watch.last_checkpoint = launcher_note(exits, LAST_CHECKPOINT) or watch.last_checkpoint
         release(held)  # a failure that a restart made good
         for line in stuck_lines(Path(exits)):
             print(line, file=sys.stderr)
     return 0
+
+
+def report_lost(watch: NodeWatch, exits: Path) -> int:
+    """The one line for a node that was lost: which, what was seen, that this node's workers were stopped."""
+    checkpoint = checkpoint_note(exits)
+    print(
+        f"multigpu run: {watch.lost}; this node's workers were stopped{f'; {checkpoint}' if checkpoint else ''}.",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def use_cpu_for_accelerate(world: int) -> None:

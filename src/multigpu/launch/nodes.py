@@ -21,16 +21,18 @@ from multigpu.core.network import Route, hostname_loopback, interface_environmen
 C10D_NAMELESS = b"The hostname of the client socket cannot be retrieved"
 
 
-def node_line(node_rank: int, nnodes: int, master: str, route: Route, set_here: dict[str, str]) -> str:
-    """What a node says at start: where it talks, and why there."""
-    where = f"{route.interface} ({route.address})" if route.interface else route.address
-    line = f"multigpu run: node {node_rank} of {nnodes} talks to node 0 at {master} on {where}"
-    if set_here:
-        line += f" ({' and '.join(f'{name}={value}' for name, value in set_here.items())})"
+def node_line(node_rank: int, nnodes: int, master: str, route: Route, set_here: dict[str, str], quiet: bool) -> str:
+    """What a node says at start: where it talks, and why there (`quiet`: c10d's nameless warnings left out)."""
+    where = f"{route.interface}, {route.address}" if route.interface else route.address
+    notes = [f"{' and '.join(set_here)} set to {route.interface}"] if set_here else []
     named = hostname_loopback()
     if named is not None and not route.loopback:
-        line += f"; this machine's name {named[0]} resolves to {named[1]}, a loopback address, so it is not used"
-    return line + "."
+        notes.append(f"the hostname {named[0]} resolves to loopback {named[1]}, so it is not used")
+    if quiet:
+        notes.append("c10d's harmless warnings that this address has no hostname are left out")
+    return f"multigpu run: node {node_rank} of {nnodes} talks to node 0 ({master}) on {where}" + (
+        f" ({'; '.join(notes)})." if notes else "."
+    )
 
 
 def master_warning(master_addr: str, route: Route) -> str | None:
@@ -54,14 +56,10 @@ def prepare_node(nnodes: int, node_rank: int, master_addr: str, master_port: int
         print(warning, file=sys.stderr)
     set_here = interface_environment(route)
     os.environ.update(set_here)
-    line = node_line(node_rank, nnodes, f"{master_addr}:{master_port}", route, set_here)
-    if not route.loopback and (nameless(route.address) or nameless(route.peer)):
-        line = line[:-1] + (
-            "; its address has no name here (no name server answers), so torch's c10d warnings that the hostname "
-            "of a socket cannot be retrieved are left out: they are harmless."
-        )
+    quiet = not route.loopback and (nameless(route.address) or nameless(route.peer))
+    if quiet:
         leave_out_stderr_lines(C10D_NAMELESS)
-    print(line, file=sys.stderr, flush=True)
+    print(node_line(node_rank, nnodes, f"{master_addr}:{master_port}", route, set_here, quiet), file=sys.stderr)
     return route
 
 

@@ -157,6 +157,7 @@ def resolve_resume(config: RunDir, say: Callable[[str], None] = print) -> Path |
         resume = "auto" if restarted() and config.resume == "none" else config.resume
         found = start_checkpoint(directory, resume, say)
     checkpoint.check_writable(Path(config.save_dir), "--save-dir")
+    checkpoint.check_shared(Path(config.save_dir), "--save-dir")  # workers: before the first step, not at a save
     return found
 
 

@@ -6,11 +6,16 @@ must send, so one figure compares ops and process counts with each other and wit
 
     python -m multigpu.tools.collectives [--nproc 2 --ops ... --min-bytes ...]  launches the workers, prints the tables
     python -m multigpu.tools.collectives --worker OUT.json [the same flags]    what each launched process runs
+
+With --per-node (`multigpu env` over several nodes) each op is also timed within each node's processes, a process
+group per node, and every node's interface and address toward node 0 is gathered.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import sys
 import tempfile
 import time
@@ -18,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,6 +31,10 @@ import torch.distributed as dist
 from multigpu.config.flags import Parser, add_config_arguments, config_from_args, config_to_argv
 from multigpu.core.env import DistEnv, init_process_group
 from multigpu.core.errors import UsageError, exit_on_usage_error
+from multigpu.core.network import route_to
+
+if TYPE_CHECKING:  # the launcher is imported where a benchmark is launched, never in the workers
+    from multigpu.launch.launcher import LaunchConfig
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 # torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (the old names warn); torch 2.6 has only those.
@@ -52,6 +62,13 @@ class CollectivesConfig:
     iterations: int = field(default=20, metadata={"help": "timed calls per collective and size"})
     warmup: int = field(default=5, metadata={"help": "untimed calls before the timed ones"})
     json_out: str | None = field(default=None, metadata={"help": "also write the results to this JSON file"})
+    per_node: bool = field(
+        default=False,
+        metadata={
+            "help": "also time each op within each node's processes (a process group per node), and gather each "
+            "node's interface and address toward node 0"
+        },
+    )
 
     def __post_init__(self) -> None:
         unknown = [op for op in self.op_list if op not in OPS]
@@ -91,9 +108,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _prepare(op: str, total_bytes: int, device: torch.device) -> tuple[Callable[[], None], Callable[[], bool]]:
-    """One call of `op` on buffers of `total_bytes` in all, and a check of what the first call produced."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+def _prepare(
+    op: str, total_bytes: int, device: torch.device, group: Any = None
+) -> tuple[Callable[[], None], Callable[[], bool]]:
+    """One call of `op` among `group`'s ranks (None: every rank) on buffers of `total_bytes` in all, and a check of
+    what the first call produced."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     count = total_bytes // 4
     shard = count // world
     if op == "all_reduce":
@@ -104,37 +124,38 @@ def _prepare(op: str, total_bytes: int, device: torch.device) -> tuple[Callable[
             buffer.zero_()  # repeated in-place sums of ones would grow to inf
             return correct
 
-        return lambda: dist.all_reduce(buffer), check
+        return lambda: dist.all_reduce(buffer, group=group), check
     if op == "all_gather":
         mine, gathered = torch.full((shard,), float(rank), device=device), torch.empty(count, device=device)
         ranks = torch.arange(world, device=device, dtype=torch.float32).unsqueeze(1)
-        return lambda: ALL_GATHER(gathered, mine), lambda: bool((gathered.view(world, shard) == ranks).all())
+        gather = functools.partial(ALL_GATHER, gathered, mine, group=group)
+        return gather, lambda: bool((gathered.view(world, shard) == ranks).all())
     # Slot j of every rank's input holds j + 1, so rank r must receive world * (r + 1).
     full = torch.arange(1, world + 1, device=device, dtype=torch.float32).repeat_interleave(shard)
     mine = torch.empty(shard, device=device)
     if "nccl" in dist.get_backend():
-        return lambda: REDUCE_SCATTER(mine, full), lambda: bool((mine == world * (rank + 1)).all())
+        return lambda: REDUCE_SCATTER(mine, full, group=group), lambda: bool((mine == world * (rank + 1)).all())
     received = torch.empty(count, device=device)
 
     def all_to_all_then_sum() -> None:  # see GLOO_REDUCE_SCATTER
-        dist.all_to_all_single(received, full)
+        dist.all_to_all_single(received, full, group=group)
         torch.sum(received.view(world, shard), dim=0, out=mine)
 
     return all_to_all_then_sum, lambda: bool((mine == world * (rank + 1)).all())
 
 
-def measure(op: str, total_bytes: int, iterations: int, warmup: int, device: torch.device) -> dict:
-    """Times `op` on `total_bytes` (S, as nccl-tests counts it) in every rank of the default process group.
+def measure(op: str, total_bytes: int, iterations: int, warmup: int, device: torch.device, group: Any = None) -> dict:
+    """Times `op` on `total_bytes` (S, as nccl-tests counts it) in every rank of `group` (None: the default one).
 
     The first call is checked and also warms up; `warmup` more calls follow, then `iterations` timed ones.
     """
-    run, check = _prepare(op, total_bytes, device)
+    run, check = _prepare(op, total_bytes, device, group)
     run()
     wrong = not check()
     for _ in range(warmup):
         run()
     _sync(device)
-    dist.barrier()  # all ranks start the clock together
+    dist.barrier(group)  # all ranks start the clock together
     start = time.perf_counter()
     for _ in range(iterations):
         run()
@@ -142,15 +163,16 @@ def measure(op: str, total_bytes: int, iterations: int, warmup: int, device: tor
     seconds = (time.perf_counter() - start) / iterations
     # The collective took as long as its slowest rank; one wrong rank makes the result wrong.
     stats = torch.tensor([seconds, float(wrong)], dtype=torch.float64, device=device)
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
     seconds, wrong = stats.tolist()
     algbw = total_bytes / seconds / 1e9
-    busbw = algbw * bus_factor(op, dist.get_world_size())
+    busbw = algbw * bus_factor(op, dist.get_world_size(group))
     return dict(op=op, bytes=total_bytes, time_s=seconds, algbw_GBps=algbw, busbw_GBps=busbw, correct=not wrong)
 
 
 def run_worker(out: str, config: CollectivesConfig) -> None:
-    """In each launched process: every op at every size; rank 0 writes the results to `out`."""
+    """In each launched process: every op at every size; each node's first process writes the results to `out`
+    (its own launcher's file: on one node, rank 0's)."""
     env = DistEnv.from_environ()
     init_process_group(env, env.default_backend(), timedelta(minutes=5))
     # GPU tensors go through NCCL; the gloo beside it (see multigpu.core.env.group_backend) only serves CPU tensors.
@@ -160,24 +182,57 @@ def run_worker(out: str, config: CollectivesConfig) -> None:
         for op in config.op_list
         for size in sizes(config, world)
     ]
-    if dist.get_rank() == 0:
+    nodes = each_node(config, env) if config.per_node else None
+    if env.local_rank == 0:
         notes = [GLOO_REDUCE_SCATTER] if backend == "gloo" and "reduce_scatter" in config.op_list else []
         device = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
         result = {"backend": backend, "world_size": world, "device": device, "results": results, "notes": notes}
-        Path(out).write_text(json.dumps(result, indent=2))
+        Path(out).write_text(json.dumps(result if nodes is None else {**result, "nodes": nodes}, indent=2))
     dist.destroy_process_group()
 
 
-def run_collectives(config: CollectivesConfig) -> dict:
-    """Runs the benchmark in `config.nproc` processes; returns rank 0's results (and writes them to json_out)."""
+def each_node(config: CollectivesConfig, env: DistEnv) -> list[dict]:
+    """Every node, in node order, as every rank sees it: its processes, its interface and address toward node 0,
+    and each op timed within its processes (none for a node of one process). The nodes time theirs at once, as a
+    hierarchical collective runs them."""
+    members, group = node_groups(env)
+    size = dist.get_world_size(group)
+    route = route_to(env.master_addr, "MASTER_ADDR")
+    rows = [
+        measure(op, total, config.iterations, config.warmup, env.device, group)
+        for op in config.op_list
+        for total in (sizes(config, size) if size > 1 else [])
+    ]
+    mine = {"processes": size, "interface": route.interface, "address": route.address, "results": rows}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return [{"node": node, **everyone[ranks[0]]} for node, ranks in enumerate(members)]
+
+
+def node_groups(env: DistEnv) -> tuple[list[list[int]], Any]:
+    """Each node's ranks, in node order, and the process group of this rank's node (new_group is called by every
+    rank for every group, as it requires). A rank's node is torchrun's GROUP_RANK, the node rank its launcher
+    was given."""
+    mine = int(os.environ.get("GROUP_RANK", env.rank // env.local_world_size))
+    nodes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, mine)
+    members = [[rank for rank, n in enumerate(nodes) if n == node] for node in sorted(set(nodes))]
+    groups = [dist.new_group(ranks) for ranks in members]
+    return members, next(g for ranks, g in zip(members, groups, strict=True) if env.rank in ranks)
+
+
+def run_collectives(config: CollectivesConfig, launch_config: LaunchConfig | None = None) -> dict:
+    """Runs the benchmark in `config.nproc` processes (on each node of `launch_config`, if given); returns the
+    results that this node's first process wrote (and writes them to json_out)."""
     from multigpu.launch.launcher import LaunchConfig, launch
 
+    launch_config = launch_config or LaunchConfig(nproc=config.nproc)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "collectives.json"
         # Workers read their number from the launcher; and torchrun's own parser takes --nproc for its --nproc-per-node.
         flags = config_to_argv(config, skip=("nproc", "json_out"))
         argv = ["multigpu.tools.collectives", "--worker", str(out), *flags]
-        code = launch(LaunchConfig(nproc=config.nproc), argv, module=True)
+        code = launch(replace(launch_config, nproc=config.nproc), argv, module=True)
         if code != 0 or not out.is_file():
             raise BenchmarkFailed(
                 f"The {config.nproc}-process collectives benchmark failed (exit code {code}; the workers' errors are "
