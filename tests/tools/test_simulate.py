@@ -247,7 +247,7 @@ def test_load_calibration(tmp_path) -> None:
         ({"gpus_per_node": 0}, "--gpus-per-node must be 1 or more (got 0)."),
         ({"interconnect": "carrier-pigeon"}, "--interconnect must be one of nvlink, pcie, infiniband, ethernet"),
         ({"intra": "infiniband-ish"}, "--intra must be one of nvlink, pcie, infiniband, ethernet"),
-        ({"strategy": "zero4"}, "--strategy must be one of ddp, zero1, zero2, zero3, fsdp (got 'zero4')."),
+        ({"strategy": "zero4"}, "--strategy must be one of ddp, zero1, zero2, zero3, fsdp, hsdp (got 'zero4')."),
         ({"grad_bytes": 0}, "--grad-bytes must be 1 or more (got 0)."),
         ({"param_bytes": 0}, "--param-bytes must be 1 or more (got 0)."),
         ({"bucket_mb": 0}, "--bucket-mb must be positive and finite (got 0)."),

@@ -41,7 +41,7 @@ from multigpu.tools.links import (  # noqa: F401  (re-exported: the simulator's 
     span_links,
     tree_all_reduce,
 )
-from multigpu.tools.simulate_config import STRATEGIES, SimulateConfig  # noqa: F401  (re-exported)
+from multigpu.tools.simulate_config import HYBRID_STRATEGY, STRATEGIES, SimulateConfig  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     from multigpu.planner.shapes import ModelShape
@@ -71,10 +71,13 @@ def overlapped(times: list[float], backward_s: float, overlap: bool) -> tuple[fl
     return comm, max(comm - backward_s, times[-1]) if overlap else comm
 
 
-def strategy_comm(config: SimulateConfig, n: int, links: Link | Links, compute_s: float) -> tuple[float, float]:
-    """(total, exposed) communication seconds of one step on n ranks."""
+def strategy_comm(
+    config: SimulateConfig, n: int, links: Link | Links, compute_s: float, replicas: tuple[int, Link] | None = None
+) -> tuple[float, float]:
+    """(total, exposed) communication seconds of one step on n ranks. `replicas`: hybrid sharding's (count, link)
+    across which each unit's gradient shard is all-reduced after its reduce-scatter over the n shard ranks."""
     links = per_op(links)
-    if n <= 1:
+    if n <= 1 and replicas is None:
         return 0.0, 0.0
     grads = config.params * config.grad_bytes if config.grad_payload is None else config.grad_payload
     weights = config.params * config.param_bytes
@@ -91,6 +94,8 @@ def strategy_comm(config: SimulateConfig, n: int, links: Link | Links, compute_s
     # zero3 / fsdp: each unit is gathered for forward and again for backward, its gradients scattered in backward.
     gather = all_gather(n, weights / config.layers, links["all_gather"])
     scatter = reduce_scatter(n, grads / config.layers, links["reduce_scatter"])
+    if replicas is not None:  # FSDP2 all-reduces the reduce-scattered shard over the replicas, in the same window
+        scatter += all_reduce(replicas[0], grads / n / config.layers, replicas[1])
     comm = config.layers * (2 * gather + scatter)
     if not config.overlap:
         return comm, comm
@@ -99,7 +104,9 @@ def strategy_comm(config: SimulateConfig, n: int, links: Link | Links, compute_s
     # With prefetch, unit i+1's gather runs under unit i's compute; in backward the next gather and the previous
     # scatter share the window. Nothing hides the first gather nor the last scatter.
     hidden_shortfall = max(0.0, gather - forward_unit) + max(0.0, gather + scatter - backward_unit)
-    return comm, gather + scatter + config.layers * hidden_shortfall
+    # At most all of it: with little compute per unit (a few units, a slow link) the sum would count the first
+    # gather and the last scatter twice, once on their own and once in their unit's shortfall.
+    return comm, min(comm, gather + scatter + config.layers * hidden_shortfall)
 
 
 def simulate(
@@ -116,7 +123,7 @@ def simulate(
         compute = config.compute_s * (per_node / slots if slots and per_node > slots else 1.0)
         bubble, replicas, all_to_all_s = 0.0, config.dims(n).data_parallel_size, 0.0
         if config.replica_span == 1 and config.ep_size == 1:
-            comm, exposed = strategy_comm(config, n, span_links(n, config.gpus_per_node, intra, inter), compute)
+            comm, exposed = data_parallel_step(config, n, intra, inter, compute)
         else:
             compute /= config.replica_span
             comm, exposed, bubble, all_to_all_s = layout_step(config, n, intra, inter, compute)
@@ -140,6 +147,23 @@ def simulate(
             )
         )
     return predictions
+
+
+def data_parallel_step(
+    config: SimulateConfig, n: int, intra: Links, inter: Links, compute: float
+) -> tuple[float, float]:
+    """(comm, exposed comm) seconds of one step of a data-parallel strategy alone on n GPUs. Replicas across nodes
+    with shards inside each (hsdp's layout) run the shards' collectives over the node's link and all-reduce each
+    unit's gradient shard across the nodes; a node's shard ranks run those all-reduces at once, each over its share
+    of the node's link. Every other layout spreads its collectives over all n GPUs."""
+    dims = config.dims(n)
+    gpn = config.gpus_per_node
+    if dims.replicate == 1:
+        return strategy_comm(config, n, span_links(n, gpn, intra, inter), compute)
+    across = shared_link(span_link(n, gpn, intra["all_reduce"], inter["all_reduce"]), min(dims.shard, gpn))
+    return strategy_comm(
+        config, dims.shard, span_links(dims.shard, gpn, intra, inter), compute, (dims.replicate, across)
+    )
 
 
 @dataclass(frozen=True)

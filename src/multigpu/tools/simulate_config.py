@@ -6,12 +6,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from multigpu.config.layout import CP_METHODS, SHARDS, LayoutSettings, ParallelDims, resolve_layout
+from multigpu.config.layout import CP_METHODS, HYBRID, SHARDS, LayoutSettings, ParallelDims, resolve_layout
 from multigpu.config.pipeline import ZERO_BUBBLE, check_microbatches, check_schedule
 from multigpu.core.errors import UsageError
 from multigpu.tools.links import INTERCONNECTS
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+#: hsdp: zero3 over each node's GPUs, whole replicas across the nodes (one all-reduce of a gradient shard per unit
+#: leaves the node); the others spread their collectives over every GPU.
+HYBRID_STRATEGY = "hsdp"
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", HYBRID_STRATEGY)
 
 
 @dataclass(frozen=True)
@@ -103,9 +106,11 @@ class SimulateConfig:
 
     def dims(self, n: int) -> ParallelDims:
         """The layout of `n` GPUs: tp x pp x cp per replica, the data-parallel strategy over the rest (resolved as
-        zero3's is: every data-parallel strategy modelled here needs only how many ranks share the rest)."""
+        zero3's is: every data-parallel strategy modelled here but hsdp needs only how many ranks share the rest;
+        hsdp's replicas are one per node, its shards inside one)."""
         request = LayoutSettings(tp_size=self.tp_size, pp_size=self.pp_size, cp_size=self.cp_size, ep_size=self.ep_size)
-        return resolve_layout(request, SHARDS, n, -(-n // self.gpus_per_node), self.strategy)
+        spread = HYBRID if self.strategy == HYBRID_STRATEGY else SHARDS
+        return resolve_layout(request, spread, n, -(-n // self.gpus_per_node), self.strategy)
 
     def _check_layout(self) -> None:
         object.__setattr__(self, "pp_stages_per_rank", check_schedule(self.pp_schedule, self.pp_stages_per_rank))

@@ -36,6 +36,7 @@ from multigpu.tools.simulate import (
     simulate,
     simulate_mixed,
 )
+from multigpu.tools.simulate_advice import link_advice
 
 if TYPE_CHECKING:  # the planner's shapes are imported where a request is resolved
     from multigpu.planner.shapes import ModelShape, Transformer
@@ -420,4 +421,6 @@ def run(request: SimulateRequest, as_json: bool) -> int:
         if config.pp_size > 1:
             title += f"; pp {config.pp_size} ({config.pp_schedule}, {config.microbatches} micro-batches)"
         print(format_table(predictions, title=title), end="")
+        if advice := link_advice(request, predictions, lambda changed: simulate(*resolve(changed))[0]):
+            print(advice)
     return 0
