@@ -131,6 +131,28 @@ def test_a_link_down_ends_every_node_in_seconds_with_a_sentence(nodes: Cluster, 
     assert not orphans, f"processes left behind: {orphans}"
 
 
+def test_a_node_killed_whole_is_named_by_the_others_in_seconds(nodes: Cluster, tmp_path: Path) -> None:
+    """kill -9 of node 1's launcher and workers: node 0's worker sees its peer vanish (which reads as the ranks going
+    different ways), and node 0 names the node that was lost instead, within 30 s, without a traceback."""
+    launches = on_nodes(nodes, ["--node-timeout", "5", *DEMO[:-1], "1000"], tmp_path)
+    deadline = time.monotonic() + 90
+    while "epoch 3/" not in launches[0].log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    killed = time.monotonic()
+    for pid in [launches[1].process.pid, *descendants(launches[1].process.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    code, output = launches[0].finish(60)
+    assert time.monotonic() - killed < 30
+    assert code == 1, output
+    assert output.splitlines()[-1] == (
+        "multigpu run: node 1 of 2 (rank 1, 10.231.0.2) was lost: no heartbeat for 5 s; this node's workers were "
+        "stopped."
+    )
+    assert "Traceback" not in output and "went different ways" not in output
+    launches[1].process.wait()
+
+
 def test_a_node_that_never_comes_is_named_when_the_join_timeout_runs_out(nodes: Cluster, tmp_path: Path) -> None:
     """Two of three nodes start: both say how many arrived and which did not; a node whose node 0 never starts says
     that node 0 did not answer."""

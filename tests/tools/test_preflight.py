@@ -89,7 +89,7 @@ def test_the_node_flags_are_the_launchers() -> None:
         ),  # the launcher's own check and sentence
         (["--nnodes", "two"], "argument --nnodes: invalid int value"),
         (["--nproc", "1", "--links-out", "{tmp}"], "one process on one node has none; pass --nproc 2 or more"),
-        (["--size-mb", "0.001", "--links-out", "{tmp}"], "pass --size-mb 0.01 or more"),
+        (["--size-mb", "0.5", "--links-out", "{tmp}"], "pass --size-mb 1 or more"),
         (["--links-out", "{tmp}/file"], "is not a directory; pass a directory"),
         (["--links-out", "{tmp}/file/links"], "cannot be made (Not a directory); pass a directory you can write to"),
     ],

@@ -79,6 +79,7 @@ class Round:
     roll: list[int] | None = None  # the ranks that arrived, once all did
     missing: list[int] | None = None  # the ranks that did not, once the join timeout ran out
     lost: str | None = None  # the sentence, once a node is lost
+    gone: bool = False  # whether it stopped beating (not: ended with a failure of its own)
     told: set[int] = field(default_factory=set)  # the nodes that have heard the roll or the missing ones
 
 
@@ -110,6 +111,7 @@ class Board:
                 "missing": state.missing,
                 "nodes": [asdict(node) for node in state.nodes.values()],
                 "lost": state.lost,
+                "gone": state.gone,
                 "failed": sorted(r for r, how in state.ended.items() if how == "failed"),
             }
 
@@ -171,9 +173,11 @@ class NodeWatch:
         self.nnodes, self.node, self.join_s, self.timeout_s = nnodes, node, join_s, timeout_s
         self.address, self.port = master_addr, heartbeat_port(master_port)
         self.nodes: list[NodeInfo] = []
-        self.lost: str | None = None
+        self.lost: str | None = None  # the sentence naming a node that was lost or failed
+        self.gone: str | None = None  # the sentence naming a node that stopped beating or answering
         self.last_checkpoint: str | None = None  # the newest complete checkpoint any round committed
         self.round = -1
+        self._stopping, self._workers_running = threading.Lock(), True
         self.board = Board() if node.rank == 0 else None
         self.server = BoardServer(self.board, self.port) if self.board is not None else None
 
@@ -196,7 +200,7 @@ class NodeWatch:
     def arrive(self) -> None:
         """Waits until every node has arrived for the next round; raises NodeLost, naming who did not come."""
         self.round += 1
-        self.lost = None
+        self.lost, self.gone, self._workers_running = None, None, True
         deadline = time.monotonic() + self.join_s
         reached = False
         while True:
@@ -278,7 +282,9 @@ class NodeWatch:
                     if rank != 0 and rank not in state.ended and time.monotonic() - heard > self.timeout_s
                 ]
             if failed:
-                return self._lose(f"{self.describe(failed[0])} ended: a worker there failed (its output says why)")
+                return self._lose(
+                    f"{self.describe(failed[0])} ended: a worker there failed (its output says why)", gone=False
+                )
             if silent:
                 return self._lose(f"{self.describe(silent[0])} was lost: no heartbeat for {self.timeout_s:g} s")
 
@@ -293,17 +299,40 @@ class NodeWatch:
                 continue
             heard = time.monotonic()
             if board["lost"]:
-                return self._lose(board["lost"])
+                return self._lose(board["lost"], gone=board["gone"])
             failed = [rank for rank in board["failed"] if rank != self.node.rank]
             if failed:
-                return self._lose(f"{self.describe(failed[0])} ended: a worker there failed (its output says why)")
+                failure = f"{self.describe(failed[0])} ended: a worker there failed (its output says why)"
+                return self._lose(failure, gone=False)
 
-    def _lose(self, sentence: str) -> None:
+    def _lose(self, sentence: str, gone: bool = True) -> None:
+        """A node was lost (`gone`: it stopped beating or answering) or ended with a failure: note it, for the other
+        nodes too, and stop this node's workers if they still run."""
         if self.board is not None:
             with self.board.lock:
-                self.board.round(self.round).lost = sentence
-        self.lost = sentence
-        os.kill(os.getpid(), signal.SIGTERM)  # stops the workers as a Ctrl-C does: the launcher reads `lost`
+                state = self.board.round(self.round)
+                state.lost, state.gone = sentence, gone
+        self.lost, self.gone = sentence, sentence if gone else self.gone
+        with self._stopping:
+            if self._workers_running:  # stops them as a Ctrl-C does: the launcher reads `lost`
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def workers_ended(self) -> None:
+        """From now on a lost node is only noted: this node's workers have ended, there is nothing to stop."""
+        with self._stopping:
+            self._workers_running = False
+
+    def wait_for_news(self, gone_only: bool) -> str | None:
+        """After this node's workers failed for want of a peer: the sentence naming the node that was lost, waiting
+        for the heartbeat to tell at most --node-timeout and a beat; `gone_only`: a node that ended with a failure
+        of its own does not count (its workers may have refused what these did, in the same sentence)."""
+        deadline = time.monotonic() + self.timeout_s + 2 * BEAT_S
+        while time.monotonic() < deadline:
+            news = self.gone if gone_only else self.lost
+            if news is not None:
+                return news
+            time.sleep(0.1)
+        return None
 
     # --- the end -------------------------------------------------------------------------------------------------
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
-import gc
 import importlib.machinery
 import importlib.util
 import logging
@@ -15,11 +14,9 @@ import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser
@@ -38,9 +35,10 @@ from multigpu.launch.failures import (
     release,
     report_failure,
 )
-from multigpu.launch.heartbeat import NodeInfo, NodeLost, NodeWatch, check_node_timeouts, heartbeat_port
+from multigpu.launch.heartbeat import NodeInfo, NodeWatch, check_node_timeouts, heartbeat_port
 from multigpu.launch.nodes import prepare_node
-from multigpu.launch.stop import LAUNCHER_PID, checkpoint_note, raising_on_stop, report_stop
+from multigpu.launch.several_nodes import a_lost_node_explains, report_lost, run_nodes
+from multigpu.launch.stop import LAUNCHER_PID, raising_on_stop, report_stop
 
 WORKER = ("multigpu.launch.worker",)  # what each process runs: see its module doc
 
@@ -289,54 +287,10 @@ def launch(config: LaunchConfig, target: list[str], module: bool = False, worker
     watch = NodeWatch(
         config.nnodes, node, config.master_addr, config.master_port, config.join_timeout, config.node_timeout
     )
-    return run_nodes(args, present, ranks, config, watch)
-
-
-def run_nodes(args: argparse.Namespace, present: int, ranks: range, config: LaunchConfig, watch: NodeWatch) -> int:
-    """This node's workers, started once every node has arrived, and again (up to --max-restarts) after a failure
-    anywhere: torch's static rendezvous restarts one node alone, which its peers never join."""
-    last_checkpoint: str | None = None
-    for attempt in range(config.max_restarts + 1):
-        try:
-            watch.arrive()
-        except NodeLost as lost:
-            print(f"multigpu run: {lost}.", file=sys.stderr)
-            return 1
-        with holding_rendezvous_store(config):
-            with watch.beating():
-                code = run_workers(args, present, ranks, lightning_defaults(args.nproc_per_node, config.nnodes), watch)
-            watch.ended("finished" if code == 0 and watch.lost is None else "failed")
-            if code == 0 and watch.lost is None:
-                watch.linger()
-                return 0
-        last_checkpoint = watch.last_checkpoint or last_checkpoint
-        if attempt < config.max_restarts:
-            print(
-                f"multigpu run: restarting every node's workers ({attempt + 1} of {config.max_restarts}) once all "
-                f"{config.nnodes} nodes are back{f', from {last_checkpoint}' if last_checkpoint else ''}.",
-                file=sys.stderr,
-            )
-    return code or 1
-
-
-@contextlib.contextmanager
-def holding_rendezvous_store(config: LaunchConfig) -> Iterator[None]:
-    """On node 0, serves torch's rendezvous store from this process (its agent shares it) for one start of the
-    workers, and past it, until every node has ended its own: the agent alone would close it as it leaves, and a
-    node still in torch's exit barrier then fails with a traceback (measured). A new store each start: the workers'
-    keys would otherwise meet those of the start before."""
-    if config.node_rank != 0:
-        yield
-        return
-    store = dist.TCPStore(
-        config.master_addr, config.master_port, None, True, timedelta(seconds=config.join_timeout),
-        wait_for_workers=False, multi_tenant=True,
-    )  # fmt: skip
-    try:
-        yield
-    finally:
-        del store
-        gc.collect()  # the agent's reference too (it may sit in a cycle): the server closes with its last one
+    # a fresh context each start: a restart enters it again
+    return run_nodes(
+        lambda: run_workers(args, present, ranks, lightning_defaults(nproc, config.nnodes), watch), watch, config
+    )
 
 
 def run_workers(
@@ -365,7 +319,7 @@ def run_workers(
             ):
                 torch_run(args)
         except ChildFailedError as error:
-            if watch is not None and watch.lost is not None:
+            if watch is not None and a_lost_node_explains(watch, Path(exits)):
                 return report_lost(watch, Path(exits))
             return report_failure(error, Path(exits), held)
         except SignalException as stopped:
@@ -375,21 +329,12 @@ def run_workers(
             raise SystemExit(report_stop(stopped.sigval, Path(exits))) from None
         finally:
             if watch is not None:
+                watch.workers_ended()
                 watch.last_checkpoint = launcher_note(exits, LAST_CHECKPOINT) or watch.last_checkpoint
         release(held)  # a failure that a restart made good
         for line in stuck_lines(Path(exits)):
             print(line, file=sys.stderr)
     return 0
-
-
-def report_lost(watch: NodeWatch, exits: Path) -> int:
-    """The one line for a node that was lost: which, what was seen, that this node's workers were stopped."""
-    checkpoint = checkpoint_note(exits)
-    print(
-        f"multigpu run: {watch.lost}; this node's workers were stopped{f'; {checkpoint}' if checkpoint else ''}.",
-        file=sys.stderr,
-    )
-    return 1
 
 
 def use_cpu_for_accelerate(world: int) -> None:

@@ -44,9 +44,11 @@ VARIABLES = (
 )
 PREFIXES = ("NCCL_", "GLOO_", "SLURM_", "OMPI_COMM_WORLD_", "TORCH_DISTRIBUTED", "TORCHELASTIC_")
 LINK_FILES = {"intra": "intra.json", "inter": "inter.json"}  # --links-out's files, by link
-# --links-out's sweep: all-reduces from about 1 KB (the small sizes fix a link's latency), x4 up to --size-mb (the
-# large ones its bandwidth), each size a point of the fit `multigpu simulate` makes.
-SWEEP_FROM, SWEEP_FACTOR = 1024, 4
+# --links-out's sweep: all-reduces from 256 KiB, x4 up to --size-mb, each size a point of the fit `multigpu simulate`
+# makes. Not smaller: a switch's buffer or a shaper's bucket passes small messages faster than the link's rate, and
+# the fit weighs every size alike (measured on a 100 Mbit/s shaped link: fitted from 4 KiB up, it read 163 Mbit/s;
+# from 256 KiB up, 95, what TCP carries; docs/benchmarks.md, "Two nodes over links of known speed").
+SWEEP_FROM, SWEEP_FACTOR = 256 * 1024, 4
 ADVICE = "free some space there, or pass another --links-out"  # a disk that refuses the links
 
 
@@ -66,7 +68,7 @@ class EnvConfig(Settings):
     master_port: int | None = shown(LaunchConfig)
     links_out: str | None = setting(
         None,
-        "time all-reduces from about 1 KB to --size-mb and write them to DIR/intra.json (within a node) and "
+        "time all-reduces from 256 KiB to --size-mb and write them to DIR/intra.json (within a node) and "
         "DIR/inter.json (over every node's processes), the files `multigpu simulate --calibration` and "
         "`--inter-calibration` read; several nodes: node 0 writes them",
         metavar="DIR",
@@ -84,8 +86,8 @@ class EnvConfig(Settings):
             )
         if self.size_bytes < SWEEP_FACTOR * SWEEP_FROM:
             raise UsageError(
-                "--links-out fits each link to all-reduces of several sizes up to --size-mb; pass --size-mb 0.01 or "
-                "more."
+                "--links-out fits each link to all-reduces of several sizes up to --size-mb; pass --size-mb "
+                f"{SWEEP_FACTOR * SWEEP_FROM / 2**20:g} or more."
             )
         if Path(self.links_out).exists() and not Path(self.links_out).is_dir():
             raise UsageError(
