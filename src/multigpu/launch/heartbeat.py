@@ -141,10 +141,6 @@ class BoardServer:
             request = json.loads(_read_line(conn))
             conn.sendall(json.dumps(self.board.answer(request)).encode() + b"\n")
 
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.close()
-
 
 def _read_line(conn: socket.socket) -> bytes:
     data = b""
@@ -179,6 +175,7 @@ class NodeWatch:
         self.round = -1
         self._stopping, self._workers_running = threading.Lock(), True
         self.board = Board() if node.rank == 0 else None
+        # served until the process ends: every round's questions come to it
         self.server = BoardServer(self.board, self.port) if self.board is not None else None
 
     @property
@@ -212,11 +209,15 @@ class NodeWatch:
                 # node 0 decides by its own clock, which started before it answered: wait a little longer than that
                 reached, deadline = True, time.monotonic() + self.join_s + 5 * ASK_S
             if board is not None and self.board is not None and board["roll"] is None:
-                board = self._call_roll(board, deadline)
+                board = self._call_roll(deadline)
             if board is not None and (board["roll"] is not None or board["missing"] is not None):
                 break
             if time.monotonic() > deadline:
-                raise NodeLost(self._unreached() if not reached else "node 0 did not answer with the roll in time")
+                raise NodeLost(
+                    self._unreached()
+                    if not reached
+                    else f"node 0 at {self.where} stopped answering while the nodes arrived; check that it still runs"
+                )
             time.sleep(0.2)
         self.nodes = sorted((NodeInfo(**node) for node in board["nodes"]), key=lambda node: node.rank)
         if board["missing"] and self.board is not None:
@@ -224,7 +225,7 @@ class NodeWatch:
         if board["missing"]:
             raise NodeLost(self._missing_sentence(board["missing"]))
 
-    def _call_roll(self, board: dict, deadline: float) -> dict:
+    def _call_roll(self, deadline: float) -> dict:
         """On node 0: the roll once every node arrived, or the missing ones once the deadline passed."""
         state = self.board.round(self.round)
         with self.board.lock:

@@ -5,15 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Any
 
 from multigpu.core.errors import UsageError
 from multigpu.parallel.compression import Compression
 from multigpu.tools.simulate import HYBRID_STRATEGY, Prediction
-
-if TYPE_CHECKING:
-    from multigpu.tools.simulate_request import SimulateRequest
-
 
 #: A change is advised where it shortens the predicted step by at least this fraction of it (1.33x faster). Set by
 #: two nodes on shaped links (docs/benchmarks.md): every change predicted to gain 1.4x or more was measured faster,
@@ -22,14 +18,13 @@ if TYPE_CHECKING:
 ADVICE_GAIN = 0.25
 
 
-def link_advice(
-    request: SimulateRequest, predictions: list[Prediction], predict: Callable[[SimulateRequest], Prediction]
-) -> str | None:
+def link_advice(request: Any, predictions: list[Prediction], predict: Callable[[Any], Prediction]) -> str | None:
     """Where communication holds up the step across nodes: the changes that shorten the predicted step of the
     largest run that spans nodes by ADVICE_GAIN or more (gradients in bf16, PowerSGD's factors, hsdp's shards inside
     a node and one all-reduce of a shard across), each predicted by the same arithmetic, fastest first. None where
     no run spans nodes or no change gains that much (a fast link, or compute that hides the collectives).
-    `predict`: the one prediction of a request (simulate_request: resolved and simulated)."""
+    `request`: simulate_request's SimulateRequest (typed Any: that module imports this one); `predict`: the one
+    prediction of a request (simulate_request: resolved and simulated)."""
     across = [p for p in predictions if p.nodes > 1]
     if not across or across[-1].exposed_comm_s <= 0:
         return None
