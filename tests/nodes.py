@@ -87,7 +87,10 @@ class Cluster:
 
 
 def _run(*argv: str) -> None:
-    done = subprocess.run(argv, capture_output=True, text=True)
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise NodesRefused(f"{argv[0]} is not installed (iproute2)") from None
     if done.returncode != 0:
         raise NodesRefused(f"`{' '.join(argv)}` failed: {done.stderr.strip() or done.returncode}")
 
