@@ -441,6 +441,7 @@ def test_a_checkpoint_moves_between_layouts_and_lands_where_one_process_does(res
         (["--nproc", "2", "--batch-shares", "3,0"], "batch_shares must be even, auto or positive finite weights "),
         (["--nproc", "2", "--batch-shares", "3,nan"], "batch_shares must be even, auto or positive finite weights "),
         (["--nproc", "2", "--batch-shares", "fast"], "one per data-parallel rank (e.g. 3,1), not 'fast'."),
+        (["--nproc", "2", "--batch-shares", "1e308,1e308"], "batch_shares 1e308,1e308 adds up to more than a float "),
     ],
 )
 def test_a_layout_that_does_not_fit_is_refused_before_anything_starts(args: list[str], sentence: str) -> None:

@@ -151,6 +151,11 @@ def parse_shares(text: str) -> tuple[float, ...] | None:
             f"batch_shares must be even, auto or positive finite weights separated by commas, one per data-parallel "
             f"rank (e.g. 3,1), not {text!r}."
         )
+    if math.isinf(sum(weights)):  # each finite, their sum not: every part would come out NaN
+        raise UsageError(
+            f"batch_shares {text} adds up to more than a float holds; give weights in proportion to each rank's part, "
+            "of ordinary size (e.g. 3,1)."
+        )
     return weights
 
 
