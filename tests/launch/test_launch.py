@@ -498,6 +498,16 @@ def test_more_processes_than_gpus_is_refused_but_not_on_cpu() -> None:
     with pytest.raises(UsageError, match=r"or --share-gpus to share them over gloo\.$"):
         launching.select_gpus(LaunchConfig(nproc=2), 1, None)
     assert launching.select_gpus(LaunchConfig(), 0, None) == (1, None)
+    with pytest.raises(UsageError, match=r"^--share-gpus lets processes take this machine's GPUs in turn, and it has"):
+        launching.select_gpus(LaunchConfig(nproc=2, share_gpus=True), 0, None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without GPUs")
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_share_gpus_without_gpus_is_one_sentence(nproc: str) -> None:
+    """In one process (run here) and in several (launched): refused before anything starts."""
+    printed = refusal("train", "--share-gpus", "--nproc", nproc, "--epochs", "1")
+    assert printed.startswith("multigpu: error: --share-gpus lets processes take this machine's GPUs in turn"), printed
 
 
 def test_launch_gives_the_workers_the_gpu_the_user_meant(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

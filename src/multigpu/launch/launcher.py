@@ -111,6 +111,11 @@ def select_gpus(config: LaunchConfig, present: int, cuda_visible_devices: str | 
     `present` is torch.cuda.device_count(), which counts only what `cuda_visible_devices` (the variable as the
     user left it) exposes; --gpu-ids index those GPUs, so with CUDA_VISIBLE_DEVICES=2,3, --gpu-ids 1 is GPU 3.
     """
+    if config.share_gpus and not present:
+        raise UsageError(
+            "--share-gpus lets processes take this machine's GPUs in turn, and it has none; drop it (without GPUs "
+            "every process runs on the CPU anyway)."
+        )
     if cuda_visible_devices is None:
         visible, where = [str(index) for index in range(present)], "this machine has"
     else:

@@ -103,7 +103,7 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
     launch_config = LaunchConfig(
         nproc=nproc, gpu_ids=config.gpu_ids, max_restarts=restarts, share_gpus=config.share_gpus
     )
-    if config.gpu_ids is not None:  # GPUs that are not there, before the strategies count them
+    if config.gpu_ids is not None or config.share_gpus:  # GPUs that are not there, before the strategies count them
         select_gpus(launch_config, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
     layout = start.check(EngineConfig(**settings), nproc)
     save_dir = getattr(config, "save_dir", None)  # None: a run that writes nothing to keep (the demo)
