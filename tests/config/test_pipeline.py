@@ -27,13 +27,15 @@ def test_a_v_puts_the_first_and_last_stage_on_rank_0_and_the_middle_two_on_the_l
 def test_the_v_schedules_set_two_stages_per_rank_and_the_looped_ones_take_what_is_given() -> None:
     assert check_schedule("zbv", 1) == 2 and check_schedule("dualpipev", 2) == 2  # unset (1) or 2
     assert check_schedule("interleaved-zb", 3) == 3 and check_schedule("gpipe", 1) == 1
+    # left unset (1), the looped ones take the fewest they run, as the V's do
+    assert check_schedule("interleaved-zb", 1) == 2 and check_schedule("interleaved", 1) == 2
 
 
 @pytest.mark.parametrize(
     ("call", "sentence"),
     [
         (lambda: check_schedule("zbv", 3), "pp_schedule zbv lays exactly 2 stages on each rank in a V (rank r holds "),
-        (lambda: check_schedule("interleaved-zb", 1), "pp_stages_per_rank 1 does not fit pp_schedule interleaved-zb"),
+        (lambda: check_schedule("1f1b", 2), "pp_stages_per_rank 2 does not fit pp_schedule 1f1b: interleaved and "),
         (lambda: check_schedule("zigzag", 1), "Unknown pp_schedule 'zigzag'; choose one of gpipe, 1f1b, interleaved, "),
         (lambda: check_microbatches("dualpipev", 2, 2, 3), "pp_microbatches 3 is too few for its 4 stages (2 x "),
         (lambda: check_microbatches("dualpipev", 2, 2, None, rows=6), "but a batch of 6 rows with pp_microbatches 4 "),

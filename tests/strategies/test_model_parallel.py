@@ -419,7 +419,7 @@ def test_a_checkpoint_moves_between_layouts_and_lands_where_one_process_does(res
         (["--nproc", "2", "--strategy", "ddp", "--pp-schedule", "gpipe"], "pp_schedule is an option of strategy pp "),
         (["--nproc", "2", "--strategy", "ddp", "--pp-schedule", "interleaved"], "pp_schedule is an option of "),
         (["--nproc", "3", "--strategy", "tp", "--tp-size", "2"], "so tp_size 2 needs 2 processes, but 3 were "),
-        (["--nproc", "2", "--strategy", "pp", "--pp-schedule", "interleaved"], "pp_stages_per_rank 1 does not fit"),
+        (["--nproc", "2", "--strategy", "pp", "--pp-stages-per-rank", "2"], "pp_stages_per_rank 2 does not fit"),
         (
             ["--nproc", "2", "--strategy", "tp", "--compile", "--activation-checkpointing", "full"],
             "activation_checkpointing full cannot run with compile under tensor parallelism on torch 2.13: ",

@@ -41,8 +41,8 @@ class PipelineOptions(StrategyOptions):
     )
     pp_stages_per_rank: int = setting(
         1,
-        "pp: stages per process; interleaved and interleaved-zb take 2 or more (a smaller bubble); zbv and "
-        "dualpipev set 2 themselves (leave it unset, or give 2); gpipe and 1f1b take 1",
+        "pp: stages per process; interleaved and interleaved-zb take 2 or more (a smaller bubble; 2 when left "
+        "unset); zbv and dualpipev set 2 themselves (leave it unset, or give 2); gpipe and 1f1b take 1",
     )
     pp_microbatches: int | None = setting(
         None, "pp: slices of each batch that flow through the pipeline one after another (default: one per stage)"
@@ -67,8 +67,8 @@ class PipelineOptions(StrategyOptions):
 
 
 def check_schedule(schedule: str, stages_per_rank: int) -> int:
-    """The stages per rank `schedule` runs (zbv and dualpipev: 2, whatever was left at the default); refuses an
-    unknown schedule, or stages per rank that do not fit it."""
+    """The stages per rank `schedule` runs (zbv and dualpipev: 2; interleaved and interleaved-zb: 2 where left at the
+    default, else what was given); refuses an unknown schedule, or stages per rank that do not fit it."""
     if schedule not in PP_SCHEDULES:
         raise UsageError(f"Unknown pp_schedule {schedule!r}; choose one of {', '.join(PP_SCHEDULES)}.")
     if schedule in V_SHAPED:
@@ -77,6 +77,8 @@ def check_schedule(schedule: str, stages_per_rank: int) -> int:
                 f"pp_schedule {schedule} lays exactly 2 stages on each rank in a V (rank r holds stages r and "
                 f"2 x pp_size - 1 - r), not pp_stages_per_rank {stages_per_rank}; leave pp_stages_per_rank unset."
             )
+        return 2
+    if schedule in LOOPED and stages_per_rank == 1:  # the default: the fewest stages per rank a looped one takes
         return 2
     if stages_per_rank < 1 or (stages_per_rank > 1) != (schedule in LOOPED):
         raise UsageError(
