@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -55,6 +56,44 @@ def test_a_damaged_newest_checkpoint_is_passed_over_for_the_one_before(tmp_path:
     with pytest.raises(mg.UsageError, match=f"The checkpoint .*step-2.damaged is damaged: {reason}"):
         engine.load(tmp_path / ".step-2.damaged", state)
     engine.load(tmp_path / "step-1", state)
+
+
+def test_a_step_damaged_twice_is_kept_under_a_second_name_and_the_good_one_before_it_survives(tmp_path: Path) -> None:
+    """A damaged copy of step 3 is kept already when step 3, written again, is damaged again: the second copy goes
+    to a new name (a move onto the first would fail), and saving on never prunes the good step 2 for it."""
+    engine, state = single_engine_state(tmp_path)
+    for step in (1, 2, 3):
+        engine.save(tmp_path / f"step-{step}", state)
+    (tmp_path / ".step-3.damaged").mkdir()
+    (tmp_path / ".step-3.damaged" / "first").write_text("the first damaged copy")
+    damage_shard(tmp_path / "step-3")
+    said: list[str] = []
+    assert checkpoint.newest_usable(tmp_path, said.append) == tmp_path / "step-2"
+    assert said[0].endswith("kept as .step-3.damaged-2; using step-2")
+    assert (tmp_path / ".step-3.damaged" / "first").exists() and (tmp_path / ".step-3.damaged-2").is_dir()
+    engine.save(tmp_path / "step-4", state, keep_last=1)
+    assert checkpoint.list_checkpoints(tmp_path) == [tmp_path / "step-4"]
+
+
+def test_a_damaged_checkpoint_that_cannot_be_moved_is_refused(tmp_path: Path) -> None:
+    engine, state = single_engine_state(tmp_path)
+    for step in (1, 2):
+        engine.save(tmp_path / f"step-{step}", state)
+    damage_shard(tmp_path / "step-2")
+    with (
+        mock.patch("os.replace", side_effect=PermissionError(13, "Permission denied")),
+        pytest.raises(mg.UsageError, match=r"The damaged checkpoint .*step-2 could not be moved aside to "),
+    ):
+        checkpoint.newest_usable(tmp_path, print)
+
+
+def test_pruning_keeps_checkpoints_of_later_steps_and_the_one_just_written(tmp_path: Path) -> None:
+    """A run resumed from step 1 below an unread (maybe damaged) step 3 writes step 2 with keep_last=1: step 3 is
+    not counted, so step 2 stays (before, step 2 itself was pruned in its favour) and only step 1 goes."""
+    engine, state = single_engine_state(tmp_path)
+    for step in (1, 3, 2):
+        engine.save(tmp_path / f"step-{step}", state, keep_last=1 if step == 2 else None)
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-2", "step-3"]
 
 
 def test_when_no_checkpoint_is_usable_resume_refuses_and_moves_nothing(tmp_path: Path) -> None:

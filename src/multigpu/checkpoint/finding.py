@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import os
 import re
 import shutil
@@ -70,26 +70,44 @@ def damage(path: Path) -> str | None:
 
 
 def damaged_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.damaged")
+    """Where a damaged checkpoint is kept: `.<name>.damaged`, or `.<name>.damaged-2`, ... where a damaged copy of
+    the same step is kept already (a step written again after its first copy was damaged, and damaged again)."""
+    names = (f".{path.name}.damaged{'' if n == 1 else f'-{n}'}" for n in itertools.count(1))
+    return next(target for name in names if not (target := path.with_name(name)).exists())
+
+
+def move_aside(path: Path) -> Path:
+    """Moves the damaged checkpoint `path` out of the list (damaged_path); refuses where it cannot: left in place,
+    it would be picked again and counted among the checkpoints pruning keeps."""
+    target = damaged_path(path)
+    try:
+        os.replace(path, target)
+    except FileNotFoundError:
+        pass  # another process moved it meanwhile
+    except OSError as error:
+        raise UsageError(
+            f"The damaged checkpoint {path} could not be moved aside to {target.name} ({error.strerror}); move or "
+            "remove it yourself, then run again."
+        ) from None
+    return target
 
 
 def newest_usable(directory: Path, say: Callable[[str], None]) -> Path | None:
     """The newest complete checkpoint under `directory` that loads, or None if there is none at all.
 
     Damaged ones newer than it (a disk that filled, a copy cut short) are passed over, named through `say`, and
-    moved aside as `.<name>.damaged` (by rank 0), so that later runs neither pick them nor prune good ones in
-    their favour. When checkpoints exist but none is usable, refuses with one sentence and moves nothing.
+    moved aside (move_aside, by rank 0), so that later runs neither pick them nor prune good ones in their favour.
+    When checkpoints exist but none is usable, refuses with one sentence and moves nothing.
     """
     skipped: list[tuple[Path, str]] = []
     for path in reversed(list_checkpoints(directory)):
         reason = damage(path) if path.is_dir() else "it vanished"  # another rank moved it aside meanwhile
         if reason is None:
             if skipped:
+                kept = [move_aside(damaged) for damaged, _ in skipped] if this_rank() == 0 else []
                 names = ", ".join(f"{p.name} ({why})" for p, why in skipped)
-                say(f"resume: passed over damaged checkpoint(s) {names}, kept as .<name>.damaged; using {path.name}")
-            for damaged, _ in skipped if this_rank() == 0 else []:
-                with contextlib.suppress(OSError):
-                    os.replace(damaged, damaged_path(damaged))
+                where = ", ".join(target.name for target in kept) or ".<name>.damaged"
+                say(f"resume: passed over damaged checkpoint(s) {names}, kept as {where}; using {path.name}")
             return path
         skipped.append((path, reason))
     if skipped:
@@ -109,6 +127,11 @@ def list_checkpoints(directory: Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
-def prune(directory: Path, keep: int) -> None:
-    for old in list_checkpoints(directory)[:-keep]:
+def prune(newest: Path, keep: int) -> None:
+    """Removes the checkpoints beside `newest` (the one just committed) but the `keep` newest up to it. Those of
+    later steps stay: a run resumed from an older checkpoint writes below them, and the newest good checkpoint must
+    never make way for them (they may be damaged ones no run has looked at yet)."""
+    found = list_checkpoints(newest.parent)
+    up_to = found[: found.index(newest) + 1] if newest in found else []
+    for old in up_to[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

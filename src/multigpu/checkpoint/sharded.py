@@ -112,7 +112,7 @@ def save(path: str | Path, state: dict[str, Any], strategy: Strategy, keep_last:
         faults.inject("save", step=state.get("step", -1), rank=0)
         commit(path)
         if keep_last:
-            prune(path.parent, keep_last)
+            prune(path, keep_last)
     barrier()
     return path
 
@@ -157,7 +157,7 @@ def _commit_when_written(written: Future, committed: Future, path: Path, keep_la
         written.result()  # a failed write raises here, and never becomes a checkpoint
         commit(path)
         if keep_last:
-            prune(path.parent, keep_last)
+            prune(path, keep_last)
     except BaseException as error:
         committed.set_exception(error)
     else:
