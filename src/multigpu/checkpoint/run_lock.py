@@ -31,19 +31,25 @@ def _holder(text: str) -> tuple[str, str, str] | None:
     return (parts[0], parts[1], parts[2]) if len(parts) == 3 and all(parts) else None
 
 
-def _refusal(directory: Path, holder: tuple[str, str, str] | None) -> UsageError:
+def _refusal(directory: Path, holder: tuple[str, str, str] | None, renewed: str = "") -> UsageError:
     pid, host, started = holder or ("unknown", "unknown", "an unknown time")
     return UsageError(
-        f"--save-dir {directory} is in use by another run (pid {pid} on host {host}, started {started}); wait for "
-        "it to end or stop it, or choose another --save-dir."
+        f"--save-dir {directory} is in use by another run (pid {pid} on host {host}, started {started}{renewed}); "
+        f"wait for it to end or stop it, remove {directory / LOCK} if that run is gone, or choose another --save-dir."
     )
 
 
-def _fresh_elsewhere(file: Path, holder: tuple[str, str, str] | None) -> bool:
-    """Whether `holder` is a run on another host whose lock is still renewed (its flock may not reach us)."""
+def _check_elsewhere(file: Path, holder: tuple[str, str, str] | None) -> None:
+    """Refuses where `holder` is a run on another host whose lock is still renewed (its flock may not reach us),
+    or whose time lies further ahead than a renewal can: the two hosts' clocks disagree, and the lock would block
+    the directory until that time has passed."""
     if holder is None or holder[1] == socket.gethostname():
-        return False  # on this host the flock decides: a live holder would hold it
-    return time.time() - file.stat().st_mtime < STALE_S
+        return  # on this host the flock decides: a live holder would hold it
+    age = time.time() - file.stat().st_mtime
+    if age < -STALE_S:
+        raise _refusal(file.parent, holder, f", its lock dated {-age:.0f} s ahead of this host's clock")
+    if age < STALE_S:
+        raise _refusal(file.parent, holder, f", its lock renewed {max(age, 0):.0f} s ago")
 
 
 @contextlib.contextmanager
@@ -59,8 +65,7 @@ def holding(save_dir: str | Path) -> Iterator[None]:
     fd = _locked(directory, file)
     try:
         holder = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
-        if _fresh_elsewhere(file, holder):
-            raise _refusal(directory, holder)
+        _check_elsewhere(file, holder)
         started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n{socket.gethostname()}\n{started}\n".encode(), 0)
@@ -80,6 +85,11 @@ def _locked(directory: Path, file: Path) -> int:
         try:
             directory.mkdir(parents=True, exist_ok=True)
             fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
+        except IsADirectoryError:
+            raise UsageError(
+                f"--save-dir {directory} has a directory named {LOCK}, where a run keeps its lock file; remove "
+                f"{file}, or choose another --save-dir."
+            ) from None
         except OSError as error:
             raise UsageError(
                 f"--save-dir {directory} is not writable ({error.strerror}); choose a directory you can write to, "
