@@ -412,6 +412,12 @@ def test_jsonl_alone_writes_metrics_jsonl_and_no_tensorboard(tmp_path: Path) -> 
     assert (tmp_path / "default" / "tensorboard").is_dir()  # TensorBoard by default, as before
 
 
+def test_a_run_that_ends_before_its_first_record_leaves_no_events_file(tmp_path: Path) -> None:
+    """A refused resume ends before any step: an empty events file would show in TensorBoard as a run."""
+    mg.Engine(strategy="single", log_dir=str(tmp_path)).close()
+    assert not (tmp_path / "tensorboard").exists()
+
+
 class ConfigNotes(mg.StepObserver):
     def __init__(self) -> None:
         self.configs: list[dict[str, Any]] = []

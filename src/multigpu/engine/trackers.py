@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import http
 import http.client
 import importlib.util
@@ -196,18 +197,24 @@ class JsonLines(Tracker):
 
 
 class TensorBoard(Tracker):
+    """Events under log_dir/tensorboard. The writer is made at the first record, since making one writes an events
+    file: a run refused before its first step leaves none (an empty file would show as a run with no data)."""
+
     def __init__(self, directory: Path, run_name: str, say: Callable[[str], None]) -> None:
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only where metrics are written
 
-        self._writer = SummaryWriter(str(directory / "tensorboard"))
+        self._open = functools.partial(SummaryWriter, str(directory / "tensorboard"))
+        self._writer: Any = None
 
     def write(self, step: int, record: Mapping[str, Any]) -> None:
+        self._writer = self._writer or self._open()
         for key, value in numbers(record):
             self._writer.add_scalar(key, value, step)
         self._writer.flush()
 
     def close(self) -> None:
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
 
 
 def missing_package(tracker: str) -> UsageError:
