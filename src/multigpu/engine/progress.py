@@ -72,6 +72,7 @@ class Progress:
         self._reported = False  # this rank has had its say about a timeout
         # A restarted job may keep the store: each attempt posts under keys of its own.
         self._prefix = f"multigpu/progress/{attempt()}/"
+        self._server: str | None = None  # the process serving the store (`host:pid`), once rank 0 has posted
 
     @property
     def step(self) -> int:
@@ -95,6 +96,18 @@ class Progress:
             self._store = dist.distributed_c10d._get_default_store()
             self._watch = "nccl" not in str(dist.get_backend())
         return self._store
+
+    def _store_gone(self) -> bool:
+        """Whether rank 0, which serves the store (unless torchrun's agent does), has ended on this machine: an op
+        on its closed socket makes c10d print a warning with a C++ stack of 20-odd frames, after which this rank
+        has nothing to say that the launcher's line naming the rank that died does not."""
+        if self.rank == 0 or self._store is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            return False
+        if self._server is None:
+            if not self._store.check([self._key(0)]):
+                return False
+            self._server = where_of(self._store.get(self._key(0))).process
+        return stuck_stack.ended_here(self._server)
 
     def advance(self) -> None:
         """A micro-step begins (before its backward)."""
@@ -256,7 +269,7 @@ class Progress:
         if self._ending:  # the peers this process let go first broke the collective: its heartbeat ends it
             time.sleep(5 * ACK_S)
             _end_process()
-        if not self._following or not self._watch or self._store is None:
+        if not self._following or not self._watch or self._store is None or self._store_gone():
             return
         with contextlib.suppress(RuntimeError, ValueError):
             if not divergence.from_a_collective(error):  # its own error: posted at once, so the peers whose
@@ -269,6 +282,8 @@ class Progress:
     def beat(self) -> bool:
         """One heartbeat: posts where this rank is; reports a wait that outlived its timeout without raising;
         prints this rank's stack if a waiting rank named it. Returns True in that last case."""
+        if self._store_gone():
+            return False
         self._post()
         _, _, op, since = self._at
         if not self._watch:

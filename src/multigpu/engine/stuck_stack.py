@@ -19,6 +19,27 @@ def this_process() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def ended_here(process: str) -> bool:
+    """Whether `process` (`host:pid`) ran on this machine and has ended (a zombie its parent has not reaped yet
+    counts as ended); False for a process elsewhere, which this machine cannot see."""
+    host, _, pid = process.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc here: the signal-0 probe, which a zombie passes
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            pass
+        return False
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")  # the state follows the command's closing parenthesis
+
+
 def continue_stopped(processes: list[str]) -> None:
     """Sends SIGCONT to those of `processes` (`host:pid`) on this machine: a stopped rank cannot say where it is,
     and the run is ending anyway; a rank that runs ignores it."""
