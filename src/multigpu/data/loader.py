@@ -226,7 +226,7 @@ class LoaderBase:
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle = shuffle
-        self.drop_last = drop_last  # an epoch's short last global batch; a stream, endless, has none to drop
+        self.drop_last = drop_last  # an epoch's short last global batch; an endless stream has none to drop
         self.num_workers = num_workers
         self.collate_fn = collate_fn if collate_fn is not None else default_collate  # the DataLoader's own default
         self.rank = rank

@@ -6,7 +6,9 @@ them). Every rank reads every window, since that takes no communication, and kee
 time. Within a window the samples are permuted by (seed, epoch, window) when shuffling; global batches are
 consecutive slices of the concatenated windows and rank r takes every W-th sample of a slice, as the in-memory
 loader does. The stream is endless over epochs (epoch e+1 follows epoch e inside one global batch), so every
-global batch is full and every rank runs the same steps.
+global batch is full and every rank runs the same steps: the recipes' --data-streaming stops it on a step budget.
+An iterable dataset in a script's own loop gets EpochStreamLoader (multigpu.data.epoch_stream) instead, whose passes
+end with the epochs, as torch's DataLoader's do.
 
 The position (epoch, window, offset in the window) says nothing about the world size, so a run resumed at
 another world size continues at the exact sample: every sample of every epoch is trained on exactly once.
@@ -14,7 +16,7 @@ another world size continues at the exact sample: every sample of every epoch is
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -31,7 +33,9 @@ class WindowedStream(Protocol):
 
     def windows(self, epoch: int, first: int) -> Iterator[list[Any]]:
         """Successive windows of samples of `epoch`, from window index `first` on: window w must hold the same
-        samples in the same order on every rank and for every world size. The iterator ends with the data."""
+        samples in the same order on every rank and for every world size. The iterator ends with the data.
+        A stream whose windows depend on settings of its own (IterableStream's window and workers) names them in an
+        `order_settings` dict of ints: saved with the position, and a resume with others is refused."""
         ...
 
 
@@ -143,35 +147,40 @@ class StreamLoader(LoaderBase):
     def _samples(self) -> Iterator[tuple[Any, int, Cursor]]:
         """Every sample from the position on, over epoch after epoch: (sample, its place in the whole stream, the
         cursor just after it). The place counts across epochs (a global batch may hold the end of one and the start of
-        the next), so it orders and tells apart every sample of a batch, as Engine.gather needs. One window is held
-        at a time: the last is let go before the stream makes the next."""
-        start = self._cursor
+        the next), so it orders and tells apart every sample of a batch, as Engine.gather needs."""
+        cursor = self._cursor
+        while True:
+            seen = yield from self._epoch_samples(cursor)
+            cursor = Cursor(cursor.epoch + 1, samples_seen=seen)
+
+    def _epoch_samples(self, start: Cursor) -> Generator[tuple[Any, int, Cursor], None, int]:
+        """The samples of `start`'s epoch from it to the epoch's end, as `_samples` gives them; returns the samples
+        seen over all epochs at its end. One window is held at a time: the last is let go before the stream makes the
+        next."""
         epoch, first, offset = start.epoch, start.window, start.offset
         position, seen = start.position, start.samples_seen
-        while True:
-            held_any = False  # a window of this epoch had samples (read now, or before the saved position)
-            windows = self.dataset.windows(epoch, first)
-            window_index = first
-            while (window := next(windows, None)) is not None:
-                if offset > len(window):
-                    raise UsageError(
-                        f"The saved stream position (epoch {epoch}, window {window_index}, sample {offset}) lies past "
-                        f"the end of that window of {len(window)} samples; resume with the data and settings the "
-                        "checkpoint was made with."
-                    )
-                held_any = held_any or len(window) > 0
-                order = self._order(epoch, window_index, len(window))
-                for i in range(offset, len(window)):
-                    position, seen = position + 1, seen + 1
-                    yield window[order[i]], seen - 1, Cursor(epoch, window_index, i + 1, position, seen)
-                window = order = None  # let the window go before the stream reads the next
-                window_index, offset = window_index + 1, 0
-            if not held_any and first == 0:
+        held_any = False  # a window of this epoch had samples (read now, or before the saved position)
+        windows = self.dataset.windows(epoch, first)
+        window_index = first
+        while (window := next(windows, None)) is not None:
+            if offset > len(window):
                 raise UsageError(
-                    f"The streamed dataset gave no samples for epoch {epoch}; check that the data it reads is not "
-                    "empty."
+                    f"The saved stream position (epoch {epoch}, window {window_index}, sample {offset}) lies past "
+                    f"the end of that window of {len(window)} samples; resume with the data and settings the "
+                    "checkpoint was made with."
                 )
-            epoch, first, offset, position = epoch + 1, 0, 0, 0
+            held_any = held_any or len(window) > 0
+            order = self._order(epoch, window_index, len(window))
+            for i in range(offset, len(window)):
+                position, seen = position + 1, seen + 1
+                yield window[order[i]], seen - 1, Cursor(epoch, window_index, i + 1, position, seen)
+            window = order = None  # let the window go before the stream reads the next
+            window_index, offset = window_index + 1, 0
+        if not held_any and first == 0:
+            raise UsageError(
+                f"The streamed dataset gave no samples for epoch {epoch}; check that the data it reads is not empty."
+            )
+        return seen
 
     def _order(self, epoch: int, window: int, size: int) -> list[int]:
         if not self.shuffle:
@@ -190,7 +199,12 @@ class StreamLoader(LoaderBase):
             "samples_seen": cursor.samples_seen,
             "seed": self.seed,
             "shuffle": int(self.shuffle),
+            **self._order_settings(),
         }
+
+    def _order_settings(self) -> dict[str, int]:
+        """What besides the position decides the windows (an IterableStream's window and workers), as saved."""
+        return {f"stream_{name}": value for name, value in getattr(self.dataset, "order_settings", {}).items()}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continues at the saved sample, whatever the world size now."""
@@ -200,10 +214,27 @@ class StreamLoader(LoaderBase):
                 "checkpoint of a streamed run (or load the data in memory as it was)."
             )
         self._check_order(state)
+        saved = {name: value for name, value in state.items() if name.startswith("stream_")}
+        now = self._order_settings()
+        if saved != now:
+            raise UsageError(
+                f"The saved stream position belongs to a stream read {_spelled(saved)}, but this one is read "
+                f"{_spelled(now)}, which puts other samples there; resume with the window and num_workers of the run "
+                "that saved it."
+            )
         names = ("epoch", "window", "offset", "position", "samples_seen")
         self._cursor = Cursor(*(int(state[name]) for name in names))
         self._micro_batches = 0
         self.yielded = []
+
+
+def _spelled(settings: dict[str, int]) -> str:
+    """How a stream's windows were made: 'in windows of 1024 samples by 2 workers', or by windows() of its own."""
+    if "stream_window" not in settings:
+        return "by a windows() of its own"
+    workers = settings.get("stream_workers", 0)
+    by = f"by {workers} DataLoader workers" if workers else "in the training process"
+    return f"in windows of {settings['stream_window']} samples {by}"
 
 
 #: Either loader the Engine makes: the same interface (SampleSchedule, checkpoints and the Engine read it).

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,8 +24,9 @@ from multigpu.config.precision import Precision
 from multigpu.core import faults
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
-from multigpu.data.loader import Batch, DistributedLoader
-from multigpu.data.stream import Loader, StreamLoader, WindowedStream
+from multigpu.data.iterable import make_loader
+from multigpu.data.loader import Batch
+from multigpu.data.stream import Loader, WindowedStream
 from multigpu.engine import model_values, start
 from multigpu.engine.balance import Balancer
 from multigpu.engine.config import EngineConfig
@@ -211,21 +212,21 @@ class Engine(Saving, Reporting, AcrossRanks):
 
     def dataloader(
         self,
-        dataset: Dataset | WindowedStream,
+        dataset: Dataset | WindowedStream | Iterable[Any],
         batch_size: int = 32,
         shuffle: bool = True,
         drop_last: bool = False,
         num_workers: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> Loader:
-        """This rank's shard of `dataset`, `batch_size` samples per device, moved to `engine.device`; a
-        WindowedStream's (multigpu.data.stream) is endless over epochs: the loop stops on a step budget."""
+        """This rank's shard of `dataset`, `batch_size` samples per device, moved to `engine.device`. An iterable
+        dataset (multigpu.data.iterable) streams, a `for` over it ending with each epoch of the stream; a
+        WindowedStream of its own (the recipes' --data-streaming) is endless over epochs: stop it on a step budget."""
         if self.config.global_batch_size is not None:  # resolved here, where the per-device batch size is known
             steps = accumulation_for(self.config.global_batch_size, batch_size, self._data_world)
             self.config = replace(self.config, global_batch_size=None, grad_accum_steps=steps)
             self._window.grad_accum_steps = steps
-        kind = StreamLoader if isinstance(dataset, WindowedStream) else DistributedLoader
-        loader = kind(
+        loader = make_loader(
             dataset,
             batch_size=batch_size,
             shuffle=shuffle,
@@ -252,8 +253,6 @@ class Engine(Saving, Reporting, AcrossRanks):
 
     def _on_batch(self, loader: Loader, batch: Batch) -> None:
         self._loader, self._window.batch = loader, batch
-        if self._balance is not None:
-            self._balance.start_batch()
         if self._train_loader is not None and loader is not self._train_loader:
             self.mark_untimed()  # an evaluation pass between two training steps
 
