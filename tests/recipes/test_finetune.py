@@ -172,21 +172,38 @@ def test_finetune_cli_resumes_and_merges(tmp_path: Path) -> None:
     common = ["finetune", "--model", "tiny", "--data", data, "--seq-len", "32", "--batch-size", "2"]
     common += ["--save-dir", str(run), "--log-every", "0"]
     # One process: what is tested is the run's own config.yaml continuing it (2 processes record their launch as
-    # well: tests/recipes/test_train.py's restarts).
-    first = multigpu(*common, "--max-steps", "2", "--activation-checkpointing", "selective", "--resume", "none")
+    # well: tests/recipes/test_train.py's restarts). LoRA's rank 64 makes 4,096-value adapters, whose states the
+    # 8-bit AdamW quantises.
+    first = multigpu(
+        *common, "--max-steps", "2", "--activation-checkpointing", "selective", "--resume", "none",
+        "--optimizer", "adamw-8bit", "--lora-r", "64",
+    )  # fmt: skip
     assert first.returncode == 0, first.stdout
-    # The run's own config.yaml continues it (started from --resume none, it records auto), and a new --max-steps
-    # is honoured: the schedule is planned anew from the samples done.
+    # The run's own config.yaml continues it (started from --resume none, it records auto); a new --max-steps and
+    # --lr are honoured (the schedule is planned anew from the samples done), and AdamW takes the 8-bit states.
     again = ["finetune", "--config", str(run / "config.yaml")]
-    second = multigpu(*again, "--max-steps", "4", "--merge", timeout=240)
+    second = multigpu(*again, "--max-steps", "4", "--lr", "1e-3", "--merge", "--optimizer", "adamw", timeout=240)
     assert second.returncode == 0, second.stdout
     assert "resumed from" in second.stdout and "step-00000002" in second.stdout
+    assert second.stdout.count("resume: optimizer states converted from adamw-8bit to adamw (exact)") == 1
     assert "the lr schedule follows --max-steps 4" in second.stdout and "step 4: validation loss" in second.stdout
+    assert "the lr schedule follows --lr 0.001: peak lr 0.001 (planned: 0.0002)" in second.stdout
     assert (run / "merged" / "config.json").is_file()
-    # Other data cannot continue the run's data: one sentence before anything starts.
+    # What cannot continue the run is one sentence before anything starts, naming the flag and the run's value:
+    # other data, another optimizer's states, other weights or another data order.
     assert f"--data {tmp_path / 'other.txt'} differs from {data}" in refusal(
         *again, "--data", write_text(tmp_path / "other.txt")
     )
+    wrote = f"which the run that wrote {run / 'checkpoints' / 'step-00000004'}"
+    for change, run_had, why in (
+        (["--optimizer", "muon"], "adamw", "trained with, and its checkpoint holds adamw's states"),
+        (["--method", "full", "--no-merge"], "lora", "trained with, and its checkpoint holds that run's weights"),
+        (["--lora-r", "8"], "64", "trained with"),
+        (["--seed", "1"], "0", "drew its data order from"),
+    ):
+        refused = refusal(*again, *change)
+        assert f"{change[0]} {change[1]} differs from {run_had}, {wrote} {why}" in refused, refused
+        assert f"pass {change[0]} {run_had}" in refused and refused.count("\n") == 1, refused
     assert "--merge merges an adapter" in refusal("finetune", "--method", "full", "--merge")
 
 

@@ -309,14 +309,17 @@ def test_wrong_layout_names_the_missing_file(tmp_path: Path, capsys: pytest.Capt
     assert "not in the UCI HAR layout: test/y_test.txt is missing" in capsys.readouterr().err
 
 
-def test_a_checkpoint_of_another_model_is_refused_and_left_alone(
+def test_a_resume_as_another_model_or_optimizer_is_refused_before_anything_starts_and_left_alone(
     har: Path, uninterrupted: Path, capsys: pytest.CaptureFixture
 ) -> None:
     before = {p.name: p.stat().st_mtime for p in (uninterrupted / "checkpoints").iterdir()}
-    with pytest.raises(SystemExit) as exit_info:
-        main(train_args(har, uninterrupted, "--mode", "flatten", "--epochs", "5"))
-    assert exit_info.value.code == 2
-    assert "holds a different model: model.1.weight is [64] there and [256, 1152] here" in capsys.readouterr().err
+    for change, run_had in ((["--mode", "flatten"], "conv"), (["--optimizer", "muon"], "adamw")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(train_args(har, uninterrupted, *change, "--epochs", "5"))
+        assert exit_info.value.code == 2
+        refused = capsys.readouterr().err
+        assert f"{change[0]} {change[1]} differs from {run_had}, which the run that wrote " in refused, refused
+        assert f"; pass {change[0]} {run_had}" in refused and refused.endswith("another --save-dir.\n"), refused
     assert {p.name: p.stat().st_mtime for p in (uninterrupted / "checkpoints").iterdir()} == before
 
 

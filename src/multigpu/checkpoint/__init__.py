@@ -26,7 +26,7 @@ from multigpu.checkpoint.finding import (
     prune,
 )
 from multigpu.checkpoint.rng import NUMPY_RNG_GLOBALS, rng_state, set_rng_state
-from multigpu.checkpoint.sharded import begin_save, load, save, save_async, split_state, wait
+from multigpu.checkpoint.sharded import Conversion, begin_save, load, save, save_async, saved_entry, split_state, wait
 from multigpu.checkpoint.writing import (
     check_shared,
     check_writable,
@@ -43,6 +43,7 @@ __all__ = [
     "OBJECTS",
     "RNG",
     "STEP_DIR",
+    "Conversion",
     "begin_save",
     "check_checkpoint",
     "check_shared",
@@ -60,6 +61,7 @@ __all__ = [
     "rng_state",
     "save",
     "save_async",
+    "saved_entry",
     "set_rng_state",
     "split_state",
     "translate_write_error",

@@ -4,12 +4,13 @@ them (checkpoint/files.py says where)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -164,11 +165,8 @@ def _commit_when_written(written: Future, committed: Future, path: Path, keep_la
         committed.set_result(None)
 
 
-def _check_shapes(path: Path, tensors: dict[str, Any]) -> None:
+def _check_shapes(path: Path, tensors: dict[str, Any], metadata: dict[str, Any]) -> None:
     """Names the first parameter whose shape differs, instead of DCP's long error from deep inside the load."""
-    import torch.distributed.checkpoint as dcp
-
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     for key, value in _flatten(tensors):
         if not isinstance(value, torch.Tensor):
             continue
@@ -191,17 +189,43 @@ def _flatten(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
     return [(prefix[:-1], tree)]
 
 
-def load(path: str | Path, state: dict[str, Any], strategy: Strategy, optional: tuple[str, ...] = ()) -> None:
+class Conversion(Protocol):
+    """Turns what a checkpoint holds under one key of the state into what the state's optimizer there loads (a
+    state of another kind: optimizers/convert.py)."""
+
+    def prepare(self, to_load: dict[str, Any], saved_dtype: Callable[[str], torch.dtype | None]) -> None:
+        """Before DCP reads: `to_load` is what it reads into; `saved_dtype(key)` the dtype of its entry `key` (as
+        DCP flattens it: "state.<parameter>.<name>") in the checkpoint."""
+
+    def apply(self, loaded: dict[str, Any]) -> str:
+        """After DCP read `loaded`, before the optimizer loads it; returns the line that says what it did."""
+
+
+def load(
+    path: str | Path,
+    state: dict[str, Any],
+    strategy: Strategy,
+    optional: tuple[str, ...] = (),
+    conversions: dict[str, Conversion] | None = None,
+) -> list[str]:
     """Restores `state` in place: modules and optimizers from DCP, stateful objects, plain values and RNG.
 
-    Keys in `optional` (non-tensor entries only) may be absent from the checkpoint: they keep what they hold."""
+    Keys in `optional` (non-tensor entries only) may be absent from the checkpoint: they keep what they hold. An
+    optimizer under a key of `conversions` loads what that conversion makes of the checkpoint's; their lines are
+    returned. A param group setting the checkpoint does not hold keeps the optimizer's own (_own_group_settings)."""
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
     check_checkpoint(path)
     tensors, _, restore = split_state(state, strategy, loading=True)
-    _check_shapes(path, tensors)
-    dcp.load(tensors, checkpoint_id=path)
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    conversions = conversions or {}
+    for key, conversion in conversions.items():
+        conversion.prepare(tensors[key], functools.partial(_saved_dtype, metadata, key))
+    _check_shapes(path, tensors, metadata)
+    with _own_group_settings(tensors, metadata):
+        dcp.load(tensors, checkpoint_id=path)
+    lines = [conversion.apply(tensors[key]) for key, conversion in conversions.items()]
     for put_back in restore:
         put_back(tensors)
     objects = load_data(path / OBJECTS)
@@ -221,6 +245,39 @@ def load(path: str | Path, state: dict[str, Any], strategy: Strategy, optional: 
     if rng.is_file():  # a rank that did not exist when the checkpoint was written keeps its seeded streams
         with torch.serialization.safe_globals(NUMPY_RNG_GLOBALS):
             set_rng_state(load_data(rng))
+    return lines
+
+
+def saved_entry(path: str | Path, key: str) -> Any:
+    """The checkpoint's plain (non-tensor) entry `key`, read without loading anything else; None where it has none
+    (or `path` is no checkpoint, or a damaged one: load then says which)."""
+    try:
+        return load_data(Path(path) / OBJECTS).get(key)
+    except Exception:  # unpickling a damaged file raises anything: check_checkpoint, in load, names it
+        return None
+
+
+def _saved_dtype(metadata: dict[str, Any], key: str, entry: str) -> torch.dtype | None:
+    """The dtype the checkpoint holds tensor `entry` of the state's `key` in (None: no such tensor)."""
+    saved = metadata.get(f"{key}.{entry}")
+    return saved.properties.dtype if hasattr(saved, "properties") else None
+
+
+@contextlib.contextmanager
+def _own_group_settings(tensors: dict[str, Any], metadata: dict[str, Any]) -> Iterator[None]:
+    """Around DCP's load: the settings of an optimizer's param groups that the checkpoint does not hold (another
+    kind of optimizer wrote it: torch's AdamW has `maximize`, torchao's has not) keep the optimizer's own values,
+    where DCP would refuse the whole load for want of them."""
+    absent = []
+    for key, value in tensors.items():
+        for index, group in enumerate(value.get("param_groups", []) if isinstance(value, dict) else []):
+            for name in [name for name in group if f"{key}.param_groups.{index}.{name}" not in metadata]:
+                absent.append((group, name, group.pop(name)))
+    try:
+        yield
+    finally:
+        for group, name, own in absent:
+            group[name] = own
 
 
 def _communication_state(path: Path, rank: int) -> Any:

@@ -15,13 +15,15 @@ from torch import nn
 
 from multigpu import checkpoint
 from multigpu.engine.observe import StepObserver, watching
+from multigpu.optimizers.convert import conversions, optimizer_kinds
 from multigpu.strategies import Strategy
 
 COUNTERS = "multigpu.engine"  # the engine's own entry in every checkpoint it writes
+OPTIMIZER_KINDS = "multigpu.optimizers"  # and the kind of each optimizer there (optimizers/convert.py)
 
 
 class Saving:
-    """What the Engine's checkpoint calls read of it (and its mark_untimed and barrier, which they call)."""
+    """What the Engine's checkpoint calls read of it (and its mark_untimed, barrier and print, which they call)."""
 
     _strategy: Strategy
     observers: list[StepObserver]
@@ -40,7 +42,8 @@ class Saving:
         """
         self.wait_for_checkpoint()
         self.mark_untimed()
-        path, state = Path(path), {**state, COUNTERS: {"steps": self._steps, "skipped_steps": self.skipped_steps}}
+        counters = {"steps": self._steps, "skipped_steps": self.skipped_steps}
+        path, state = Path(path), {**state, COUNTERS: counters, OPTIMIZER_KINDS: optimizer_kinds(state)}
         with watching(self.observers, "save"):
             if async_save:
                 self._pending_save = (checkpoint.save_async(path, state, self._strategy, keep_last), path)
@@ -69,12 +72,16 @@ class Saving:
             self.barrier()
 
     def load(self, path: str | Path, state: dict[str, Any]) -> None:
-        """Restores `state` in place from a checkpoint written at any world size and with any strategy."""
+        """Restores `state` in place from a checkpoint written at any world size and with any strategy; an
+        optimizer there of another kind of AdamW converts into the one in `state`, which says so (rank 0)."""
         self.wait_for_checkpoint()
         self.mark_untimed()
         restored = {**state, COUNTERS: None}
+        converting = conversions(Path(path), state, checkpoint.saved_entry(path, OPTIMIZER_KINDS) or {})
         with watching(self.observers, "load"):
-            checkpoint.load(path, restored, self._strategy, optional=(COUNTERS,))
+            lines = checkpoint.load(path, restored, self._strategy, optional=(COUNTERS,), conversions=converting)
+        for line in lines:  # an optimizer that took another AdamW's states, and how exactly
+            self.print(line)
         state.update({key: restored[key] for key in state})  # plain values are replaced, not loaded in place
         if restored[COUNTERS] is not None:  # the counts carry on, for reports, logs and stuck-rank messages
             self._steps, self.skipped_steps = (int(restored[COUNTERS][key]) for key in ("steps", "skipped_steps"))

@@ -8,6 +8,7 @@ from torch import nn
 from multigpu.config.optimizer import OptimizerSettings
 from multigpu.core.errors import UsageError
 from multigpu.core.lazy import imported
+from multigpu.optimizers.convert import local as _local
 from multigpu.parallel.experts import is_experts
 
 #: Where each optimizer of ours is: imported when built, as torchao (the low-bit ones) and DTensor (all) take a
@@ -83,9 +84,3 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
             parts = [tensor.codes, tensor.scale] if hasattr(tensor, "codes") else [tensor]
             held += sum(part.numel() * part.element_size() for part in parts)
     return held, elements
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor  # imported already wherever a DTensor exists
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -14,11 +14,13 @@ quantises its own shard. Two things here are ours:
 
 Checkpoints hold the quantised states as float32 values (`state_dict`), which DCP can save and reshard; a load
 quantises them again. At the world size they were saved at that is exact (saved_values says how); at another, the
-blocks fall on other values, and the states come back within the quantisation's own rounding.
+blocks fall on other values, and the states come back within the quantisation's own rounding. Each of these takes
+another AdamW's checkpoint, and each other AdamW theirs (optimizers/convert.py, through quantised_values).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -98,24 +100,29 @@ class _QuantisedAsWhole:
 
     def _new_buffer(self, param: torch.Tensor, signed: bool) -> torch.Tensor:
         local = _local(param)
-        block = self.block_size  # type: ignore[attr-defined]
-        if param.numel() >= 4096 and local.numel() % block == 0:
-            state = self._subclass_zeros(local, signed, block)  # type: ignore[attr-defined]
+        if _quantises(param.numel(), local, self.block_size):  # type: ignore[attr-defined]
+            state = self._subclass_zeros(local, signed, self.block_size)  # type: ignore[attr-defined]
         else:
             state = torch.zeros_like(local)
-        return _rewrapped(param, state).to(param.device)  # offloaded shards stay on the host
+        return rewrapped(param, state).to(param.device)  # offloaded shards stay on the host
 
 
 class AdamW8bit(_QuantisedAsWhole, _LocalStep, _TorchaoAdamW8bit):
     """torchao's AdamW8bit (states in 8 bits, a scale per 256), stepping and checkpointing as described above."""
 
+    KIND = "adamw-8bit"  # the optimizer setting that builds it (optimizers/convert.py)
+
 
 class AdamW4bit(_QuantisedAsWhole, _LocalStep, _TorchaoAdamW4bit):
     """torchao's AdamW4bit (states in 4 bits, a scale per 128), stepping and checkpointing as described above."""
 
+    KIND = "adamw-4bit"
+
 
 class AdamWBf16(_LocalStep, _AdamW):
     """AdamW with both states in bfloat16, rounded stochastically by a hash (above); the update itself in float32."""
+
+    KIND = "adamw-bf16"
 
     def _new_buffer(self, param: torch.Tensor, signed: bool) -> torch.Tensor:
         return torch.zeros_like(param, dtype=torch.bfloat16)
@@ -149,6 +156,32 @@ def hashed_round(values: torch.Tensor, step: torch.Tensor, salt: int) -> torch.T
     return signed.view(torch.float32).to(torch.bfloat16)
 
 
+def quantised_values(kind: str, local: torch.Tensor, numel: int, signed: bool) -> torch.Tensor:
+    """The float32 values an optimizer `kind` (adamw-8bit or adamw-4bit) holds of a state's values `local` (this
+    rank's part of a state of `numel` values): quantised in its blocks and read back, as its load quantises them
+    and each of its steps quantises what it computed. A checkpoint's values (saved_values) come back as the
+    states that were saved, where the blocks fall as they fell then."""
+    optimizer = {AdamW8bit.KIND: AdamW8bit, AdamW4bit.KIND: AdamW4bit}[kind]
+    block = _block_size(optimizer)
+    values = local.float()
+    if not _quantises(numel, values, block):
+        return values
+    state = optimizer._subclass_zeros(values, signed, block)
+    state.copy_(values)
+    return state.dequantize()
+
+
+def _block_size(optimizer: type) -> int:
+    """The block size an optimizer of ours quantises in: its torchao class's default, which build_optimizer keeps."""
+    torchao_class = next(base for base in optimizer.__mro__ if base.__module__.startswith("torchao."))
+    return inspect.signature(torchao_class).parameters["block_size"].default
+
+
+def _quantises(numel: int, local: torch.Tensor, block: int) -> bool:
+    """Whether a state of `numel` values in all, `local` of them on this rank, is quantised (_QuantisedAsWhole)."""
+    return numel >= 4096 and local.numel() % block == 0
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -165,7 +198,7 @@ def _checkpoint_dequantised(optimizer: Any) -> None:
         # The entries are the optimizer's own state dicts: replaced, not changed, so that it keeps its states.
         for index, entry in state_dict["state"].items():
             state_dict["state"][index] = {
-                key: _rewrapped(value, saved_values(_local(value))) if _is_quantised(value) else value
+                key: rewrapped(value, saved_values(_local(value))) if _is_quantised(value) else value
                 for key, value in entry.items()
             }
         return state_dict
@@ -199,7 +232,8 @@ def saved_values(state: Any) -> torch.Tensor:
     return torch.where(blocks == lowest * scale, -scale, blocks).view(values.shape)
 
 
-def _rewrapped(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+def rewrapped(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` as `like` holds its values: as this rank's part of a DTensor like it, or as it is."""
     if not isinstance(like, DTensor):
         return local
     return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,

@@ -40,6 +40,8 @@ class Muon(torch.optim.Optimizer):
     `weight_decay`, `momentum`, `ns_steps` and `lr_scale` ("match-adamw" or "original") apply to the Muon groups
     (lr and weight_decay to both)."""
 
+    KIND = "muon"  # the optimizer setting that builds it (optimizers/convert.py)
+
     def __init__(
         self,
         params: Iterable[Any],

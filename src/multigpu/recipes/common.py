@@ -27,7 +27,6 @@ from multigpu.core.launcher_notes import LAST_CHECKPOINT, LAUNCHER_DIR, attempt,
 from multigpu.engine import start
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
-from multigpu.engine.lr_schedule import SampleSchedule
 from multigpu.engine.monitor import peak_memory_bytes
 from multigpu.launch.launcher import LaunchConfig, launch, select_gpus
 from multigpu.models.pretrained import give_usual_mode
@@ -203,39 +202,6 @@ def run_record(resumed_from: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return {}
     return record if isinstance(record, dict) else {}
-
-
-def check_same_data(config: Any, resumed_from: Path | None, names: tuple[str, ...]) -> dict[str, Any]:
-    """Refuses to resume `resumed_from` with other data settings (`names`, e.g. data and seq_len) than the run that
-    wrote it: the checkpoint's loader position counts samples of that data, which another data set does not have.
-    Returns the run's record (run_record) for follow_new_plan: read once, before the checkpoint loads, since rank 0
-    writes the resumed run's own record once it has (and the other ranks must see the one all of them saw)."""
-    record = run_record(resumed_from) if resumed_from is not None else {}
-    for name in names:
-        if name in record and record[name] != getattr(config, name):
-            flag = "--" + name.replace("_", "-")
-            raise UsageError(
-                f"{flag} {getattr(config, name)} differs from {record[name]}, which the run that wrote {resumed_from} "
-                f"trained on, and a resume continues that run's data; pass {flag} {record[name]} to resume it, or "
-                "start a new run with another --save-dir."
-            )
-    return record
-
-
-def follow_new_plan(
-    scheduler: SampleSchedule, config: Any, record: dict[str, Any], names: tuple[str, ...], plan: tuple[int, int]
-) -> str | None:
-    """Honours settings of the lr schedule's length (`names`: --max-steps, --epochs, warm-up) that differ from the
-    run's `record` (check_same_data's): the schedule follows `plan` (warm-up and total samples, as a new run would
-    plan them) from the samples already seen. Unchanged settings keep the checkpoint's plan, so a resume at another
-    world size stays exact. Returns the line that says so, or None."""
-    changed = [name for name in names if name in record and record[name] != getattr(config, name)]
-    if not changed:
-        return None
-    before = scheduler.total_samples
-    scheduler.replan(*plan)
-    flags = ", ".join(f"--{name.replace('_', '-')} {getattr(config, name)}" for name in changed)
-    return f"the lr schedule follows {flags}: {plan[1]} samples in all (planned: {before}), {scheduler.seen} done"
 
 
 def finish_complete_run(

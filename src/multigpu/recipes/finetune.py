@@ -38,9 +38,7 @@ from multigpu.recipes.common import (
     RecipeSettings,
     RunDirSettings,
     as_launched,
-    check_same_data,
     finish_complete_run,
-    follow_new_plan,
     peak_memory_mb,
     recipe_engine,
     record_run,
@@ -51,11 +49,7 @@ from multigpu.recipes.common import (
 )
 from multigpu.recipes.lm_experts import check_experts, expert_progress, expert_summary
 from multigpu.recipes.lm_results import outputs, save_result
-
-# What a resume must keep (its loader counts samples of that data), and what it may change (the schedule follows).
-SAME_DATA = ("data", "data_split", "data_format", "data_column", "data_streaming", "seq_len", "packing",
-             "learn_turns", "too_long")  # fmt: skip
-SCHEDULE_LENGTH = ("max_steps", "epochs", "warmup_steps")
+from multigpu.recipes.resume_changes import FINETUNE, check_resume, follow_changes, following_hyperparameters
 
 
 @dataclass
@@ -318,12 +312,12 @@ def resume(run: FinetuneRun, resume_from: Path) -> bool:
     """Loads the checkpoint `resume_from` into the run; whether its training is complete already (the adapter or
     model written at its end then stays, or is written now)."""
     engine, config, scheduler = run.engine, run.config, run.scheduler
-    record = check_same_data(config, resume_from, SAME_DATA)
-    engine.load(resume_from, run.state)
+    record = check_resume(config, resume_from, FINETUNE)
+    with following_hyperparameters(run.optimizer):
+        engine.load(resume_from, run.state)
     engine.print(f"resumed from {resume_from} at step {run.state['step']} ({scheduler.seen} samples done)")
-    replanned = follow_new_plan(scheduler, config, record, SCHEDULE_LENGTH, run.plan)
-    if replanned:
-        engine.print(replanned)
+    for line in follow_changes(scheduler, config, record, FINETUNE, run.plan, config.lr):
+        engine.print(line)
     if not scheduler.done:
         return False
     finish = functools.partial(save_result, config, engine, run.model, run.tokenizer)
@@ -418,9 +412,11 @@ def save_step(engine: Engine, config: FinetuneConfig, state: dict[str, Any]) -> 
 
 
 def check(config: FinetuneConfig, layout: ParallelDims) -> None:
-    """What `multigpu finetune` refuses before any process starts: a model or data it cannot find, or that does not
-    fit the flags under the workers' `layout` (lm_fit), a --resume or --save-dir that cannot work, other data. The
-    Engine's settings (the loss and liger among them) were refused before this, by engine.start.check."""
+    """What `multigpu finetune` refuses before any process starts: a --resume or --save-dir that cannot work, a
+    change the resume cannot take (resume_changes), a model or data it cannot find, or that does not fit the flags
+    under the workers' `layout` (lm_fit). The Engine's settings (the loss and liger among them) were refused before
+    this, by engine.start.check."""
+    check_resume(config, resolve_resume(config), FINETUNE)  # first: the model's checks import transformers
     lm_models.check(config.model)
     lm_fit.check_fits(config, layout)
     lm_data.check(config)
@@ -428,7 +424,6 @@ def check(config: FinetuneConfig, layout: ParallelDims) -> None:
         lm_models.check_plain_head(config.model, config.loss)
     if (config.ep_size or 1) > 1:
         check_experts(lm_models.model_dir(config.model), config.model, config.ep_size)
-    check_same_data(config, resolve_resume(config), SAME_DATA)
     if not config.data_streaming:  # tokenised here, once, so that bad data is refused before any process starts
         lm_data.load(config, lm_models.load_tokenizer(config.model))
 

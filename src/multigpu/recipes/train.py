@@ -39,9 +39,7 @@ from multigpu.recipes.common import (
     RecipeSettings,
     RunDirSettings,
     as_launched,
-    check_same_data,
     finish_complete_run,
-    follow_new_plan,
     peak_memory_mb,
     recipe_engine,
     record_run,
@@ -51,11 +49,9 @@ from multigpu.recipes.common import (
     step_checkpoint,
     write_safetensors,
 )
+from multigpu.recipes.resume_changes import TRAIN, check_resume, follow_changes, following_hyperparameters
 
 LR_SCALING = ("none", "linear", "sqrt")
-# What a resume must keep (its loader counts samples of that data), and what it may change (the schedule follows).
-SAME_DATA = ("data",)
-SCHEDULE_LENGTH = ("epochs", "warmup_epochs")
 
 
 @dataclass
@@ -238,16 +234,14 @@ def resume(run: TrainRun, resume_from: Path, record: dict[str, Any]) -> bool:
     """Loads the checkpoint `resume_from` into the run; whether its training is complete already (its result then
     stays as it is, or is written now)."""
     engine, scheduler, loader = run.engine, run.scheduler, run.train_loader
-    engine.load(resume_from, run.state)
+    with following_hyperparameters(run.optimizer):
+        engine.load(resume_from, run.state)
     engine.print(
         f"resumed from {resume_from} at step {run.state['step']} (epoch {loader.epoch + 1}, "
         f"{loader.position} of {len(run.data.train)} samples done)"
     )
-    if scheduler.base_lrs[0] != run.lr:
-        engine.print(f"the lr schedule keeps the run's planned lr {scheduler.base_lrs[0]:g} (not {run.lr:g})")
-    replanned = follow_new_plan(scheduler, run.config, record, SCHEDULE_LENGTH, run.plan)
-    if replanned:
-        engine.print(replanned)
+    for line in follow_changes(scheduler, run.config, record, TRAIN, run.plan, run.lr):
+        engine.print(line)
     if not scheduler.done:
         return False
     finish = functools.partial(export, engine, run.model, run.save_dir, run.spec, run.data)
@@ -269,7 +263,7 @@ def train(config: TrainConfig) -> dict:
     engine = recipe_engine(config)
     engine.log_config(asdict(config))
     resume_from = resolve_resume(config, engine.print)
-    record = check_same_data(config, resume_from, SAME_DATA)
+    record = check_resume(config, resume_from, TRAIN)
     run = set_up(config, engine)
     if resume_from is not None and resume(run, resume_from, record):  # nothing to train
         return {"history": [], "steps": run.state["step"], "world_size": engine.world_size}
@@ -355,9 +349,9 @@ def print_summary(history: list[dict], save_dir: Path) -> None:
 
 def check(config: TrainConfig, layout: ParallelDims) -> None:
     """What `multigpu train` refuses before any process starts: data it cannot read, a --resume or --save-dir
-    that cannot work, a resume with other data (any `layout` trains its small models)."""
+    that cannot work, a change the resume cannot take (resume_changes; any `layout` trains its small models)."""
     activity_data.check(config.data)
-    check_same_data(config, resolve_resume(config), SAME_DATA)
+    check_resume(config, resolve_resume(config), TRAIN)
 
 
 def run(config: TrainConfig) -> int:
