@@ -3,7 +3,10 @@ with --merge the base model with the adapter merged in; `multigpu export` writes
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +50,25 @@ def outputs(config: Any) -> list[Path]:
 
 def save_pretrained(model: Any, tokenizer: Any, directory: Path, state: dict[str, torch.Tensor] | None = None) -> None:
     """`model` (its `state`, if given) and `tokenizer` as a directory transformers and peft load, readable by all."""
-    model.save_pretrained(directory, state_dict=state)
+    with deepspeed_unimported():
+        model.save_pretrained(directory, state_dict=state)
     tokenizer.save_pretrained(directory)
     give_usual_mode(directory.glob("*.safetensors"))
+
+
+@contextlib.contextmanager
+def deepspeed_unimported() -> Iterator[None]:
+    """Where DeepSpeed was never imported, tells accelerate (which save_pretrained asks to unwrap the model) that it
+    is not there: it imports DeepSpeed only to ask whether the model is a DeepSpeedEngine, which no model can be
+    without that import. Saves 1.4-1.8 s of each writing process, and DeepSpeed's accelerator line."""
+    import accelerate.utils.other as accelerate_other
+
+    if "deepspeed" in sys.modules:
+        yield
+        return
+    available = accelerate_other.is_deepspeed_available
+    accelerate_other.is_deepspeed_available = lambda: False
+    try:
+        yield
+    finally:
+        accelerate_other.is_deepspeed_available = available
