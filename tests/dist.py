@@ -2,7 +2,8 @@
 
 `run_in_processes("tests.x:fn", 2, case=...)` starts 2 workers; each calls `fn(**kwargs)` and its return value
 (anything picklable) comes back in a list indexed by rank. A hang is killed, process group and all, at `timeout`.
-`multigpu(ARGS)` runs a command as a user types it; `refusal(ARGS)` one that must be refused before any start.
+`run_reference(TARGET, ARGV)` is `multigpu run -n 2 TARGET ARGV` in such workers, for a run a test only compares
+with. `multigpu(ARGS)` runs a command as a user types it; `refusal(ARGS)` one that must be refused before any start.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import multiprocessing.connection
 import multiprocessing.forkserver
 import os
 import pickle
+import runpy
 import signal
 import subprocess
 import sys
@@ -152,6 +154,31 @@ def run_each_in_processes(
 def call_each(function: str, calls: list[dict]) -> list[Any]:
     """In each rank of run_each_in_processes: the `function` named ("module:name") called with each of `calls`."""
     return [imported(function)(**kwargs) for kwargs in calls]
+
+
+def run_reference(target: str, argv: list[str], nproc: int = 2, timeout: float = 120) -> str:
+    """`multigpu run -n NPROC TARGET ARGV` (TARGET a script's path, or a module as `-m` takes it) for a run a test
+    only compares with, not the launch it tests: TARGET in the ranks of run_in_processes; what rank 0 printed. The
+    same worker, ranks and sums as the launch, without its 1 + NPROC interpreters importing torch (and a
+    finetune's transformers and peft): 3-5 s of a demo's launch, 7 of a small finetune's (measured)."""
+    return run_in_processes("tests.dist:printed_by", nproc, timeout=timeout, entry=target, argv=argv)[0]
+
+
+def printed_by(entry: str, argv: list[str]) -> str:
+    """In each rank of run_reference: what `entry` (its TARGET) printed, run as `python ENTRY ARGV` (a script: its
+    folder first on sys.path) or `python -m ENTRY ARGV` runs it (a module: its main, given ARGV)."""
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        if entry.endswith(".py"):
+            sys.path.insert(0, str(Path(entry).resolve().parent))
+            with mock.patch.object(sys, "argv", [entry, *argv]):
+                try:
+                    runpy.run_path(entry, run_name="__main__")
+                except SystemExit as exit_:
+                    assert exit_.code in (0, None), f"{entry} exited {exit_.code}:\n{said.getvalue()}"
+        else:
+            imported(f"{entry}:main")(argv)
+    return said.getvalue()
 
 
 def _wait(ranks: list[multiprocessing.process.BaseProcess], deadline: float) -> str | None:
