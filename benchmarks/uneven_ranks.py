@@ -10,7 +10,9 @@ ranks' solo speeds: one process on CPU 0, and one on CPU 1 beside the co-tenant.
 
 Samples/s are the runs' own metrics.jsonl figures (perf/samples_per_s), over every reported interval (the steps
 before auto's first change included), weighted by time; each row the median of K runs (a shared host's noise moves
-one run by several percent). Needs 2 CPUs and Linux; keep the machine otherwise idle.
+one run by several percent). After the table, auto's median run against the best fixed split, and each auto run:
+its changes in all and in its second half (once it should have settled), and the split it ended at. Needs 2 CPUs
+and Linux; keep the machine otherwise idle.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 
@@ -33,6 +37,7 @@ RECIPES = {
     "finetune": ["finetune", "--model", "tiny", "--method", "full", "--max-steps", "{steps}", "--seq-len", "256"],
 }
 FIXED = ("3,2", "2,1", "3,1")
+MOVE = re.compile(r"batch_shares auto: split (\S+) from step (\d+)")
 
 
 def pin_workers(root: int, stop: threading.Event) -> None:
@@ -50,15 +55,30 @@ def pin_workers(root: int, stop: threading.Event) -> None:
         stop.wait(0.3)
 
 
-def samples_per_s(metrics: Path) -> float:
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+def samples_per_s(rows: list[dict]) -> float:
+    """metrics.jsonl's samples/s over every reported interval, weighted by time."""
     rows = [row for row in rows if "perf/samples_per_s" in row]
     seconds = sum(row["perf/step_time_s"] for row in rows)
     return sum(row["perf/samples_per_s"] * row["perf/step_time_s"] for row in rows) / seconds
 
 
-def run(recipe: str, steps: int, nproc: int, cpus: str, shares: str | None, workdir: Path) -> tuple[float, str]:
-    """One run's samples/s, and what it said last about batch_shares auto."""
+class Run(NamedTuple):
+    """One run: its samples/s, batch_shares auto's changes (the step each applies from, and its split), its steps,
+    and what auto said last (the split it settled on)."""
+
+    rate: float
+    moves: list[tuple[int, str]]
+    steps: int
+    said: str
+
+    def settling(self) -> str:
+        """How auto moved: its changes in all and in the run's second half, and the split it ended at."""
+        late = sum(step > self.steps / 2 for step, _ in self.moves)
+        final = self.moves[-1][1] if self.moves else "even"
+        return f"{len(self.moves)} changes, {late} in the second half of its {self.steps} steps; ended at {final}"
+
+
+def run(recipe: str, steps: int, nproc: int, cpus: str, shares: str | None, workdir: Path) -> Run:
     save = Path(tempfile.mkdtemp(prefix=f"{recipe}-{nproc}-{cpus}-{shares}-", dir=workdir))
     args = [part.format(steps=steps, epochs=max(1, steps // 25)) for part in RECIPES[recipe]]
     command = ["taskset", "-c", cpus, sys.executable, "-m", "multigpu", *args, "--nproc", str(nproc)]
@@ -73,31 +93,39 @@ def run(recipe: str, steps: int, nproc: int, cpus: str, shares: str | None, work
     if process.returncode:
         raise SystemExit(f"{' '.join(command)} failed:\n{output[-3000:]}")
     said = next((line for line in reversed(output.splitlines()) if "batch_shares auto" in line), "")
-    return samples_per_s(save / "metrics.jsonl"), said
+    moves = [(int(step), split) for split, step in MOVE.findall(output)]
+    rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    return Run(samples_per_s(rows), moves, max(row.get("step", 0) for row in rows), said)
 
 
-def median_run(repeat: int, *args: object) -> tuple[float, str]:
-    results = sorted(run(*args) for _ in range(repeat))  # type: ignore[arg-type]
-    return results[len(results) // 2]
+def median_run(repeat: int, *args: object) -> tuple[Run, list[Run]]:
+    """The run of median samples/s among `repeat`, and all of them in the order run."""
+    runs = [run(*args) for _ in range(repeat)]  # type: ignore[arg-type]
+    return sorted(runs, key=lambda one: one.rate)[len(runs) // 2], runs
 
 
 def measure(recipe: str, steps: int, repeat: int, workdir: Path) -> None:
     cotenant = subprocess.Popen(["taskset", "-c", str(CPUS[1]), sys.executable, "-c", "while True: pass"])
     try:
-        solo = [median_run(repeat, recipe, steps, 1, str(cpu), None, workdir)[0] for cpu in CPUS]
-        rows = [("even", median_run(repeat, recipe, steps, 2, "0,1", "even", workdir)[0], "")]
-        rows.append(("auto", *median_run(repeat, recipe, steps, 2, "0,1", "auto", workdir)))
+        solo = [median_run(repeat, recipe, steps, 1, str(cpu), None, workdir)[0].rate for cpu in CPUS]
+        rows = [("even", median_run(repeat, recipe, steps, 2, "0,1", "even", workdir)[0])]
+        auto, autos = median_run(repeat, recipe, steps, 2, "0,1", "auto", workdir)
+        rows.append(("auto", auto))
         for shares in FIXED:
-            rows.append((f"fixed {shares}", median_run(repeat, recipe, steps, 2, "0,1", shares, workdir)[0], ""))
+            rows.append((f"fixed {shares}", median_run(repeat, recipe, steps, 2, "0,1", shares, workdir)[0]))
     finally:
         cotenant.kill()
-    even = rows[0][1]
+    even = rows[0][1].rate
     print(f"\n{recipe}: rank 0 alone {solo[0]:,.1f} samples/s, rank 1 beside the co-tenant {solo[1]:,.1f}")
     print("| shares | samples/s | vs even |\n| --- | ---: | ---: |")
-    for name, rate, _ in rows:
-        print(f"| {name} | {rate:,.1f} | {rate / even:.2f}x |")
+    for name, result in rows:
+        print(f"| {name} | {result.rate:,.1f} | {result.rate / even:.2f}x |")
     print(f"| ideal (sum of the solo speeds) | {sum(solo):,.1f} | {sum(solo) / even:.2f}x |")
-    print(rows[1][2])
+    best = max(result.rate for name, result in rows if name.startswith("fixed"))
+    print(f"auto's median run against the best fixed split: {auto.rate / best:.2f}x; {auto.said}")
+    for number, each in enumerate(autos, 1):
+        versus = f"{each.rate / best:.2f}x the best fixed"
+        print(f"auto run {number}: {each.rate:,.1f} samples/s ({versus}), {each.settling()}")
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from multigpu.core.errors import UsageError
 from multigpu.planner import plan
-from multigpu.planner.gpus import GpuKind, node_gpus, shares_that_fit
+from multigpu.planner.gpus import GpuKind, node_gpus, quickest_split, shares_that_fit
 from tests.dist import refusal
 
 GiB = 2**30
@@ -37,6 +37,17 @@ def test_shares_follow_speed_within_what_each_gpu_holds() -> None:
     assert shares_that_fit([10, 10, 3, 3], [989, 989, 312, 312], 27) is None  # more than they hold together
     assert shares_that_fit([100, 100], [1000, 1], 10) == [9, 1]  # each GPU keeps at least one sample
     assert shares_that_fit([100, 0], [1, 1], 10) is None  # a GPU that holds none
+
+
+def test_the_quickest_split_counts_each_rank_fixed_work_per_step() -> None:
+    # 1 s a sample against 2 s: in proportion to speed, 11 and 5 (steps of 11 s and 10 s).
+    assert quickest_split([16, 16], [0.0, 0.0], [1.0, 2.0], 16) == [11, 5]
+    # The slow rank also spends 6 s a step whatever its part: 13 and 3 (13 s and 12 s) beat 12 and 4 (12 s, 14 s).
+    assert quickest_split([16, 16], [0.0, 6.0], [1.0, 2.0], 16) == [13, 3]
+    assert quickest_split([10, 16], [0.0, 6.0], [1.0, 2.0], 16) == [10, 6]  # rank 0 holds 10: the rest to rank 1
+    assert quickest_split([10, 5], [0.0, 6.0], [1.0, 2.0], 16) is None  # more than they hold together
+    assert quickest_split([16, 16], [0.0, 100.0], [1.0, 1.0], 16) == [15, 1]  # each rank keeps at least one
+    assert quickest_split([4] * 4, [1.0] * 4, [1.0] * 4, 10) == [3, 3, 2, 2]  # ties to the lower rank
 
 
 def test_a_mixed_node_runs_what_its_smallest_gpu_alone_cannot_by_giving_it_less() -> None:

@@ -3,6 +3,7 @@ differ (`--gpus 4xH100-80GB,4xA100-40GB`), and the batch shares that such a node
 
 from __future__ import annotations
 
+import heapq
 import math
 import re
 from dataclasses import dataclass
@@ -135,6 +136,27 @@ def shares_that_fit(most: list[int], speeds: list[float], total: int) -> list[in
     for i, part in zip(free, split_by_shares(left, [speeds[i] for i in free]), strict=True):
         slices[i] = part
     return slices
+
+
+def quickest_split(most: list[int], fixed: list[float], per_sample: list[float], total: int) -> list[int] | None:
+    """Each rank's part of a global batch of `total` that makes the slowest rank's step, `fixed` plus `per_sample`
+    times its part, the shortest: each at least 1, none above its `most`, adding up to `total`; None where their
+    memory cannot hold it. A rank's fixed per-step work (its optimizer step, Python's launch of each op) runs
+    whatever its part, so parts in proportion to speed alone leave the rank with the most of it the straggler.
+
+    One sample at a time to the rank whose step it lengthens the least: for steps that grow with the part this
+    reaches the smallest largest step (ties to the lower rank, so every rank computes the same split)."""
+    if sum(most) < total or min(most) < 1 or total < len(most):
+        return None
+    parts = [1] * len(most)
+    grown = [(fixed[rank] + 2 * per_sample[rank], rank) for rank in range(len(most)) if most[rank] > 1]
+    heapq.heapify(grown)
+    for _ in range(total - len(most)):
+        _, rank = heapq.heappop(grown)
+        parts[rank] += 1
+        if parts[rank] < most[rank]:
+            heapq.heappush(grown, (fixed[rank] + per_sample[rank] * (parts[rank] + 1), rank))
+    return parts
 
 
 @dataclass
