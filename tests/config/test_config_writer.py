@@ -167,7 +167,7 @@ def test_a_run_saves_what_ran_and_that_file_runs_it_again(tmp_path: Path, capsys
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "--config", str(save_dir / "config.yaml"), "--mode", "conv", "--epochs", "2"])
     assert exit_info.value.code == 2
-    assert "holds a different model" in capsys.readouterr().err
+    assert "--mode conv differs from flatten" in capsys.readouterr().err
     assert (save_dir / "config.yaml").read_text() == before
 
 

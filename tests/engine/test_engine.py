@@ -194,7 +194,8 @@ AUTO_STEPS = 14  # two checks (after steps 6 and 10: balance.WARMUP_STEPS, CHECK
 
 
 def auto_shares(log_dir: str) -> dict:
-    """zero3 under batch_shares auto, rank 1 spending 1 ms more per sample: one optimizer step per epoch of 16."""
+    """zero3 under batch_shares auto, rank 1 spending 3 ms more per sample: one optimizer step per epoch of 16. (Each
+    rank's threads together spend a few ms a step besides, with ms of noise: the burn stands well above them.)"""
     engine = mg.Engine(strategy="zero3", batch_shares="auto", log_every=2, log_dir=log_dir, peak_tflops=1.0)
     torch.manual_seed(0)
     model = torch.nn.Linear(5, 1)
@@ -203,7 +204,7 @@ def auto_shares(log_dir: str) -> dict:
     sizes = []
     for _ in range(AUTO_STEPS):
         for x, y in loader:
-            burn(1e-3 * len(x) * engine.rank)
+            burn(3e-3 * len(x) * engine.rank)
             engine.backward(torch.nn.functional.mse_loss(model(x), y))
             engine.step(optimizer)
             sizes.append(len(x))
@@ -231,7 +232,7 @@ def test_auto_shares_move_toward_the_faster_rank_and_train_as_one_process(
     for result in ranks:  # the same gradient at every split: ~1e-7 apart from the order of the sums
         assert torch.allclose(result["weights"]["weight"], reference.weight, atol=1e-6)
         assert torch.allclose(result["weights"]["bias"], reference.bias, atol=1e-6)
-    # Rank 1 costs ~1 ms a sample against rank 0's ~0.05: the split moved to rank 0 and the parts add up to 16.
+    # Rank 1 costs ~3 ms a sample against rank 0's ~0.05: the split moved to rank 0 and the parts add up to 16.
     sizes = [rank["sizes"] for rank in ranks]
     assert sizes[0][:6] == sizes[1][:6] == [8] * 6
     assert all(a + b == 16 for a, b in zip(*sizes, strict=True)) and sizes[0][-1] >= 12
