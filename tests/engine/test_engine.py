@@ -190,7 +190,9 @@ def burn(seconds: float) -> None:
         pass
 
 
-AUTO_STEPS = 14  # two checks (after steps 6 and 10: balance.WARMUP_STEPS, CHECK_EVERY) and the steps after them
+# Six checks (after steps 6, 10, ...: balance.WARMUP_STEPS, CHECK_EVERY): a loaded machine's noise may hold the first
+# ones back.
+AUTO_STEPS = 30
 
 
 def auto_shares(log_dir: str) -> dict:
