@@ -12,7 +12,7 @@ import pytest
 
 from multigpu.engine import divergence, progress
 from multigpu.engine.divergence import BLOCKED_S, EVALUATION, diverged
-from multigpu.engine.progress import CollectiveTimeout, Progress, Where, describe
+from multigpu.engine.progress import CollectiveTimeout, Progress, Where, describe, frozen
 from tests.dist import multigpu, run_in_processes
 
 
@@ -102,6 +102,20 @@ def test_describe_names_a_rank_in_a_different_collective_one_that_never_posted_a
     assert "every rank is inside it at the same micro-step" in text
 
 
+def test_a_rank_whose_posts_stand_still_is_said_to_be_stopped_whole_at_its_last_post_not_in_its_collective() -> None:
+    """SIGSTOP stops the heartbeat too: the last post may be a beat old and show a collective the rank has long left."""
+    before = {0: Where(2, 3, "backward", 3.0, beats=8), 1: Where(0, 0, "model forward", 0.1, beats=5)}
+    after = {0: Where(2, 3, "backward", 3.7, beats=9), 1: Where(0, 0, "model forward", 0.1, beats=5)}
+    assert frozen(before, after) == {1}
+    text, named = describe(0, 3.0, after, frozen=frozen(before, after))
+    assert named == [1]
+    assert text.startswith(
+        "Rank 1 stopped reaching collectives after optimizer step 0 (micro-step 0) or soon after, its heartbeat "
+        "stopped too (the whole process is stopped:"
+    )
+    assert frozen(before, {**after, 1: after[1]._replace(beats=6)}) == set()  # one post more: it runs
+
+
 def test_a_timeout_reads_fresh_posts_at_once_and_waits_only_for_the_named_rank_to_print_its_stack(
     capsys: pytest.CaptureFixture,
 ) -> None:
@@ -119,7 +133,8 @@ def test_a_timeout_reads_fresh_posts_at_once_and_waits_only_for_the_named_rank_t
     beating.start()
     start = time.monotonic()
     text = time_out_in(waiting, "backward")
-    assert time.monotonic() - start < 0.5  # no settling sleep: every post was already current
+    # Two reads of the posts a beat and a half apart (its heartbeat posted in between: not stopped), and no more.
+    assert time.monotonic() - start < 0.5 + 1.5 * progress.BEAT_S
     beating.join(timeout=5)
     assert re.match(
         r"Rank 1 stopped reaching collectives after optimizer step 2 \(micro-step 2\) and has been outside any "
@@ -149,8 +164,15 @@ def test_a_wait_that_outlives_its_timeout_without_raising_is_reported_by_the_hea
             waiting._at = (*waiting._at[:3], time.monotonic() - 2.5)  # as if it had waited 2.5s
             assert not waiting.beat()
             assert "multigpu:" not in capsys.readouterr().err  # every rank in there alike (a slow save): no one to name
-        stuck.beat()
+        done = threading.Event()
+
+        def heartbeat_of_the_stuck_rank() -> None:  # posts on while the waiting rank reads the posts twice
+            while not done.wait(0.02):
+                stuck._post()
+
+        threading.Thread(target=heartbeat_of_the_stuck_rank, daemon=True).start()
         assert not waiting.beat()
+        done.set()
     assert capsys.readouterr().err.startswith(
         "multigpu: Rank 1 stopped reaching collectives after optimizer step 1 (micro-step 1) and has been outside "
         "any collective for "

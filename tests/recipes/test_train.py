@@ -189,8 +189,12 @@ def test_a_resume_at_another_world_size_follows_the_planned_lr_schedule(
 
 # hang: rank 1's main thread sleeps forever after optimizer step 2, its heartbeat posting: named at that exact step,
 # its stack where it sleeps. stop: SIGSTOP stops its heartbeat too, whose last post may be up to a beat old (these
-# steps take milliseconds), and once continued to write its stack its main thread goes on from where it stopped.
-STUCK = [("hang", r"step 2 \(micro-step 2\)", "in inject"), ("stop", r"step \d \(micro-step \d\)", "its main thread")]
+# steps take milliseconds, and that post may show a collective it has left): said to be stopped whole at its last
+# post; once continued to write its stack, its main thread goes on from where it stopped.
+STUCK = [
+    ("hang", r"step 2 \(micro-step 2\) and has been outside any collective", "in inject"),
+    ("stop", r"step \d \(micro-step \d\) or soon after, its heartbeat stopped too", "its main thread"),
+]
 
 
 @pytest.mark.parametrize(("fault", "where", "stack_says"), STUCK)

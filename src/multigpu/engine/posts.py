@@ -20,6 +20,7 @@ class Where(NamedTuple):
     finished: bool = False  # its script has ended
     process: str = ""  # host:pid (stuck_stack.continue_stopped)
     failed: bool = False  # its script raised an error of its own, which the launcher reports: no divergence
+    beats: int = 0  # its heartbeat's posts so far: unchanged between two reads a beat apart, its process is stopped
 
     def __str__(self) -> str:
         return f"optimizer step {self.step} (micro-step {self.micro_step})"
@@ -29,9 +30,14 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
-def _whereabouts(rank: int, where: Where | None) -> str:
+def _whereabouts(rank: int, where: Where | None, frozen: bool) -> str:
     if where is None:
         return f"rank {rank} never posted where it is (it died, or stopped before its first backward)"
+    if frozen:  # its last post may be a beat old: where its main thread was then, not where it stopped
+        return (
+            f"rank {rank} stopped reaching collectives after {where} or soon after, its heartbeat stopped too (the "
+            "whole process is stopped: a signal, a debugger, a C call that holds the GIL, a machine that froze)"
+        )
     if where.op is None:
         return (
             f"rank {rank} stopped reaching collectives after {where} and has been outside any collective for "
@@ -41,10 +47,15 @@ def _whereabouts(rank: int, where: Where | None) -> str:
 
 
 def describe(
-    me: int, timeout_s: float, posts: dict[int, Where | None], stacks: str | None = None
+    me: int,
+    timeout_s: float,
+    posts: dict[int, Where | None],
+    stacks: str | None = None,
+    frozen: frozenset[int] = frozenset(),
 ) -> tuple[str, list[int]]:
     """What rank `me`, timed out in a collective, tells the user from every rank's post; and the ranks it names.
-    `stacks`: where the ranks named have shown their stacks (stuck_stack.where_written)."""
+    `stacks`: where the ranks named have shown their stacks (stuck_stack.where_written); `frozen`: the ranks whose
+    posts stopped changing."""
     mine = posts[me]
     waiting = [rank for rank, where in posts.items() if where is not None and where[:3] == mine[:3]]
     absent = [rank for rank in posts if rank not in waiting]
@@ -55,7 +66,7 @@ def describe(
             "(a rank-only branch, parameters that some ranks did not use?) or the network failed.",
             [],
         )
-    whereabouts = "; ".join(_whereabouts(rank, posts[rank]) for rank in absent)
+    whereabouts = "; ".join(_whereabouts(rank, posts[rank], rank in frozen) for rank in absent)
     who = "that rank does" if len(absent) == 1 else "those ranks do"
     return (
         f"{whereabouts[0].upper()}{whereabouts[1:]}, while {_ranks(waiting)} waited in {mine.op} (micro-step "
@@ -63,6 +74,14 @@ def describe(
         f"a much slower data path{f'; {stacks}' if stacks else ''}). The launcher stops every process.",
         absent,
     )
+
+
+def frozen(first: dict[int, Where | None], second: dict[int, Where | None]) -> frozenset[int]:
+    """The ranks whose heartbeat did not post between two reads of every post more than a beat apart."""
+    return frozenset(
+        rank for rank, where in second.items() if where is not None and first.get(rank) is not None
+        and where.beats == first[rank].beats and not where.finished
+    )  # fmt: skip
 
 
 def where_of(value: bytes) -> Where:

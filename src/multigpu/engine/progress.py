@@ -35,7 +35,7 @@ from multigpu.core.errors import Explained
 from multigpu.core.launcher_notes import DIVERGED, ScriptEnd, attempt, launched, note_for_launcher
 from multigpu.engine import divergence, stuck_stack
 from multigpu.engine.observe import StepObserver, StepStats
-from multigpu.engine.posts import Where, describe, where_of
+from multigpu.engine.posts import Where, describe, frozen, where_of
 
 BEAT_S = 0.5  # how often each rank posts where it is: the most a post can lag behind
 ACK_S = 1.0  # how long a waiting rank lets the ranks it names print their stacks before it raises
@@ -62,6 +62,7 @@ class Progress:
         self._calls: tuple[int, tuple] = (0, ())  # (calls begun, the last HISTORY of them), replaced whole too
         self._clock = divergence.MainClock()
         self._blocked_s = 0.0
+        self._beats = 0  # posts made: a peer that sees this count stand still knows this process is stopped
         self._finished = False
         self._failed = False  # the script raised an error of its own
         self._ending = False  # this process has seen the ranks go different ways: it ends, and says nothing more
@@ -157,10 +158,11 @@ class Progress:
         calls, history = self._calls
         blocked = round(self._blocked_s, 2)
         at = (step, micro_step, op, round(time.monotonic() - since, 2), calls, history, blocked, self._finished)
-        return Where(*at, stuck_stack.this_process(), self._failed)
+        return Where(*at, stuck_stack.this_process(), self._failed, self._beats)
 
     def _post(self) -> None:
         self._blocked_s = self._clock.blocked_s(self._calls[0] if self._at[2] is not None else None)
+        self._beats += 1
         self._store.set(self._key(self.rank), json.dumps(self._where()))
 
     def _read_posts(self) -> dict[int, Where | None]:
@@ -175,26 +177,33 @@ class Progress:
         """Names the ranks that are not in the collective `op` this rank timed out in, and where they stopped."""
         self._reported = True
         self._the_store()
-        if self.timeout_s < 2 * BEAT_S:
-            time.sleep(BEAT_S)  # a wait this short may have begun after the other waiting ranks last posted
         try:
-            return self._verdict(op, self._read_posts())
+            return self._verdict(op, *self._read_twice())
         except (RuntimeError, ValueError):  # the store went away: the launcher is already tearing the run down
             return (
                 f"A collective in {op} on rank {self.rank} timed out after {self.timeout_s:g}s, and the other ranks "
                 "can no longer be asked where they are (the run is ending): look for the first error above."
             )
 
-    def _verdict(self, op: str, posts: dict[int, Where | None]) -> str:
+    def _read_twice(self) -> tuple[dict[int, Where | None], frozenset[int]]:
+        """Every post, read again more than a beat after a first read: the ranks whose posts did not change in
+        between are stopped whole (a post made before the stop may be a beat old). The wait also lets a rank that
+        began waiting just now see the posts of the others that wait with it."""
+        first = self._read_posts()
+        time.sleep(1.5 * BEAT_S)
+        second = self._read_posts()
+        return second, frozen(first, second)
+
+    def _verdict(self, op: str, posts: dict[int, Where | None], stopped: frozenset[int]) -> str:
         """The message; and, where it names ranks, the verdict that makes them print their stacks."""
         posts[self.rank] = self._where()
-        text, absent = describe(self.rank, self.timeout_s, posts)
+        text, absent = describe(self.rank, self.timeout_s, posts, frozen=stopped)
         if absent and self._watch:
             self._store.set(self._key("verdict"), json.dumps({"stuck": absent, "by": self.rank, "op": op}))
             stuck_stack.continue_stopped([posts[rank].process for rank in absent if posts[rank] is not None])
             if self._acknowledged(absent):
                 stacks = stuck_stack.where_written(self.log_dir, absent)
-                text, _ = describe(self.rank, self.timeout_s, posts, stacks)
+                text, _ = describe(self.rank, self.timeout_s, posts, stacks, stopped)
         return text
 
     def _acknowledged(self, ranks: list[int], kind: str = "ack") -> bool:
@@ -269,7 +278,9 @@ class Progress:
         if self._ending:  # the peers this process let go first broke the collective: its heartbeat ends it
             time.sleep(5 * ACK_S)
             _end_process()
-        if not self._following or not self._watch or self._store is None or self._store_gone():
+        # A rank that has had its say about a timeout, or was named in one, has nothing to add, and the store may be
+        # closing with rank 0 (whose process is still ending, so _store_gone cannot tell yet).
+        if not self._following or not self._watch or self._store is None or self._reported or self._store_gone():
             return
         with contextlib.suppress(RuntimeError, ValueError):
             if not divergence.from_a_collective(error):  # its own error: posted at once, so the peers whose
@@ -294,12 +305,12 @@ class Progress:
         if self._reported:
             return False
         if op is not None and time.monotonic() - since > self.timeout_s + WATCH_GRACE_S:
-            posts = self._read_posts()
+            posts, stopped = self._read_twice()
             # Every rank inside the same call for that long (a slow save, say) is no one's fault: nothing to say.
             mine = self._where()[:3]
             if any(where is None or where[:3] != mine for where in posts.values()):
                 self._reported = True
-                print(f"multigpu: {self._verdict(op, posts)}", file=sys.stderr, flush=True)
+                print(f"multigpu: {self._verdict(op, posts, stopped)}", file=sys.stderr, flush=True)
             return False
         verdict_key = self._key("verdict")
         if not self._store.check([verdict_key]):
