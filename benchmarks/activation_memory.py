@@ -20,8 +20,8 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import multigpu as mg
-from multigpu.models.recompute import MODES
-from multigpu.recipes import lm_models
+from multigpu.models import lm_models
+from multigpu.transforms.recompute import MODES
 
 
 def measure(model_name: str, mode: str, batch: int, seq: int) -> float:

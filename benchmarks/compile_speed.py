@@ -27,7 +27,7 @@ def measure(model_name: str, method: str, compile: bool, steps: int, batch: int,
     import torch
 
     import multigpu as mg
-    from multigpu.recipes import lm_models
+    from multigpu.models import lm_models
 
     engine = mg.Engine(strategy="single", compile=compile, seed=0)
     model = lm_models.load_model(model_name, method)

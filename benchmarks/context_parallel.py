@@ -47,7 +47,7 @@ class SavedBytes:
 
 
 def worker(cp: int, seq_len: int, method: str, loss: str, steps: int, out: str) -> None:
-    from multigpu.engine.monitor import peak_memory_bytes
+    from multigpu.observers.monitor import peak_memory_bytes
     from multigpu.recipes.common import per_rank, recipe_engine
     from multigpu.recipes.finetune import FinetuneConfig, build, lm_loss, model_inputs
 

@@ -46,7 +46,7 @@ def measure(path: str, mode: str, seq_len: int, batches: int) -> dict:
     """In a fresh process: seconds to the first batch, seconds for `batches` batches, peak memory."""
     import multigpu as mg
     from multigpu.data import lm_data
-    from multigpu.recipes import lm_models
+    from multigpu.models import lm_models
 
     tokenizer = lm_models.load_tokenizer("smollm2")
     start = time.perf_counter()

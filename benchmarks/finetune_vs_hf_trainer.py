@@ -30,8 +30,8 @@ from torch.utils.data import Subset
 
 from multigpu.data import lm_data
 from multigpu.engine.lr_schedule import warmup_cosine
+from multigpu.models import lm_models
 from multigpu.recipes import finetune as ft
-from multigpu.recipes import lm_models
 
 
 def config(args: argparse.Namespace, save_dir: str) -> ft.FinetuneConfig:

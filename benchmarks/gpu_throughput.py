@@ -133,13 +133,13 @@ class LogitsWatch:
 def check_applied(model: Any, settings: dict[str, Any], watch: LogitsWatch) -> None:
     """Raises, in one sentence, where a setting of the row left the model or the step as the plain path has them:
     a row must measure its feature or fail, never time the plain path under the feature's name."""
-    from multigpu.models.modules import default_units
+    from multigpu.transforms.modules import default_units
 
     problems = []
     blocks = default_units(model)
     mode = settings.get("activation_checkpointing", "none")
     if mode != "none" and not all(getattr(b, "_recompute_mode", None) == mode for b in blocks):
-        problems.append(f"activation_checkpointing={mode!r} left blocks without it (models/recompute.py's marker)")
+        problems.append(f"activation_checkpointing={mode!r} left blocks without it (transforms/recompute.py's marker)")
     if settings.get("compile") and not all(getattr(b, "_compiled_call_impl", None) for b in blocks):
         problems.append("compile=True left blocks uncompiled")
     float8_layers = sum(type(m).__name__ == "Float8Linear" for m in model.modules())  # torchao's class
@@ -197,7 +197,7 @@ def run_row(row: str, args: argparse.Namespace) -> dict[str, Any]:
     """One row in this process: set up, warm-up steps (compilation among them), timed steps; its figures."""
     import torch
 
-    from multigpu.engine.monitor import Monitor, peak_memory_bytes
+    from multigpu.observers.monitor import Monitor, peak_memory_bytes
 
     torch._dynamo.reset()  # a row run after another in one process compiles afresh
     counters = torch._dynamo.utils.counters
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch
 
-    from multigpu.engine.monitor import peak_tflops
+    from multigpu.observers.monitor import peak_tflops
 
     if not torch.cuda.is_available() and args.model != "smoke":
         print("gpu_throughput: no CUDA GPU here; run it on one, or --smoke for the CPU check.", file=sys.stderr)

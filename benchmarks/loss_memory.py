@@ -1,4 +1,4 @@
-"""Peak memory and time of a language model's loss, plain against chunked (multigpu.models.loss), on SmolLM2-135M's
+"""Peak memory and time of a language model's loss, plain against chunked (multigpu.transforms.loss), on SmolLM2-135M's
 output head (49,152 x 576, tied to its embeddings) at one sequence of 2048 tokens.
 
     python benchmarks/loss_memory.py [--seq-len 2048] [--chunks 0,64,512,2048] [--rounds 5] [--step]
@@ -49,7 +49,7 @@ def peak_growth(call: Callable[[], None]) -> int:
 def head_weight() -> torch.Tensor:
     from safetensors import safe_open
 
-    from multigpu.recipes import lm_models
+    from multigpu.models import lm_models
 
     with safe_open(str(lm_models.model_dir("smollm2") / "model.safetensors"), "pt") as stored:
         return stored.get_tensor("model.embed_tokens.weight").float()  # the head is tied to it
@@ -57,7 +57,7 @@ def head_weight() -> torch.Tensor:
 
 def loss_call(mode: str, chunk: int, seq_len: int, weight: torch.Tensor | None = None) -> Callable[[int], None]:
     """A call of the loss alone over `tokens` tokens (forward, backward, the gradients dropped after)."""
-    from multigpu.models.loss import linear_cross_entropy
+    from multigpu.transforms.loss import linear_cross_entropy
 
     weight = (head_weight() if weight is None else weight).requires_grad_()
     generator = torch.Generator().manual_seed(0)
@@ -77,7 +77,7 @@ def loss_call(mode: str, chunk: int, seq_len: int, weight: torch.Tensor | None =
 def step_call(mode: str, chunk: int, seq_len: int) -> Callable[[int], None]:
     """A whole forward and backward of SmolLM2 full fine-tuning with the Engine, over `tokens` tokens."""
     import multigpu as mg
-    from multigpu.recipes import lm_models
+    from multigpu.models import lm_models
 
     engine = mg.Engine(strategy="single", loss=mode)
     model = lm_models.load_model("smollm2", "full")

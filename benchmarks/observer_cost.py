@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 
 import multigpu as mg
-from multigpu.engine.observe import watching
-from multigpu.engine.progress import Progress
+from multigpu.observers.observe import watching
+from multigpu.observers.progress import Progress
 
 
 def per_op(enter: Callable[[], object], ops: int) -> float:

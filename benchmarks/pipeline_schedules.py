@@ -148,7 +148,7 @@ def main() -> None:
 
 
 def print_rows(pp: int, micro: int, results: dict) -> None:
-    from multigpu.planner.layout import bubble_fraction, micro_batches_in_flight
+    from multigpu.planner.model_parallel import bubble_fraction, micro_batches_in_flight
 
     def planned_held(schedule: str, per_rank: int) -> float:
         return max(micro_batches_in_flight(schedule, pp, rank, per_rank, micro) for rank in range(pp))

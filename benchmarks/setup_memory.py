@@ -66,7 +66,7 @@ def memory(field: str) -> int:
 
 def build(engine: mg.Engine, meta: bool, source: str, width: int, blocks: int, checkpoint: str) -> nn.Module:
     if source == "smollm2":
-        from multigpu.recipes import lm_models
+        from multigpu.models import lm_models
 
         if not meta:
             return lm_models.load_model("smollm2", "full")
@@ -112,7 +112,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as folder:
         if args.source == "smollm2":
-            from multigpu.recipes import lm_models
+            from multigpu.models import lm_models
 
             model_bytes = sum(p.numel() for p in lm_models.load_model("smollm2", "full").parameters()) * 4
         else:

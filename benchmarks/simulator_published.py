@@ -30,9 +30,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from multigpu.planner.layout import bubble_fraction, micro_batches_in_flight
+from multigpu.planner.model_parallel import bubble_fraction, micro_batches_in_flight
 from multigpu.planner.shapes import load_shape
-from multigpu.tools.simulate import INTERCONNECTS, Link, SimulateConfig, flops_per_token, simulate
+from multigpu.planner.simulate import INTERCONNECTS, Link, SimulateConfig, flops_per_token, simulate
 
 H100_BF16_PEAK = 989e12  # dense, SXM; torchtitan's 500 W HBM2e parts peak lower, so the MFU below is a floor
 

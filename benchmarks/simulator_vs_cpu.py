@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from multigpu.tools.simulate import simulate
+from multigpu.planner.simulate import simulate
 from multigpu.tools.simulate_request import SimulateRequest, resolve
 
 SCRIPT = Path(__file__).with_name("wide_mlp.py")

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import multigpu as mg
-from multigpu.recipes import lm_models
+from multigpu.models import lm_models
 
 
 def local_bytes(tensors: list[torch.Tensor]) -> int:

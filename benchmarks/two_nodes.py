@@ -49,9 +49,9 @@ sys.path.insert(0, str(ROOT))  # tests/nodes.py: the namespaces
 from tests.nodes import Cluster, NodesRefused, cluster  # noqa: E402
 
 from multigpu.parallel.compression import Compression  # noqa: E402
-from multigpu.tools.links import Link  # noqa: E402
-from multigpu.tools.simulate import simulate  # noqa: E402
-from multigpu.tools.simulate_advice import link_advice  # noqa: E402
+from multigpu.planner.links import Link  # noqa: E402
+from multigpu.planner.simulate import simulate  # noqa: E402
+from multigpu.planner.simulate_advice import link_advice  # noqa: E402
 from multigpu.tools.simulate_request import SimulateRequest, load_calibration, resolve  # noqa: E402
 
 TBF_RATES = {"100mbit": 100e6, "1gbit": 1e9}  # bits per second, as tc reads them
@@ -212,7 +212,7 @@ def fitted(out: Path, name: str) -> Path:
 
 
 def request(cell: Cell, compute_s: float, slots: int, out: Path, rate: str) -> SimulateRequest:
-    from multigpu.recipes.lm_models import model_dir
+    from multigpu.models.lm_models import model_dir
 
     return SimulateRequest(
         model=str(model_dir(MODEL)),

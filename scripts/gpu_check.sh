@@ -25,7 +25,7 @@ if [ "${1:-}" = "--prepare" ]; then
     --platform manylinux2014_x86_64 -d "$prepared/wheels" "torchao==${TORCHAO_VERSION:-0.18.0}" \
     "liger-kernel==${LIGER_VERSION:-0.8.5}" "datasets==${DATASETS_VERSION:-5.2.0}" dill==0.4.1 multiprocess==0.70.19
   MULTIGPU_CACHE="$root/$prepared/cache" PYTHONPATH="$root/src" "$python" -c \
-    "from multigpu.recipes.lm_models import model_dir; print('tiny models in', model_dir('tiny'), model_dir('tiny-moe'))"
+    "from multigpu.models.lm_models import model_dir; print('tiny models in', model_dir('tiny'), model_dir('tiny-moe'))"
   # The tiny model took its tokenizer from SmolLM2, converted whole on the way (0.5 GB): the tests need only the tiny ones.
   rm -rf "$prepared/cache/smollm2-135m-instruct"
   du -sh "$prepared"

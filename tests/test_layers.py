@@ -1,7 +1,8 @@
 """The source's layers, read from its own imports: every import points down, and none closes a circle.
 
-Bottom to top: core <- config <- data | models <- planner | parallel <- strategies | checkpoint <- engine <- launch
-<- tools | recipes <- cli and the package face. Folders of one rank (data and models, ...) do not import each other.
+Bottom to top: core <- config <- data | transforms <- parallel <- strategies | checkpoint | optimizers | models <-
+planner <- observers <- engine <- launch <- tools | recipes <- cli and the package face. Folders of one rank (data
+and transforms, ...) do not import each other.
 Imports inside functions count (they run too); imports under `if TYPE_CHECKING:` do not (they never run).
 """
 
@@ -17,18 +18,20 @@ LAYERS = {
     "core": 0,
     "config": 1,
     "data": 2,
-    "models": 2,
-    "planner": 3,
+    "transforms": 2,
     "parallel": 3,
     "strategies": 4,
     "checkpoint": 4,
     "optimizers": 4,
-    "engine": 5,
-    "launch": 6,
-    "tools": 7,
-    "recipes": 7,
+    "models": 4,
+    "planner": 5,
+    "observers": 6,
+    "engine": 7,
+    "launch": 8,
+    "tools": 9,
+    "recipes": 9,
 }
-TOP = 8  # multigpu/__init__.py, __main__.py and cli.py
+TOP = 10  # multigpu/__init__.py, __main__.py and cli.py
 
 
 def module_name(path: Path) -> str:

@@ -256,7 +256,7 @@ VERBS: dict[str, Verb] = {
         "memory per GPU for every strategy, and the fastest that fits",
         "Predict memory per GPU (parameters, gradients, optimizer states, activations, buffers) for every strategy, "
         "without loading weights; recommend the fastest that fits.",
-        (add_plan_flags, "multigpu.planner.config:PlanConfig"),
+        (add_plan_flags, "multigpu.planner.plan_config:PlanConfig"),
         cmd_plan,
     ),
     "env": Verb(

@@ -15,7 +15,7 @@ import multigpu
 from multigpu.config.settings import SHOWS, Settings, override, setting_names, shown, shown_sources
 from multigpu.core.errors import UsageError
 from multigpu.engine.config import EngineConfig
-from multigpu.planner.config import PlanConfig
+from multigpu.planner.plan_config import PlanConfig
 from multigpu.recipes.finetune import FinetuneConfig
 from multigpu.recipes.generate import GenerateConfig
 from multigpu.recipes.train import TrainConfig

@@ -24,7 +24,7 @@ import torch
 
 from multigpu.core.errors import UsageError
 from multigpu.data import data_files, lm_data, lm_tokens
-from multigpu.recipes.lm_models import load_tokenizer
+from multigpu.models.lm_models import load_tokenizer
 from tests.data.test_data_files import one_sentence
 from tests.dist import ROOT, run_in_processes
 

@@ -93,7 +93,7 @@ def test_packed_rows_restart_positions_and_never_target_across_documents() -> No
 
 @pytest.fixture(scope="module")
 def tiny() -> Any:
-    from multigpu.recipes.lm_models import load_model
+    from multigpu.models.lm_models import load_model
 
     return load_model("tiny", "full")
 
@@ -120,8 +120,8 @@ def test_flash_attention_gets_the_documents_of_every_row() -> None:
     generating (with a cache, queries and keys differ in length)."""
     from transformers import LlamaConfig
 
+    from multigpu.models.lm_models import pass_document_bounds
     from multigpu.parallel.decoder import packed_attention_kwargs
-    from multigpu.recipes.lm_models import pass_document_bounds
 
     positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]])
     flash = LlamaConfig(num_hidden_layers=1)
@@ -167,8 +167,8 @@ def test_varlen_attention_runs_each_document_alone(tiny: Any, runner: str) -> No
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
+    from multigpu.models.lm_models import pass_document_bounds
     from multigpu.parallel.pipeline_stages import stage_parts
-    from multigpu.recipes.lm_models import pass_document_bounds
 
     tiny.set_attn_implementation("sdpa")
     docs = documents([5, 9, 3, 7])
@@ -218,8 +218,8 @@ def one_step(settings: dict, packed: bool) -> dict:
     """One forward and backward of the global batch under `settings`: the loss per target token over all ranks and
     every gradient, whole, by its name in the model, as the optimizer receives them (divided by the target count)."""
     import multigpu as mg
+    from multigpu.models.lm_models import load_model
     from multigpu.recipes.finetune import summed_token_loss
-    from multigpu.recipes.lm_models import load_model
 
     engine = mg.Engine(**settings, precision="32")
     model = load_model("tiny", "full")
@@ -253,8 +253,8 @@ class GradientKeeper(torch.optim.Optimizer):
 
 def reference() -> dict:
     """One process, no engine: each document run alone, its summed token loss; their sum over the target count."""
-    from multigpu.models.loss import summed_cross_entropy
-    from multigpu.recipes.lm_models import load_model
+    from multigpu.models.lm_models import load_model
+    from multigpu.transforms.loss import summed_cross_entropy
 
     model = load_model("tiny", "full")
     total, count = 0.0, 0

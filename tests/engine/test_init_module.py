@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import multigpu as mg
-from multigpu.models.modules import give_back_freed_memory, materialize, on_meta
+from multigpu.transforms.modules import give_back_freed_memory, materialize, on_meta
 from tests.dist import run_in_processes
 
 SEED = 7

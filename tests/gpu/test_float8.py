@@ -1,6 +1,6 @@
 """Float8 training on a real GPU: torch's float8 matrix products (not the CPU's emulation) on GPUs of compute
 capability 8.9 or newer, and the one-sentence refusal on older ones. The model, its training loop and the
-tolerances are the CPU tests' (tests/models/test_float8.py), which say how they were measured."""
+tolerances are the CPU tests' (tests/transforms/test_float8.py), which say how they were measured."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import multigpu as mg
 from multigpu.core.errors import UsageError
 from tests.dist import run_in_processes
-from tests.models.test_float8 import CONVERTED, FLOAT8_VS_PLAIN, FP32_NOISE, Net, deviation, train
+from tests.transforms.test_float8 import CONVERTED, FLOAT8_VS_PLAIN, FP32_NOISE, Net, deviation, train
 
 has_float8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 needs_float8 = pytest.mark.skipif(not has_float8, reason="needs a GPU of compute capability 8.9 or newer")
@@ -46,7 +46,7 @@ def test_the_gpu_layers_are_not_emulated() -> None:
 def test_zero3_all_gathers_in_float8_over_nccl() -> None:
     """One process of NCCL: FSDP's all-gather of float8 weights and the post-step scales, in bf16-mixed."""
     (found,) = run_in_processes(
-        "tests.models.test_float8:train", 1, strategy="zero3", float8="tensorwise", precision="bf16-mixed"
+        "tests.transforms.test_float8:train", 1, strategy="zero3", float8="tensorwise", precision="bf16-mixed"
     )
     assert found["gathered_in_float8"] == found["scaled_after_step"] == 4
     expected = train("single", "tensorwise", "bf16-mixed")

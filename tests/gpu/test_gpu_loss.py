@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from multigpu.models.loss import apply_liger, linear_cross_entropy
+from multigpu.transforms.loss import apply_liger, linear_cross_entropy
 from tests.dist import multigpu
-from tests.models.test_loss import VOCAB, inputs, tiny_llama
+from tests.transforms.test_loss import VOCAB, inputs, tiny_llama
 
 needs_liger = pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="needs liger-kernel")
 

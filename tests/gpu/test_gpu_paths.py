@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import multigpu as mg
-from multigpu.engine.monitor import peak_tflops
+from multigpu.observers.monitor import peak_tflops
 from tests.dist import multigpu, run_command, run_in_processes
 from tests.recipes.test_train import write_uci_har
 from tests.reference import TinyNet, dataset

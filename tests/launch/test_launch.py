@@ -561,7 +561,7 @@ def trace_entry(seq: int, name: str, state: str = "completed", group: str = "0")
 def write_traces(directory: Path, entries_per_rank: dict[int, list[dict]]) -> None:
     import pickle
 
-    from multigpu.engine.flight_recorder import NCCL_TRACE_PREFIX
+    from multigpu.observers.flight_recorder import NCCL_TRACE_PREFIX
 
     for rank, entries in entries_per_rank.items():
         dump = {"version": "2.10", "pg_config": {}, "entries": entries}
@@ -569,7 +569,7 @@ def write_traces(directory: Path, entries_per_rank: dict[int, list[dict]]) -> No
 
 
 def test_the_nccl_traces_name_the_rank_that_never_reached_the_collective(tmp_path: Path) -> None:
-    from multigpu.engine.flight_recorder import explain_nccl_timeout, read_nccl_traces
+    from multigpu.observers.flight_recorder import explain_nccl_timeout, read_nccl_traces
 
     done = [trace_entry(1, "nccl:broadcast"), trace_entry(2, "nccl:all_reduce")]
     waiting = [*done, trace_entry(3, "nccl:_reduce_scatter_base", state="started")]
@@ -585,7 +585,7 @@ def test_the_nccl_traces_name_the_rank_that_never_reached_the_collective(tmp_pat
 def test_on_gpus_the_workers_record_collectives_and_dump_them_on_a_timeout(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from multigpu.engine.flight_recorder import NCCL_TRACE_PREFIX
+    from multigpu.observers.flight_recorder import NCCL_TRACE_PREFIX
 
     started = []
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

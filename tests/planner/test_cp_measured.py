@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from multigpu.models.recompute import recompute_blocks
 from multigpu.planner.activations import transformer_activations
 from multigpu.planner.shapes import from_config
+from multigpu.transforms.recompute import recompute_blocks
 from tests.planner.test_measured import TINY_LLAMA, saved_bytes
 
 transformers = pytest.importorskip("transformers")

@@ -6,7 +6,7 @@ import pytest
 
 from multigpu.core.errors import UsageError
 from multigpu.planner import plan
-from multigpu.planner.layout import bubble_fraction, micro_batches_in_flight, pipeline_stages
+from multigpu.planner.model_parallel import bubble_fraction, micro_batches_in_flight, pipeline_stages
 from multigpu.planner.shapes import BUILTIN, ModelShape
 
 COMMON = {"gpus": 8, "gpu_memory": "80GB", "batch_size": 1, "seq_len": 2048, "precision": "bf16-mixed"}
@@ -236,7 +236,7 @@ def test_a_v_puts_the_head_beside_the_embedding_on_rank_0() -> None:
 
 def test_each_planner_row_lays_processes_out_as_its_strategy_does() -> None:
     """The planner (below the strategies) names each row's spread itself; it must be the registered strategy's."""
-    from multigpu.planner.config import SPREADS
+    from multigpu.planner.plan_config import SPREADS
     from multigpu.strategies import strategy_class
 
     def strategy_of(row: str) -> str:

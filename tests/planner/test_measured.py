@@ -8,10 +8,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import multigpu as mg
-from multigpu.models.recompute import recompute_blocks
 from multigpu.planner import plan
 from multigpu.planner.activations import transformer_activations
 from multigpu.planner.shapes import from_config
+from multigpu.transforms.recompute import recompute_blocks
 from tests.dist import run_in_processes
 
 
@@ -175,7 +175,7 @@ def test_the_activation_peak_of_each_checkpointing_mode_is_the_planned_one(check
 
 
 def test_module_activations_come_from_a_traced_forward() -> None:
-    from multigpu.recipes.activity_models import build, layer_spec
+    from multigpu.models.activity_models import build, layer_spec
 
     model = build(layer_spec("conv", 6, 128, 7))
     result = plan(model, sample_input=torch.randn(1, 6, 128), precision="32", batch_size=16)

@@ -23,7 +23,7 @@ from tests.dist import multigpu, refusal, run_each_in_processes, run_in_processe
 @pytest.fixture(scope="module", autouse=True)
 def tiny_model() -> None:
     """Builds the model cache once here, not in two workers at once (the first build converts SmolLM2, ~40 s)."""
-    from multigpu.recipes.lm_models import model_dir
+    from multigpu.models.lm_models import model_dir
 
     model_dir("tiny")
 
@@ -84,7 +84,7 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], 
 def test_adapter_trained_on_two_processes_reloads_with_peft_as_written_and_as_exported(
     adapters: dict, tmp_path: Path, method: str, strategy: str
 ) -> None:
-    from multigpu.recipes.lm_models import load_model
+    from multigpu.models.lm_models import load_model
 
     run, ranks = adapters[(strategy, method)]
     assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])

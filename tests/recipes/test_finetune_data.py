@@ -142,7 +142,7 @@ def stream_part(path: str, steps: int, state: dict | None) -> dict[str, Any]:
     global batches in stream order, and the loader's state after."""
     import multigpu as mg
     from multigpu.data import lm_data
-    from multigpu.recipes import lm_models
+    from multigpu.models import lm_models
     from multigpu.recipes.finetune import model_inputs, summed_token_loss
 
     lm_data.TokenStream.WINDOW = 5  # several windows, one cut by each checkpoint, each packed alone

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from multigpu.core.errors import UsageError
-from multigpu.recipes import lm_models
+from multigpu.models import lm_models
 from multigpu.recipes.generate import (
     GenerateConfig,
     cut_at_eos,

@@ -133,7 +133,7 @@ def run_cells(cells: list[Cell], workdir: str, processes: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from multigpu.recipes.lm_models import model_dir
+    from multigpu.models.lm_models import model_dir
 
     model_dir("tiny")  # built here once, not by every worker at once
     root = tmp_path_factory.mktemp("matrix")

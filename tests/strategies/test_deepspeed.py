@@ -20,8 +20,8 @@ import multigpu as mg
 from multigpu import checkpoint
 from multigpu.config.precision import Precision
 from multigpu.core.errors import UsageError
-from multigpu.models.modules import give_back_freed_memory
 from multigpu.strategies.deepspeed import DeepSpeed
+from multigpu.transforms.modules import give_back_freed_memory
 from tests.checkpoint.test_checkpoint import GLOBAL_BATCH, SAMPLES, STOP, assert_resumed_exactly
 from tests.dist import refusal, run_command, run_each_in_processes, run_in_processes
 from tests.engine.test_init_module import COMPARED_WIDTH, SEED, WIDTH, Net, one_step, rss_bytes

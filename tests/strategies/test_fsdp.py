@@ -10,9 +10,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import multigpu as mg
-from multigpu.models.modules import default_units
 from multigpu.planner import plan
 from multigpu.strategies.fsdp import children_first
+from multigpu.transforms.modules import default_units
 from tests.dist import run_in_processes
 from tests.reference import dataset
 
@@ -166,7 +166,7 @@ def forward_weight_bytes(precision: str) -> dict:
     """zero3 QLoRA: the bytes every 4-bit layer computes with in forward, against those it was quantised to."""
     from bitsandbytes.nn import Linear4bit
 
-    from multigpu.recipes.lm_models import load_model
+    from multigpu.models.lm_models import load_model
 
     engine = mg.Engine(strategy="zero3", precision=precision)
     model = load_model("tiny", "qlora", precision=precision)
@@ -194,7 +194,7 @@ def forward_weight_bytes_all(precisions: list[str]) -> list[dict]:
 
 
 def test_4bit_weights_reach_forward_as_quantised_under_mixed_precision() -> None:
-    from multigpu.recipes.lm_models import QUANT_STORAGE, model_dir
+    from multigpu.models.lm_models import QUANT_STORAGE, model_dir
 
     model_dir("tiny")  # build the cache here, not in two workers at once
     precisions = ["fp16-mixed", "bf16-mixed"]

@@ -51,7 +51,7 @@ PACKED = {"data": "documents.jsonl", "seq_len": 256, "max_steps": 3}
 FP16 = {"precision": "fp16-mixed", "max_steps": 8}
 # Compiled cells trace with aot_eager: the same graphs as inductor (FSDP's hooks, pipeline stages and checkpointing
 # included) without its code generation, which costs a minute per process on 2 CPU cores. Inductor itself is tested
-# in one process (tests/models/test_compile.py).
+# in one process (tests/transforms/test_compile.py).
 AOT = {"compile": True, "compile_backend": "aot_eager"}
 DEEP = {"model": "tiny-deep"}
 INTERLEAVED_ZB = {"pp_schedule": "interleaved-zb", "pp_stages_per_rank": 2}
@@ -112,7 +112,7 @@ CELLS: dict[str, tuple[int, dict]] = {
     "zero3-x-pp-lora": (4, {"multi_gpu": "zero3", "pp_size": 2, "batch_size": 2, "method": "lora"}),
     # How the step is computed (activation checkpointing, per-block torch.compile) under each strategy: the same
     # numbers as the plain run, so the same reference. Checkpointing recomputes with the same kernels on the same
-    # inputs (bit for bit, tests/models/test_recompute.py); inductor fuses and reorders fp32 sums (~1e-7 relative).
+    # inputs (bit for bit, tests/transforms/test_recompute.py); inductor fuses and reorders fp32 sums (~1e-7 relative).
     # ddp compiled: tests/parallel/test_experts.py's ddp-compile cell; full checkpointing compiled: zero3-compile-full.
     # (batch_shares auto beside it: too few steps for a check, so it trains even; its checks move the split in
     # tests/engine/test_engine.py.)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from multigpu.core.errors import UsageError
-from multigpu.models.modules import check_ties, default_units
+from multigpu.transforms.modules import check_ties, default_units
 from tests.dist import run_in_processes
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"

@@ -26,7 +26,7 @@ from typing import Any
 from multigpu.config.precision import PRECISIONS, Precision
 from multigpu.core.errors import UsageError, require
 
-#: What activation_checkpointing may be (models/recompute.py says what each recomputes).
+#: What activation_checkpointing may be (transforms/recompute.py says what each recomputes).
 RECOMPUTE_MODES = ("none", "full", "selective", "offload")
 
 

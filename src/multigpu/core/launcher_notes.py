@@ -16,7 +16,7 @@ from dataclasses import astuple, dataclass
 LAUNCHER_DIR = "MULTIGPU_EXIT_DIR"
 LAST_CHECKPOINT = "last-checkpoint"  # the note naming the newest complete checkpoint
 USAGE_ERROR = "usage-error-rank"  # + the rank: the sentence of the UsageError that ended that rank's script
-DIVERGED = "diverged"  # the sentence that says the ranks went different ways (multigpu.engine.divergence)
+DIVERGED = "diverged"  # the sentence that says the ranks went different ways (multigpu.observers.divergence)
 SAID = "said-rank"  # + the rank: the one sentence that ended that rank's script, for the launcher to print once
 LOST_PEER = "lost-peer-rank"  # + the rank: its script failed because a peer went away (an echo, not a cause)
 STACKS = "stacks-rank"  # + the rank: its threads' Python stacks, written on the launcher's request after its script

@@ -15,7 +15,7 @@ from multigpu.config.pipeline import PipelineOptions
 from multigpu.config.settings import ComputeSettings, Settings, TrainingSettings, setting
 from multigpu.core.env import BACKENDS
 from multigpu.core.errors import UsageError, require
-from multigpu.engine.trackers import parse_log_to
+from multigpu.observers.trackers import parse_log_to
 from multigpu.parallel.compression import CompressionOptions
 from multigpu.strategies import STRATEGIES
 from multigpu.strategies.ddp import DDPOptions

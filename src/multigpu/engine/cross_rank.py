@@ -12,7 +12,7 @@ from multigpu.core.env import DistEnv, all_reduce_value, collective_device, grou
 from multigpu.core.errors import UsageError
 from multigpu.data.loader import gather_in_order
 from multigpu.data.stream import StreamLoader
-from multigpu.engine.observe import watching
+from multigpu.observers.observe import watching
 
 
 class AcrossRanks:

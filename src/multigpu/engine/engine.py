@@ -1,7 +1,7 @@
 """The Engine: the few calls a training loop makes, the same for every strategy and number of processes.
 
 What is specific to a strategy lives in its file (multigpu.strategies); what watches the run (the stuck-rank
-heartbeat, the metrics monitor, bench and verify's recorder) attaches through multigpu.engine.observe.
+heartbeat, the metrics monitor, bench and verify's recorder) attaches through multigpu.observers.observe.
 """
 
 from __future__ import annotations
@@ -32,18 +32,18 @@ from multigpu.engine.balance import Balancer
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.cross_rank import AcrossRanks
 from multigpu.engine.lr_schedule import SampleSchedule
-from multigpu.engine.observe import Hooks, Reporting, StepObserver, StepStats, new_observers, watched, watching
 from multigpu.engine.parallelize import parallelize
 from multigpu.engine.saving import Saving
 from multigpu.engine.window import Window, accumulation_for
-from multigpu.models.float8 import refresh_all_gather_scales
-from multigpu.models.loss import TokenLoss, outputs_for
-from multigpu.models.modules import call_with, on_meta
-from multigpu.models.pretrained import SafetensorsCheckpoint
+from multigpu.observers.observe import Hooks, Reporting, StepObserver, StepStats, new_observers, watched, watching
 from multigpu.optimizers.build import build_optimizer
 from multigpu.parallel.context import sliced
 from multigpu.parallel.experts import MixtureOfExperts, weigh_pipeline
 from multigpu.strategies import Strategy
+from multigpu.transforms.float8 import refresh_all_gather_scales
+from multigpu.transforms.loss import TokenLoss, outputs_for
+from multigpu.transforms.modules import call_with, on_meta
+from multigpu.transforms.pretrained import SafetensorsCheckpoint
 
 
 class Engine(Saving, Reporting, AcrossRanks):
@@ -52,7 +52,7 @@ class Engine(Saving, Reporting, AcrossRanks):
     ) -> None:
         """`strategy`: a name or a configured Strategy; `settings`: any other field of EngineConfig (precision,
         grad_accum_steps, max_grad_norm, seed, ...; see its help texts); `observers`: StepObservers of the
-        script's own, after the registered ones (multigpu.engine.observe)."""
+        script's own, after the registered ones (multigpu.observers.observe)."""
         self.observers = [*new_observers(), *observers]
         config = EngineConfig.of(strategy if isinstance(strategy, str) else strategy.name, settings)
         for observer in self.observers:  # bench and verify decide some settings, whatever the script asks for

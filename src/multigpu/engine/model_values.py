@@ -11,9 +11,9 @@ from torch import nn
 
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
-from multigpu.models.modules import MetaValues, materialize, on_meta, repoint
-from multigpu.models.pretrained import SafetensorsCheckpoint
 from multigpu.strategies import Strategy
+from multigpu.transforms.modules import MetaValues, materialize, on_meta, repoint
+from multigpu.transforms.pretrained import SafetensorsCheckpoint
 
 #: What engine.setup knows of a model's build: where the random stream stood when init_module's build began, and the
 #: checkpoint load_pretrained gave a model on the meta device.

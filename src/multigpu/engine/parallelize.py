@@ -24,16 +24,16 @@ from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.model_values import Build, meta_values
-from multigpu.models.compile import compile_blocks
-from multigpu.models.float8 import convert_linears
-from multigpu.models.loss import apply_liger
-from multigpu.models.modules import default_units, outermost, repoint
-from multigpu.models.recompute import recompute_blocks
 from multigpu.parallel.context import ContextParallel
 from multigpu.parallel.context_attention import use_context_attention
 from multigpu.parallel.experts import mixture_of_experts
 from multigpu.strategies import Strategy
 from multigpu.strategies.dp import DataParallel
+from multigpu.transforms.compile import compile_blocks
+from multigpu.transforms.float8 import convert_linears
+from multigpu.transforms.loss import apply_liger
+from multigpu.transforms.modules import default_units, outermost, repoint
+from multigpu.transforms.recompute import recompute_blocks
 
 
 def parallelize(

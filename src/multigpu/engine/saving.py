@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from multigpu import checkpoint
-from multigpu.engine.observe import StepObserver, watching
+from multigpu.observers.observe import StepObserver, watching
 from multigpu.optimizers.convert import conversions, optimizer_kinds
 from multigpu.strategies import Strategy
 

@@ -23,14 +23,14 @@ from multigpu.core.compute_clock import check_measurable
 from multigpu.core.env import DistEnv, check_backend, init_process_group
 from multigpu.core.errors import UsageError
 from multigpu.engine.config import EngineConfig
-from multigpu.engine.trackers import check_servers, parse_log_to
-from multigpu.models.float8 import check_float8
-from multigpu.models.loss import check_runnable as check_loss
-from multigpu.models.modules import parameters_on_meta
+from multigpu.observers.trackers import check_servers, parse_log_to
 from multigpu.parallel.context import ContextParallel
 from multigpu.planner import choose_strategy
 from multigpu.strategies import Strategy, build_strategy
 from multigpu.strategies.dp import DataParallel
+from multigpu.transforms.float8 import check_float8
+from multigpu.transforms.loss import check_runnable as check_loss
+from multigpu.transforms.modules import parameters_on_meta
 
 
 def resolve(given: str | Strategy, env: DistEnv, config: EngineConfig, say: Callable[[str], None]) -> Strategy:

@@ -24,9 +24,9 @@ from multigpu.core.launcher_notes import (
     launcher_note,
     usage_error_noted,
 )
-from multigpu.engine.flight_recorder import explain_nccl_timeout, read_nccl_traces
 from multigpu.launch.exit_watch import STUCK, ended_after_script, stuck_lines
 from multigpu.launch.stop import checkpoint_note
+from multigpu.observers.flight_recorder import explain_nccl_timeout, read_nccl_traces
 
 
 @contextlib.contextmanager
@@ -178,7 +178,7 @@ def first_failure(error: ChildFailedError, exits: Path) -> tuple[int, int, str]:
         exitcode = error.failures[rank].exitcode
         return rank, 128 - exitcode, f"was killed by {signal.Signals(-exitcode).name}"
     diverged = launcher_note(exits, DIVERGED)
-    if diverged is not None:  # the ranks went different ways: that sentence, said once (multigpu.engine.divergence)
+    if diverged is not None:  # the ranks went different ways: that sentence, said once (multigpu.observers.divergence)
         raise UsageError(diverged)
     if ended:
         # The script's own code: torchrun may SIGTERM the originator while it is still shutting down. A rank that

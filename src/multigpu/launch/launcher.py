@@ -26,7 +26,6 @@ from multigpu.config.settings import Settings, setting
 from multigpu.core.env import free_port
 from multigpu.core.errors import UsageError
 from multigpu.core.launcher_notes import LAST_CHECKPOINT, LAUNCHER_DIR, launcher_note
-from multigpu.engine.flight_recorder import nccl_watchdog_environment
 from multigpu.launch.exit_watch import ending_stuck_workers, stuck_lines
 from multigpu.launch.failures import (
     holding_failure_lines,
@@ -39,6 +38,7 @@ from multigpu.launch.heartbeat import NodeInfo, NodeWatch, check_node_timeouts, 
 from multigpu.launch.nodes import prepare_node
 from multigpu.launch.several_nodes import a_lost_node_explains, report_lost, run_nodes
 from multigpu.launch.stop import LAUNCHER_PID, raising_on_stop, report_stop
+from multigpu.observers.flight_recorder import nccl_watchdog_environment
 
 WORKER = ("multigpu.launch.worker",)  # what each process runs: see its module doc
 

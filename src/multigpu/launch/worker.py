@@ -222,7 +222,7 @@ def _is_launching(frame: FrameType) -> bool:
 
 def _tell_the_heartbeat(error: BaseException | None) -> None:
     """Hands the script's end to the Engine's heartbeat, if an Engine was built (the worker imports no Engine)."""
-    progress = sys.modules.get("multigpu.engine.progress")
+    progress = sys.modules.get("multigpu.observers.progress")
     if progress is not None:
         progress.script_ended(error)
 

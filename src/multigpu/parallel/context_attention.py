@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from multigpu.core.errors import UsageError
-from multigpu.models.modules import name_pattern
 from multigpu.parallel.context import TORCH_SDPA, ContextParallel, check_heads
+from multigpu.transforms.modules import name_pattern
 
 #: The name context parallelism's attention is registered under in transformers' attention functions.
 ATTENTION = "multigpu_context_parallel"

@@ -13,8 +13,8 @@ from torch import nn
 
 from multigpu.config.pipeline import stage_layers
 from multigpu.core.errors import UsageError
-from multigpu.models.modules import name_pattern
 from multigpu.parallel.decoder import decoder_plan, language_model, packed_attention_kwargs
+from multigpu.transforms.modules import name_pattern
 
 
 class SequentialStage(nn.Module):

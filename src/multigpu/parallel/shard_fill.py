@@ -13,7 +13,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from multigpu.models.modules import MetaValues, give_back_freed_memory, post_order, release
+from multigpu.transforms.modules import MetaValues, give_back_freed_memory, post_order, release
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,9 @@ from torch.distributed.tensor.parallel import (
 
 from multigpu.config.layout import TensorParallelOptions, check_tp_heads
 from multigpu.core.errors import UsageError, require
-from multigpu.models.modules import name_pattern
 from multigpu.parallel.experts import without_experts
 from multigpu.parallel.tp_styles import PLAN_SEQUENCE_STYLES, SEQUENCE_STYLES, STYLES
+from multigpu.transforms.modules import name_pattern
 
 
 def model_plan(model: nn.Module) -> dict[str, str]:

@@ -45,7 +45,7 @@ def _shape(model: Any, sample_input: Any = None) -> ModelShape:
 
 def _built_on_meta(model: Any) -> bool:
     """A module built under engine.init_module() reaches engine.setup with its parameters on the meta device."""
-    from multigpu.models.modules import on_meta  # torch, only when a module is given
+    from multigpu.transforms.modules import on_meta  # torch, only when a module is given
 
     return hasattr(model, "parameters") and on_meta(model)
 

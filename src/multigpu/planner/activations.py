@@ -10,7 +10,7 @@ Per layer, without checkpointing (measured tensor by tensor with saved_tensors_h
   MLP                 4*T*i*c               gate, up, SiLU(gate), and down_proj's input
 Outside the layers: token ids and labels (16T), the final norm and lm_head's input, and the fp32 log-softmax over
 the vocabulary (4*T*V), which dominates small models with large vocabularies.
-Under activation checkpointing (models/recompute.py's modes) a layer keeps
+Under activation checkpointing (transforms/recompute.py's modes) a layer keeps
   full                only its input (T*h*r);
   selective           its input and the outputs of its matrix products and attention: q, k, v, sdpa's output and
                       logsumexp, o_proj, gate, up and down_proj (T*c*(4h + 2kv + 2i) + 4*b*heads*s);

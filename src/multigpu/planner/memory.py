@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from multigpu.planner.activations import transformer_activations
-from multigpu.planner.config import OPTIMIZERS, PlanConfig, takes_cp, takes_ep  # noqa: F401  (importers)
 from multigpu.planner.gpus import MixedGpus, parse_bytes  # noqa: F401  (importers)
-from multigpu.planner.layout import Stage, held_shape, pipeline_stages, stage_activations
+from multigpu.planner.model_parallel import Stage, held_shape, pipeline_stages, stage_activations
+from multigpu.planner.plan_config import OPTIMIZERS, PlanConfig, takes_cp, takes_ep  # noqa: F401  (importers)
 from multigpu.planner.setup_memory import BUILD_BYTES, setup_bytes, setup_fits
 from multigpu.planner.shapes import ModelShape
 from multigpu.planner.states import model_states, sharded_states

@@ -45,7 +45,7 @@ def from_module(module: Any, sample_input: Any = None) -> ModelShape:
     (expert_modules) are counted apart, their linears outside LoRA's targets and QLoRA's quantised linears."""
     from torch import nn
 
-    from multigpu.models.modules import default_units
+    from multigpu.transforms.modules import default_units
 
     units = default_units(module) or [module]
     experts = expert_modules(module)

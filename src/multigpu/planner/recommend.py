@@ -8,7 +8,6 @@ from dataclasses import replace
 
 from multigpu.config.optimizer import NOT_UNDER_DEEPSPEED, NOT_WITH_CPU_OFFLOAD
 from multigpu.core.errors import UsageError
-from multigpu.planner.config import PlanConfig, takes_ep
 from multigpu.planner.gpus import MixedGpus, shares_that_fit
 from multigpu.planner.memory import (
     COMPOSED,
@@ -24,6 +23,7 @@ from multigpu.planner.memory import (
     setup,
     strategy_memory,
 )
+from multigpu.planner.plan_config import PlanConfig, takes_ep
 from multigpu.planner.setup_memory import setup_fits, setup_warning
 from multigpu.planner.shapes import ModelShape
 from multigpu.planner.states import model_states

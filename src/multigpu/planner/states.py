@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from multigpu.planner.shapes import ModelShape
 
 if TYPE_CHECKING:
-    from multigpu.planner.config import PlanConfig
+    from multigpu.planner.plan_config import PlanConfig
 
 
 def bytes_per_param(precision: str) -> int:

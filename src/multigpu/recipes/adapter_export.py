@@ -11,7 +11,7 @@ from multigpu import checkpoint as checkpoints
 from multigpu.config.config_writer import RUN_CONFIG
 from multigpu.core.atomic import write_dir
 from multigpu.core.errors import UsageError
-from multigpu.recipes import lm_models
+from multigpu.models import lm_models
 from multigpu.recipes.common import EXPORT_RESULT, check_new_output, run_record
 from multigpu.recipes.finetune import FinetuneConfig
 from multigpu.recipes.lm_results import save_pretrained

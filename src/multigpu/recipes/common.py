@@ -27,9 +27,9 @@ from multigpu.core.launcher_notes import LAST_CHECKPOINT, LAUNCHER_DIR, attempt,
 from multigpu.engine import start
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
-from multigpu.engine.monitor import peak_memory_bytes
 from multigpu.launch.launcher import LaunchConfig, launch, select_gpus
-from multigpu.models.pretrained import give_usual_mode
+from multigpu.observers.monitor import peak_memory_bytes
+from multigpu.transforms.pretrained import give_usual_mode
 
 
 class RunDir(Protocol):

@@ -28,8 +28,9 @@ from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
 from multigpu.engine.lr_schedule import SampleSchedule
 from multigpu.launch.launcher import LaunchConfig
-from multigpu.models.loss import TokenLoss, summed_cross_entropy
-from multigpu.recipes import lm_fit, lm_models
+from multigpu.models import lm_models
+from multigpu.models.lm_experts import check_experts, expert_progress, expert_summary
+from multigpu.recipes import lm_fit
 from multigpu.recipes.common import (
     NPROC_NOTE,
     NPROC_UNSET,
@@ -47,9 +48,9 @@ from multigpu.recipes.common import (
     skipped_note,
     step_checkpoint,
 )
-from multigpu.recipes.lm_experts import check_experts, expert_progress, expert_summary
 from multigpu.recipes.lm_results import outputs, save_result
 from multigpu.recipes.resume_changes import FINETUNE, check_resume, follow_changes, following_hyperparameters
+from multigpu.transforms.loss import TokenLoss, summed_cross_entropy
 
 
 @dataclass

@@ -40,9 +40,9 @@ from multigpu.core.env import DistEnv, init_process_group
 from multigpu.core.errors import UsageError, exit_on_usage_error
 from multigpu.data import lm_data
 from multigpu.launch.launcher import LaunchConfig, launch
-from multigpu.recipes import lm_models
+from multigpu.models import lm_models
+from multigpu.models.lm_models import ModelSettings
 from multigpu.recipes.common import check_new_output
-from multigpu.recipes.lm_models import ModelSettings
 
 DEVICE_MAPS = ("auto", "balanced", "sequential")
 GATHER_TIMEOUT_S = 3600.0  # how long rank 0 waits for the slowest rank's last batch

@@ -14,11 +14,11 @@ import torch
 from multigpu.config.layout import ParallelDims, check_tp_heads
 from multigpu.config.pipeline import check_microbatches, check_schedule, stage_layers
 from multigpu.core.errors import UsageError
+from multigpu.models.lm_models import model_dir
 from multigpu.parallel.context import check_heads
-from multigpu.planner.config import PlanConfig
 from multigpu.planner.memory import activations_per_gpu
+from multigpu.planner.plan_config import PlanConfig
 from multigpu.planner.shapes import load_shape
-from multigpu.recipes.lm_models import model_dir
 
 
 def check_fits(config: Any, layout: ParallelDims) -> None:

@@ -15,9 +15,9 @@ from torch import nn
 
 from multigpu.core.atomic import write_dir
 from multigpu.engine.engine import Engine
-from multigpu.models.pretrained import give_usual_mode
-from multigpu.recipes import lm_models
+from multigpu.models import lm_models
 from multigpu.recipes.common import RUN_RESULT
+from multigpu.transforms.pretrained import give_usual_mode
 
 
 def save_result(config: Any, engine: Engine, model: nn.Module, tokenizer: Any) -> Path:

@@ -28,8 +28,8 @@ from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
 from multigpu.engine.lr_schedule import SampleSchedule
 from multigpu.launch.launcher import LaunchConfig
-from multigpu.recipes import activity_models
-from multigpu.recipes.activity_models import MODES
+from multigpu.models import activity_models
+from multigpu.models.activity_models import MODES
 from multigpu.recipes.common import (
     NPROC_NOTE,
     NPROC_UNSET,

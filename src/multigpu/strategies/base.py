@@ -20,8 +20,8 @@ from multigpu.config.precision import Precision, PrecisionPlan
 from multigpu.core.env import DistEnv, grouped
 from multigpu.core.errors import UsageError
 from multigpu.core.lazy import is_dtensor
-from multigpu.models.modules import MetaValues, parameters_on_meta
 from multigpu.parallel.mesh import build_mesh
+from multigpu.transforms.modules import MetaValues, parameters_on_meta
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ from multigpu.config.precision import Precision, PrecisionPlan
 from multigpu.config.settings import StrategyOptions, setting
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError, require
-from multigpu.models.modules import give_back_freed_memory
 from multigpu.parallel.deepspeed_config import completed_config
 from multigpu.strategies.base import StepOutcome, Strategy, frozen_names
+from multigpu.transforms.modules import give_back_freed_memory
 
 INSTALL = "pip install 'multigpu[deepspeed]'"
 

@@ -15,13 +15,13 @@ from multigpu.config.layout import SHARDS, ShardingOptions, TensorParallelOption
 from multigpu.config.precision import Precision, PrecisionPlan
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError, require
-from multigpu.models.modules import MetaValues, check_ties, default_units, repoint
 from multigpu.parallel.compression import CompressionOptions, refuse_powersgd
 from multigpu.parallel.grad_scaler import DTensorGradScaler
 from multigpu.parallel.mesh import with_cp
 from multigpu.parallel.shard_fill import fill_shards
 from multigpu.parallel.tensor_parallel import check_sequence_parallel, start_alike
 from multigpu.strategies.base import Strategy, is_quantized
+from multigpu.transforms.modules import MetaValues, check_ties, default_units, repoint
 
 UnitSelector = Callable[[nn.Module], list[nn.Module]]
 

@@ -38,13 +38,13 @@ from multigpu.config.precision import Precision, PrecisionPlan
 from multigpu.core.compute_clock import probe_s, probe_tflop
 from multigpu.core.env import DistEnv, collective_device
 from multigpu.core.errors import UsageError
-from multigpu.models.modules import repoint
 from multigpu.parallel.mesh import with_cp
 from multigpu.parallel.pipeline_schedules import VStage, schedule_class
 from multigpu.parallel.pipeline_stages import DecoderStage, layer_count, stage_parts
 from multigpu.parallel.tensor_parallel import check_sequence_parallel, start_alike, tied_places
 from multigpu.strategies.base import StepOutcome, Strategy, frozen_names
 from multigpu.strategies.fsdp import FSDP
+from multigpu.transforms.modules import repoint
 
 #: What a stage's loss function hands back to the engine: the loss (a mean, or a sum with its count).
 LossFn = Callable[[Any, Any], Any]

@@ -3,7 +3,7 @@
 Both launch the script unchanged through `python -m multigpu.tools.harness DIR SCRIPT ...`: each process reads
 DIR/harness.json, a Harness (which strategy and precision to run whatever the script asks for, when to stop,
 whether to skip gradient synchronisation), attaches a Recorder to every Engine the script builds
-(multigpu.engine.observe) and hands over to multigpu.launch.worker. Each rank writes DIR/rank{r}.json with its
+(multigpu.observers.observe) and hands over to multigpu.launch.worker. Each rank writes DIR/rank{r}.json with its
 step records; with `dump_params` rank 0 also writes DIR/initial_params.pt and DIR/params.pt.
 """
 
@@ -20,9 +20,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from multigpu.core.errors import UsageError
 from multigpu.engine import Engine, EngineConfig, StepObserver, StepStats, observe_every_engine
-from multigpu.engine.monitor import Monitor, peak_memory_bytes
 from multigpu.launch import worker
 from multigpu.launch.launcher import LaunchConfig, launch
+from multigpu.observers.monitor import Monitor, peak_memory_bytes
 from multigpu.optimizers.build import state_bytes
 from multigpu.parallel.compression import step_payload_bytes
 

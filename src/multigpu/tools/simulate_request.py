@@ -19,9 +19,8 @@ from multigpu.config.flags import json_value, parse_groups, parse_list, read_jso
 from multigpu.config.settings import Settings, setting, shown
 from multigpu.core.errors import UsageError
 from multigpu.engine.config import EngineConfig
-from multigpu.models.recompute import FORWARD_RUN_AGAIN
 from multigpu.parallel.compression import Compression, payload_bytes, refuse_powersgd
-from multigpu.tools.simulate import (
+from multigpu.planner.simulate import (
     INTERCONNECTS,
     OPS,
     STRATEGIES,
@@ -36,7 +35,8 @@ from multigpu.tools.simulate import (
     simulate,
     simulate_mixed,
 )
-from multigpu.tools.simulate_advice import link_advice
+from multigpu.planner.simulate_advice import link_advice
+from multigpu.transforms.recompute import FORWARD_RUN_AGAIN
 
 if TYPE_CHECKING:  # the planner's shapes are imported where a request is resolved
     from multigpu.planner.shapes import ModelShape, Transformer
