@@ -12,9 +12,20 @@ from pathlib import Path
 import pytest
 
 import multigpu
-from multigpu.config.settings import SHOWS, Settings, override, setting_names, shown, shown_sources
+from multigpu.config.settings import (
+    SHOWS,
+    Settings,
+    TrainingSettings,
+    override,
+    override_group,
+    setting,
+    setting_names,
+    shown,
+    shown_group,
+    shown_sources,
+)
 from multigpu.core.errors import UsageError
-from multigpu.engine.config import EngineConfig
+from multigpu.engine.config import EngineConfig, StrategyChoice
 from multigpu.planner.plan_config import PlanConfig
 from multigpu.recipes.finetune import FinetuneConfig
 from multigpu.recipes.generate import GenerateConfig
@@ -58,10 +69,8 @@ def test_every_engine_setting_is_declared_in_one_dataclass_only() -> None:
 CONFIGS = (TrainConfig, FinetuneConfig, GenerateConfig, PlanConfig, VerifyConfig, BenchConfig, SimulateRequest)
 
 
-@pytest.mark.parametrize("config", [EngineConfig, *CONFIGS], ids=lambda config: config.__name__)
-def test_every_field_of_a_config_is_declared_in_a_class_body(config: type) -> None:
-    """What a reader or a type checker finds by searching `multi_gpu:`: every field is written in the body of a
-    dataclass of the package that the config is or inherits, none made at run time."""
+def body_names(config: type) -> set[str]:
+    """The fields written in the bodies of the package's dataclasses that `config` is or inherits."""
     bodies: dict[str, set[str]] = {}
     for name, where, _ in declared_fields():
         bodies.setdefault(where, set()).add(name)
@@ -70,7 +79,21 @@ def test_every_field_of_a_config_is_declared_in_a_class_body(config: type) -> No
         module = cls.__module__.removeprefix("multigpu.").replace(".", "/")
         declared |= bodies.get(f"{module}.py:{cls.__name__}", set())
         declared |= bodies.get(f"{module}/__init__.py:{cls.__name__}", set())
-    assert set(setting_names(config)) - declared == set()
+    return declared
+
+
+@pytest.mark.parametrize("config", [EngineConfig, *CONFIGS], ids=lambda config: config.__name__)
+def test_every_field_of_a_config_is_declared_in_a_class_body(config: type) -> None:
+    """What a reader finds by searching `multi_gpu:`: every field is written in the body of a dataclass of the
+    package that the config is or inherits, or, taken whole with its group (shown_group), in its source's; none is
+    made at run time from nothing."""
+    fields = {field.name: field for field in dataclasses.fields(config)}
+    left = set(setting_names(config)) - body_names(config)
+    from_groups = {name for name in left if SHOWS in fields[name].metadata}
+    assert left - from_groups == set()
+    for name in from_groups:
+        shows = fields[name].metadata[SHOWS]
+        assert shows.name == name and name in body_names(shows.source), name
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda config: config.__name__)
@@ -143,6 +166,44 @@ def test_a_shown_setting_its_source_lacks_or_types_otherwise_is_refused_at_impor
         @dataclass
         class OverrideWithoutNone(Settings):
             compile: bool = override(EngineConfig)
+
+
+def test_a_group_shows_its_settings_in_its_order_and_those_declared_otherwise_as_declared() -> None:
+    """A group's settings take its place in the body, in the source's order (or the order named); one the config
+    declares itself (another default, name) keeps its declaration in the group's order; `omit` leaves some out."""
+
+    @dataclass
+    class Shows(Settings):
+        before: int = setting(0, "a setting of its own")
+        multi_gpu: str = shown(EngineConfig, "strategy")
+        grad_accum_steps: int = shown(EngineConfig, default=2)
+        _training = shown_group(EngineConfig, StrategyChoice, TrainingSettings, omit=("global_batch_size",))
+        _overrides = override_group(EngineConfig, "tp_size", "cp_method", note="; here")
+        after: int = setting(0, "another")
+
+    order = ["before", "multi_gpu", "precision", "grad_accum_steps", "max_grad_norm", "seed", "tp_size", "cp_method"]
+    assert setting_names(Shows) == (*order, "after")
+    assert not hasattr(Shows, "_training") and Shows().values_for(EngineConfig)["grad_accum_steps"] == 2
+    tp_size = next(f for f in dataclasses.fields(Shows) if f.name == "tp_size")
+    assert tp_size.default is None and tp_size.metadata[SHOWS].override and tp_size.metadata["help"].endswith("; here")
+    assert typing.get_type_hints(Shows)["cp_method"] == str | None
+    with pytest.raises(UsageError, match=r"^Unknown cp_method 'mesh'"):
+        Shows(cp_method="mesh")
+
+
+def test_a_group_naming_what_its_source_lacks_or_hiding_a_field_is_refused_at_import() -> None:
+    with pytest.raises(TypeError, match=r"EngineConfig has no setting\(s\) tp$"):
+
+        @dataclass
+        class NoSuchSetting(Settings):
+            _layout = shown_group(EngineConfig, "tp")
+
+    with pytest.raises(TypeError, match=r"Clash: seed declared otherwise too; omit it from the group"):
+
+        @dataclass
+        class Clash(Settings):
+            seed: int = setting(1, "a seed of its own")
+            _training = shown_group(EngineConfig, TrainingSettings)
 
 
 @pytest.mark.parametrize(

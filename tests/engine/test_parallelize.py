@@ -12,10 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from multigpu.config.layout import ParallelDims
+from multigpu.config.layout import ALONE, ParallelDims
 from multigpu.config.precision import Precision, PrecisionPlan
 from multigpu.core.env import DistEnv
 from multigpu.engine import parallelize as plan_module
+from multigpu.transforms.modules import default_units
 
 #: The steps in the documented order, each as the function the plan calls for it.
 STEPS = {
@@ -26,20 +27,40 @@ STEPS = {
     "expert parallelism": "spread_experts",
     "activation checkpointing": "recompute_blocks",
     "compile": "compile_blocks",
+    "pipeline stages": "cut_stages",
+    "expert data parallelism": "hold_experts",
     "data-parallel wrapping": "setup",
 }
+#: The steps the strategy itself takes (its methods); the plan's own functions are the others.
+STRATEGY_STEPS = ("cut_stages", "setup")
 ARCHITECTURE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
 
 class Recorded:
     """A strategy with a tp dimension and ep, whose hooks only record that they ran."""
 
-    name, mesh_dims, builds_on_meta = "recorded", ("tp",), False
+    name, mesh_dims, builds_on_meta, spread = "recorded", ("tp",), False, ALONE
     layout = ParallelDims(shard=2, tp=2, ep=2)
 
     def __init__(self, order: list[str]) -> None:
-        self.order, self.experts = order, None
+        self.order = order
         self.mesh = SimpleNamespace(mesh_dim_names=("tp",))
+
+    def splits_layers(self) -> bool:
+        return True
+
+    def gathers_weights(self) -> bool:
+        return False
+
+    def unit_blocks(self, model: nn.Module) -> list[nn.Module]:
+        return default_units(model)
+
+    def sharded_modules(self, model: nn.Module) -> list[nn.Module]:
+        return self.unit_blocks(model)
+
+    def cut_stages(self, model: nn.Module, optimizer: Any, env: DistEnv) -> tuple[nn.Module, Any]:
+        self.order.append("cut_stages")
+        return model, optimizer
 
     def build_mesh(self, env: DistEnv) -> Any:
         self.order.append("build_mesh")
@@ -57,7 +78,7 @@ class Recorded:
 def test_the_plan_applies_every_step_once_in_the_documented_order(monkeypatch: pytest.MonkeyPatch) -> None:
     order: list[str] = []
     for function in STEPS.values():
-        if function != "setup":
+        if function not in STRATEGY_STEPS:
             monkeypatch.setattr(plan_module, function, lambda *_, name=function, **__: order.append(name))
     monkeypatch.setattr(plan_module, "mixture_of_experts", lambda *_: None)
     config = SimpleNamespace(

@@ -97,9 +97,10 @@ def test_every_rank_writes_the_model_files_of_a_cache_it_builds(tmp_path: Path) 
     """transformers' save_pretrained writes nothing on rank 1 of a process group: a first run on several processes
     could then publish a cache directory without its model, and every later run would rebuild it inside the
     meta-device context and fail."""
-    assert run_in_processes(
-        "tests.models.test_lm_models:save_on_each_rank", 2, timeout=120, workdir=str(tmp_path)
-    ) == [True, True]
+    assert run_in_processes("tests.models.test_lm_models:save_on_each_rank", 2, timeout=120, workdir=str(tmp_path)) == [
+        True,
+        True,
+    ]
 
 
 def test_an_incomplete_cache_directory_is_replaced(tmp_path: Path) -> None:

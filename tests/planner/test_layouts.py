@@ -235,14 +235,21 @@ def test_a_v_puts_the_head_beside_the_embedding_on_rank_0() -> None:
 
 
 def test_each_planner_row_lays_processes_out_as_its_strategy_does() -> None:
-    """The planner (below the strategies) names each row's spread itself; it must be the registered strategy's."""
-    from multigpu.planner.plan_config import SPREADS
+    """The planner's rows come from the registry (planner/rows.py): each lays processes out as its strategy does."""
+    from multigpu.planner.rows import rows
     from multigpu.strategies import strategy_class
 
     def strategy_of(row: str) -> str:
         return {"tp+pp": "pp", "zero3+offload": "zero3"}.get(row, "deepspeed" if "deepspeed" in row else row)
 
-    assert {row: SPREADS[row] for row in SPREADS} == {row: strategy_class(strategy_of(row)).spread for row in SPREADS}
+    found = rows()
+    assert set(found) == {
+        *("single", "dp", "ddp", "zero1", "zero2", "zero3", "zero3+offload", "hsdp"),
+        *("deepspeed1", "deepspeed2", "deepspeed3", "tp", "pp", "tp+pp"),
+    }
+    assert {label: r.spread for label, r in found.items()} == {
+        label: strategy_class(strategy_of(label)).spread for label in found
+    }
 
 
 def test_pp_split_sizes_each_stage_and_the_binding_rank_is_shown() -> None:

@@ -107,6 +107,10 @@ class TensorParallelOptions(StrategyOptions):
         "processes (less activation memory; the sequence length must be a multiple of tp_size)",
     )
 
+    def splits_sequence(self) -> bool:
+        """Strategy.splits_sequence, for the strategies that take these options."""
+        return self.sequence_parallel
+
 
 @dataclass
 class ShardingOptions(StrategyOptions):

@@ -18,11 +18,12 @@ OPTIMIZERS = ("adamw", "muon", "adamw-bf16", "adamw-8bit", "adamw-4bit", "sgd")
 #: Optimizers whose states are not AdamW's two float32 tensors per parameter.
 LOW_BIT = ("adamw-bf16", "adamw-8bit", "adamw-4bit")
 #: What cannot step under DeepSpeed, whose ZeRO updates flat partitions of many parameters: Muon finds no matrix
-#: there, torchao's low-bit states no tensor of their own. Runs refuse them (EngineConfig); the planner leaves its
-#: DeepSpeed rows out for them.
+#: there, torchao's low-bit states no tensor of their own. Runs refuse them (strategies/compatibility.py, from
+#: deepspeed's composes_with); the planner leaves its DeepSpeed rows out for them.
 NOT_UNDER_DEEPSPEED = ("muon", *LOW_BIT)
-#: What cannot step with zero3's cpu_offload: Muon gathers each matrix's update across ranks, and the offloaded
-#: shards live in host memory, which that gather cannot take over NCCL.
+#: What cannot step with zero3's cpu_offload (a pair of strategies/compatibility.py's table): Muon gathers each
+#: matrix's update across ranks, and the offloaded shards live in host memory, which that gather cannot take over
+#: NCCL.
 NOT_WITH_CPU_OFFLOAD = ("muon",)
 #: Which weights Muon orthogonalises (the rest step with AdamW).
 MUON_PARAMS = ("hidden", "matrices")

@@ -6,8 +6,10 @@ reads it (the planner's in core, a strategy's own options in its file). A verb t
 config (some of them, or under its own defaults or flag names: train's `--multi-gpu` is the Engine's strategy,
 verify's overrides default to the script's own) declares each as a field of its own config whose value is
 `shown(Source)` or `override(Source)`: the field keeps the one definition (help, choices, checks), and building the
-config builds the source from those values, so the source's checks run. Every field of every config is thus
-written in a class body, where a reader or a type checker finds it. The CLI's flags, config files, `multigpu
+config builds the source from those values, so the source's checks run. A config that shows many takes them as a
+group (`_engine = shown_group(EngineConfig, omit=...)`, `override_group`) and declares only those it shows
+otherwise (another default, note or flag name). Every field of every config is thus written in a class body, its
+own or its source's, where a reader finds it. The CLI's flags, config files, `multigpu
 config VERB` and docs/cli.md are all made from the fields (config/flags.py, config/config_file.py and
 config/config_writer.py).
 """
@@ -134,6 +136,101 @@ def override(source: type, name: str | None = None, *, note: str = "") -> Any:
     return Shown(source, name, note=note, override=True)
 
 
+@dataclass(frozen=True)
+class ShownGroup:
+    """Several settings of `source` that a config shows at once: see `shown_group` and `override_group`."""
+
+    source: type
+    settings: tuple[type | str, ...]
+    omit: tuple[str, ...]
+    note: str
+    override: bool
+
+    def names(self) -> list[str]:
+        """The source's names of the settings, in order (a group's fields in its order; none given: every setting
+        of the source); refuses (TypeError, at import) a name or group that is not the source's."""
+        own = setting_names(self.source)
+        if not self.settings:
+            names = list(own)
+        else:
+            names = []
+            for item in self.settings:
+                names += setting_names(item) if isinstance(item, type) else [item]
+        missing = [name for name in [*names, *self.omit] if name not in own]
+        if missing:
+            raise TypeError(f"{self.source.__name__} has no setting(s) {', '.join(missing)}")
+        return [name for name in names if name not in self.omit]
+
+    def entries(self, declared: Mapping[tuple[type, str], str]) -> dict[str, Any]:
+        """{field name: (type, Shown)} of the group's settings, in order; None for one the config declares itself
+        (under another default, note or name, or in a base), which keeps its declaration (`declared`: (source, the
+        source's name) -> the field's name)."""
+        hints = _type_hints(self.source)
+        found: dict[str, Any] = {}
+        for name in self.names():
+            ours = declared.get((self.source, name))
+            if ours is not None:
+                found[ours] = None
+            else:
+                found[name] = (
+                    hints[name] | None if self.override else hints[name],
+                    Shown(self.source, name, note=self.note, override=self.override),
+                )
+        return found
+
+
+def shown_group(source: type, *settings: type | str, omit: Iterable[str] = (), note: str = "") -> Any:
+    """Settings of `source` shown by another config all at once, declared in its body as `_name =
+    shown_group(Source, ...)`: each as `field: type = shown(Source, note=note)` would declare it, in that place of
+    the body. `settings` are groups of `source`'s settings (the classes it is made of, all their fields) or names;
+    none: every setting of `source`; `omit` leaves some out. A setting of the group that the config declares itself
+    (`log_every: int = shown(EngineConfig, default=10)`, train's `multi_gpu`), in its body or a base's, keeps that
+    declaration, and takes its place in the group's order (a base's field keeps the base's place): so a config
+    writes only the settings it shows otherwise than `source` defines them."""
+    return ShownGroup(source, tuple(settings), tuple(omit), note, override=False)
+
+
+def override_group(source: type, *settings: type | str, note: str = "") -> Any:
+    """Settings of `source` as a tool's overrides all at once (`override` says what one is), as `shown_group`."""
+    return ShownGroup(source, tuple(settings), (), note, override=True)
+
+
+def _expand_groups(cls: type) -> None:
+    """Each `shown_group` of `cls`'s body becomes its fields' annotations and `Shown` markers, in its place: the
+    body's annotations are rewritten in order, a setting the config declares itself moved into the group's place."""
+    body = dict(vars(cls))
+    groups = {name: value for name, value in body.items() if isinstance(value, ShownGroup)}
+    if not groups:
+        return
+    annotations = dict(body.get("__annotations__", {}))
+    declared = {(value.source, value.name or name): name for name, value in body.items() if isinstance(value, Shown)}
+    inherited = {name for base in cls.__mro__[1:] for name in getattr(base, "__dataclass_fields__", {})}
+    for base in cls.__mro__[1:]:
+        for field in getattr(base, "__dataclass_fields__", {}).values():
+            if (shows := field.metadata.get(SHOWS)) is not None:
+                declared.setdefault((shows.source, shows.name), field.name)
+    expanded = {name: group.entries(declared) for name, group in groups.items()}
+    made = [ours for entries in expanded.values() for ours, entry in entries.items() if entry is not None]
+    clashing = sorted({ours for ours in made if ours in annotations or ours in inherited or made.count(ours) > 1})
+    if clashing:  # a setting of its own under the name, or a group's twice: one field would hide the other
+        raise TypeError(f"{cls.__name__}: {', '.join(clashing)} declared otherwise too; omit it from the group")
+    placed = {ours for entries in expanded.values() for ours in entries}
+    ordered: dict[str, Any] = {name: kind for name, kind in annotations.items() if name not in body}
+    for name in body:
+        if name in expanded:
+            for ours, entry in expanded[name].items():
+                if entry is None:  # declared by the config: its own annotation (a base's keeps the base's place)
+                    if ours in annotations:
+                        ordered[ours] = annotations[ours]
+                else:
+                    ordered[ours] = entry[0]
+                    setattr(cls, ours, entry[1])
+            delattr(cls, name)
+        elif name in annotations and name not in placed:
+            ordered[name] = annotations[name]
+    cls.__annotations__ = ordered
+
+
 def shown_sources(config: type) -> dict[type, dict[str, str]]:
     """Each config whose settings `config` shows, with {name in `config`: name in the source} for each setting."""
     found: dict[type, dict[str, str]] = {}
@@ -161,6 +258,7 @@ class Settings:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # Before @dataclass reads the class: each `shown(...)` becomes the field it stands for.
         super().__init_subclass__(**kwargs)
+        _expand_groups(cls)
         marked = {name: value for name, value in vars(cls).items() if isinstance(value, Shown)}
         if marked:
             declared = typing.get_type_hints(cls)
@@ -231,11 +329,7 @@ class TrainingSettings(Settings):
                 self.global_batch_size is None or self.global_batch_size >= 1,
                 f"global_batch_size must be 1 or more (got {self.global_batch_size}); leave it unset for none.",
             ),
-            (
-                self.global_batch_size is None or self.grad_accum_steps == 1,
-                "global_batch_size derives grad_accum_steps from the number of processes; give one of the two, "
-                f"not both (got grad_accum_steps {self.grad_accum_steps}).",
-            ),
+            # global_batch_size with grad_accum_steps: strategies/compatibility.py's table of what composes.
             (
                 self.max_grad_norm is None or 0 < self.max_grad_norm < math.inf,
                 f"max_grad_norm must be a positive finite number (got {self.max_grad_norm}); leave it unset for none.",
@@ -246,15 +340,8 @@ class TrainingSettings(Settings):
 
 @dataclass
 class ComputeSettings(Settings):
-    """How a step's work is done, leaving what it computes as it is."""
-
-    def check(self) -> None:
-        require(
-            (
-                self.compile or self.compile_backend == "inductor",
-                f"compile_backend {self.compile_backend} is torch.compile's; add compile (--compile) or drop it.",
-            ),
-        )
+    """How a step's work is done, leaving what it computes as it is (compile_backend without compile is refused by
+    strategies/compatibility.py's table of what composes)."""
 
     activation_checkpointing: str = setting(
         "none",

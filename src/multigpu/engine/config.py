@@ -1,7 +1,8 @@
 """The Engine's settings: EngineConfig is every group of settings the Engine reads, each defined once in the lowest
 layer that reads it (config/settings.py says how), and the few that only the Engine reads. `multigpu demo` maps them
-flag for flag; train, finetune, plan, bench, verify and simulate declare the ones they show as fields of their own
-configs, each `shown(EngineConfig)` or `override(EngineConfig)`."""
+flag for flag; train, finetune, plan, bench, verify and simulate show them in their own configs, a group at a time
+(`shown_group(EngineConfig, ...)`, `override_group`) or one at a time where a verb shows one otherwise
+(`shown(EngineConfig, default=...)`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from multigpu.config.layout import LayoutSettings, ShardingOptions, TensorParallelOptions
-from multigpu.config.optimizer import NOT_UNDER_DEEPSPEED, NOT_WITH_CPU_OFFLOAD, OptimizerSettings
+from multigpu.config.optimizer import OptimizerSettings
 from multigpu.config.pipeline import PipelineOptions
 from multigpu.config.settings import ComputeSettings, Settings, TrainingSettings, setting
 from multigpu.core.env import BACKENDS
@@ -18,6 +19,7 @@ from multigpu.core.errors import UsageError, require
 from multigpu.observers.trackers import parse_log_to
 from multigpu.parallel.compression import CompressionOptions
 from multigpu.strategies import STRATEGIES
+from multigpu.strategies.compatibility import check_settings
 from multigpu.strategies.ddp import DDPOptions
 from multigpu.strategies.deepspeed import DeepSpeedOptions
 
@@ -95,21 +97,8 @@ class EngineConfig(
             ),
         )
         parse_log_to(self.log_to, self.log_dir)
-        self._check_optimizer()
-
-    def _check_optimizer(self) -> None:
-        require(
-            (
-                not (self.strategy == "deepspeed" and self.optimizer in NOT_UNDER_DEEPSPEED),
-                f"Strategy deepspeed steps its optimizer over flat partitions of many parameters, which optimizer "
-                f"{self.optimizer} cannot update; use zero2 or zero3 with it, or adamw under deepspeed.",
-            ),
-            (
-                not (self.cpu_offload and self.optimizer in NOT_WITH_CPU_OFFLOAD),
-                "optimizer muon gathers each matrix's update across ranks, which zero3's cpu_offload keeps in host "
-                "memory; drop cpu_offload, or use adamw or a low-bit adamw with it.",
-            ),
-        )
+        # Settings that cannot go together, and features the strategy does not run with: the one table of them.
+        check_settings(self)
 
     @classmethod
     def of(cls, strategy: str, settings: dict[str, Any]) -> EngineConfig:

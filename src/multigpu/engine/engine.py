@@ -32,21 +32,21 @@ from multigpu.engine.balance import Balancer
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.cross_rank import AcrossRanks
 from multigpu.engine.lr_schedule import SampleSchedule
+from multigpu.engine.micro_step import MicroSteps
 from multigpu.engine.parallelize import parallelize
 from multigpu.engine.saving import Saving
 from multigpu.engine.window import Window, accumulation_for
 from multigpu.observers.observe import Hooks, Reporting, StepObserver, StepStats, new_observers, watched, watching
 from multigpu.optimizers.build import build_optimizer
-from multigpu.parallel.context import sliced
-from multigpu.parallel.experts import MixtureOfExperts, weigh_pipeline
+from multigpu.parallel.experts import MixtureOfExperts
 from multigpu.strategies import Strategy
 from multigpu.transforms.float8 import refresh_all_gather_scales
-from multigpu.transforms.loss import TokenLoss, outputs_for
-from multigpu.transforms.modules import call_with, on_meta
+from multigpu.transforms.loss import TokenLoss
+from multigpu.transforms.modules import on_meta
 from multigpu.transforms.pretrained import SafetensorsCheckpoint
 
 
-class Engine(Saving, Reporting, AcrossRanks):
+class Engine(MicroSteps, Saving, Reporting, AcrossRanks):
     def __init__(
         self, strategy: str | Strategy = "auto", *, observers: Sequence[StepObserver] = (), **settings: Any
     ) -> None:
@@ -88,6 +88,7 @@ class Engine(Saving, Reporting, AcrossRanks):
         self._init_rng: torch.Tensor | None = None  # the random stream where init_module's build began
         self._pretrained: dict[int, SafetensorsCheckpoint] = {}  # load_pretrained's, by model, until setup
         self._model: nn.Module | None = None
+        self._experts: MixtureOfExperts | None = None  # the model's mixture of experts, found by setup
         self._set_up: list[nn.Module] = []  # what setup was given and returned, so a second setup is caught
         self._built_optimizers: list[torch.optim.Optimizer] = []  # engine.optimizer's, which setup accepts
         self._step_end = time.perf_counter()
@@ -142,7 +143,7 @@ class Engine(Saving, Reporting, AcrossRanks):
     @property
     def experts(self) -> MixtureOfExperts | None:
         """The model's mixture of experts once set up (`experts.metrics()`), None for a dense model."""
-        return self._strategy.experts
+        return self._experts
 
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -162,7 +163,7 @@ class Engine(Saving, Reporting, AcrossRanks):
             self._plan = start.precision_plan(self._strategy, self.config, self.env)
             self._auto_pending = False
         build = (self._init_rng, self._pretrained.pop(id(model), None))
-        model, optimizer = parallelize(
+        model, optimizer, self._experts = parallelize(
             self._strategy, model, optimizer, self.env, self._plan, self.config, build, self.print, self._cp
         )
         model.forward = watched(self._hooks.watchers, "forward", self._plan.wrap_forward(model.forward, self.device))
@@ -255,106 +256,6 @@ class Engine(Saving, Reporting, AcrossRanks):
         self._loader, self._window.batch = loader, batch
         if self._train_loader is not None and loader is not self._train_loader:
             self.mark_untimed()  # an evaluation pass between two training steps
-
-    def accumulate(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-        """Skips gradient communication on every micro-step but the last of an accumulation window, where the
-        strategy accumulates that way (zero2/zero3 reduce-scatter every micro-step unless unsharded_grad_accum)."""
-        if self._window.syncs_next() or not self._strategy.accumulates_unsynced:
-            return contextlib.nullcontext()
-        return self._strategy.no_sync(model)
-
-    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-        """Inside it, backward keeps gradients local to each rank (bench's measure of the communication share)."""
-        return self._strategy.no_sync(model)
-
-    def backward(self, loss: torch.Tensor, count: int | torch.Tensor | None = None) -> None:
-        """Backward of `loss` so that each optimizer step's gradient is the mean over its whole global batch.
-
-        Without `count`, `loss` is the mean over this rank's batch; it is weighted by the batch's share of the
-        step's samples (exact for uneven last batches and padding with the engine's loader; without it, divided
-        by grad_accum_steps). With `count`, `loss` is a *sum* over `count` units (e.g. the tokens that are not
-        padding): the step's gradient is then divided by the units of all ranks and micro-batches together,
-        the token-normalised loss one process would compute over the same global batch.
-        """
-        syncs = self._window.begin()
-        weight = self._account(loss.detach(), count, self._strategy.experts)
-        if weight != 1.0:  # x * 1.0 is x, bit for bit, and so is its gradient: no node in the graph for it
-            loss = loss * weight
-        if self._scaler is not None:
-            loss = self._scaler.scale(loss)
-        self._hooks.backward_start()
-        with watching(self._hooks.watchers, "backward"):
-            self._strategy.backward(self._model, loss, syncs)
-        self._hooks.backward_end()
-        self._end_micro_step(syncs)
-
-    def _account(self, loss: torch.Tensor, count: int | torch.Tensor | None, experts: Any = None) -> float:
-        if self._window.batch is not None:
-            self._train_loader = self._loader
-        return self._window.account(loss, count, experts)
-
-    def _end_micro_step(self, ended_window: bool) -> None:
-        if self._balance is not None and self._window.batch is not None:
-            self._balance.end_backward(self._window.batch.real)
-        self._window.end_micro_step(ended_window)
-        self._backward_ran = True
-
-    def forward_backward(
-        self,
-        model: nn.Module,
-        inputs: Any,
-        targets: Any,
-        loss_fn: Callable[[Any, Any], torch.Tensor | tuple[torch.Tensor, int | torch.Tensor]],
-    ) -> torch.Tensor:
-        """One micro-step in one call: `model(inputs)` (a dict is passed as keywords, a tuple as arguments), then
-        `loss_fn(output, targets)`, then backward inside the accumulation window; returns the loss, detached.
-
-        `loss_fn` returns the mean loss over the batch, or (sum, count) for a loss normalised by the count over the
-        whole global batch (tokens), as engine.backward's `count`. The same call serves every strategy; under pp
-        it is one step of the pipeline schedule over the batch's micro-batches, `output` is the last stage's (a
-        Hugging Face model's logits) and the loss comes back on every rank.
-        """
-        inputs, targets, ring = sliced(self._cp, inputs, targets)
-        if self._strategy.pipelined:
-            with outputs_for(loss_fn), ring:
-                return self._pipeline_micro_step(inputs, targets, loss_fn)
-        with self.accumulate(model), outputs_for(loss_fn), ring:
-            result = loss_fn(call_with(model, inputs), targets)
-            loss, count = result if isinstance(result, tuple) else (result, None)
-            self.backward(loss, count=count)
-        return loss.detach()
-
-    def _pipeline_micro_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], Any]) -> torch.Tensor:
-        def weigh(result: Any, share: float) -> torch.Tensor:
-            # Each micro-batch's backward: a sum weighted as engine.backward weighs it, a mean by its share of rows.
-            summed = isinstance(result, tuple)
-            return result[0] * self._window.weight(True) if summed else result * self._window.weight(False) * share
-
-        syncs = self._window.begin()
-        weigh_pipeline(self._strategy.experts, loss_fn, targets, self._window)
-        self._hooks.backward_start()
-        with watching(self._hooks.watchers, "pipeline step"), self._plan.autocast_context(self.device):
-            loss, count = self._strategy.pipeline_step(inputs, targets, loss_fn, weigh, train=True)
-        self._hooks.backward_end()
-        self._account(loss, count)
-        self._end_micro_step(syncs)
-        return loss.float()
-
-    def forward_loss(
-        self, model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], Any]
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """`loss_fn(model(inputs), targets)` without gradients, for evaluation, on every rank: under pp the
-        schedule runs forward only and the last stage's loss is shared. Returns what loss_fn returns, detached."""
-        inputs, targets, ring = sliced(self._cp, inputs, targets)
-        with torch.no_grad(), outputs_for(loss_fn), ring:
-            if self._strategy.pipelined:
-                with self._plan.autocast_context(self.device):
-                    loss, count = self._strategy.pipeline_step(inputs, targets, loss_fn, lambda r, s: r, train=False)
-                return loss if count is None else (loss, count)
-            result = loss_fn(call_with(model, inputs), targets)
-        if isinstance(result, tuple):
-            return tuple(r.detach() if torch.is_tensor(r) else r for r in result)
-        return result.detach()
 
     def lm_loss(self, head: nn.Module, ignore_index: int = -100, chunk_tokens: int | None = None) -> TokenLoss:
         """A language model's loss_fn for forward_backward and forward_loss in the `loss` setting's mode: (output,

@@ -8,7 +8,7 @@ import contextlib
 import os
 import random
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, replace
 from datetime import timedelta
 
 import numpy as np
@@ -26,8 +26,9 @@ from multigpu.engine.config import EngineConfig
 from multigpu.observers.trackers import check_servers, parse_log_to
 from multigpu.parallel.context import ContextParallel
 from multigpu.planner import choose_strategy
-from multigpu.strategies import Strategy, build_strategy
-from multigpu.strategies.dp import DataParallel
+from multigpu.planner.rows import row as planner_row
+from multigpu.strategies import Strategy, build_strategy, strategy_class
+from multigpu.strategies.compatibility import composes
 from multigpu.transforms.float8 import check_float8
 from multigpu.transforms.loss import check_runnable as check_loss
 from multigpu.transforms.modules import parameters_on_meta
@@ -79,13 +80,18 @@ def precision_plan(strategy: Strategy, config: EngineConfig, env: DistEnv) -> Pr
     strategy.check_runnable(env.device, plan)
     check_shared_gpus(strategy, env)
     check_float8(config.float8, env.device)
-    if config.sync_batchnorm and isinstance(strategy, DataParallel):
+    # The features of strategies/compatibility.py's table that need the machine: dp runs as single on one GPU.
+    if config.sync_batchnorm and not composes(strategy, "sync_batchnorm"):
         raise UsageError(
             "sync_batchnorm needs one process per GPU and strategy dp drives every GPU from one process; "
             "use strategy ddp (multigpu run -n N) or drop sync_batchnorm."
         )
-    changed = [name for name in ("compile", "activation_checkpointing") if getattr(config, name) not in (False, "none")]
-    if changed and isinstance(strategy, DataParallel):
+    changed = [
+        name
+        for name in ("compile", "activation_checkpointing")
+        if getattr(config, name) not in (False, "none") and not composes(strategy, name)
+    ]
+    if changed:
         raise UsageError(
             f"{' and '.join(changed)} cannot run under strategy dp: nn.DataParallel copies the model to each GPU in "
             "every step, and the copies would run the original blocks' forward on the first GPU; use strategy ddp."
@@ -107,19 +113,15 @@ def precision_plan(strategy: Strategy, config: EngineConfig, env: DistEnv) -> Pr
             "cp_method ring runs torch's ring attention, which needs CUDA GPUs; use cp_method ulysses (the default) "
             "on this machine."
         )
-    find_unused = getattr(strategy, "find_unused_parameters", False)
-    check_loss(config.loss, config.liger, env.device, strategy.name, strategy.layout.tp > 1, find_unused)
+    find_unused = strategy.finds_unused_parameters()
+    head_kept = composes(strategy, "head_after_forward")
+    check_loss(config.loss, config.liger, env.device, head_kept, strategy.layout.tp > 1, find_unused)
     if config.sync_batchnorm and strategy.needs_process_group and env.device.type != "cuda":
         raise UsageError(
             "sync_batchnorm synchronises BatchNorm between GPUs, and torch's SyncBatchNorm refuses to run on CPU; "
             "drop sync_batchnorm (--sync-batchnorm) or run on GPUs."
         )
     return plan
-
-
-# Measured on an H200 (torch 2.11, gloo on CUDA tensors): all-reduce, broadcast and all-to-all run; an all-gather
-# (FSDP2's, DTensor's) crashes the process, and send/recv (pipeline stages) abort with "Bad address".
-SHARED_GPU_STRATEGIES = ("ddp", "zero1")
 
 
 def check_shared_gpus(strategy: Strategy, env: DistEnv) -> None:
@@ -130,7 +132,10 @@ def check_shared_gpus(strategy: Strategy, env: DistEnv) -> None:
     layout = strategy.layout
     sizes = {"tp_size": layout.tp, "pp_size": layout.pp, "ep_size": layout.ep}
     needs = [f"{name} {size}" for name, size in sizes.items() if size > 1]
-    if strategy.name not in SHARED_GPU_STRATEGIES:
+    # Measured on an H200 (torch 2.11, gloo on CUDA tensors): all-reduce, broadcast and all-to-all run; an
+    # all-gather (FSDP2's, DTensor's) crashes the process, and send/recv (pipeline stages) abort with "Bad address":
+    # the strategies that run with shared_gpus (composes_with) only all-reduce.
+    if not composes(strategy, "shared_gpus"):
         needs.insert(0, f"strategy {strategy.name}")
     if needs:
         raise UsageError(
@@ -209,12 +214,14 @@ def strategy_for(
         ep_size=config.ep_size,
     )
     say(f"strategy auto -> {name}: {reason}")
-    offload = name == "zero3+offload"
+    row = planner_row(name)  # a planner row: a registered strategy and the options it runs with
+    cls = strategy_class(row.strategy)
+    takes = {f.name for f in fields(cls)} - set(cls.not_taken)
     chosen = replace(
         config,
-        strategy="zero3" if offload else name,
-        cpu_offload=offload,
-        unsharded_grad_accum=name.startswith(("zero2", "zero3")) and config.unsharded_grad_accum,
+        strategy=row.strategy,
+        cpu_offload=bool(row.options.get("cpu_offload", False)),
+        unsharded_grad_accum="unsharded_grad_accum" in takes and config.unsharded_grad_accum,
         ep_size=ep_size if ep_size > 1 else config.ep_size,  # a mixture that fits only with its experts split
     )
     return resolve(chosen.strategy, env, chosen, say)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from multigpu.core.errors import UsageError
 from multigpu.data.loader import Batch
+from multigpu.parallel.experts import MixtureOfExperts
 
 
 @dataclass
@@ -70,7 +70,9 @@ class Window:
         self.done = ended
         self.mark = time.perf_counter()
 
-    def account(self, loss: torch.Tensor, count: int | torch.Tensor | None, experts: Any = None) -> float:
+    def account(
+        self, loss: torch.Tensor, count: int | torch.Tensor | None, experts: MixtureOfExperts | None = None
+    ) -> float:
         """Adds a micro-step's loss (and count) to the window; returns the weight its backward starts from, which
         `experts` (a mixture of experts, parallel/experts.py) gives its load-balancing loss too."""
         totals = self.totals
@@ -93,7 +95,7 @@ class Window:
             share = loss.double() if summed else loss.double() * weight / self.data_world
             totals.loss = share if totals.loss is None else totals.loss + share
         if experts is not None:
-            experts.weigh(weight, count, self)
+            experts.weigh(weight, count, self.data_world, self.device)
         return weight
 
     def weight(self, summed: bool) -> float:

@@ -85,10 +85,15 @@ class CompressionOptions(StrategyOptions):
 def refuse_powersgd(strategy: str, compression: str) -> None:
     """Refuses powersgd for a strategy that reduces gradients through FSDP2 (zero2, zero3, hsdp)."""
     if Compression.parse(compression).kind == "powersgd":
-        raise UsageError(
-            f"grad_compression powersgd runs as a DDP communication hook and {strategy} reduces through FSDP2, which "
-            "has none; use bf16 or fp16 with it, or powersgd with strategy ddp or zero1."
-        )
+        raise UsageError(powersgd_refusal(strategy))
+
+
+def powersgd_refusal(strategy: str) -> str:
+    """The sentence refusing powersgd under `strategy` (strategies/compatibility.py's, and bench's and simulate's)."""
+    return (
+        f"grad_compression powersgd runs as a DDP communication hook and {strategy} reduces through FSDP2, which "
+        "has none; use bf16 or fp16 with it, or powersgd with strategy ddp or zero1."
+    )
 
 
 def compressed(shape: tuple[int, ...], rank: int) -> int | None:
@@ -126,8 +131,9 @@ def step_payload_bytes(model: torch.nn.Module, grad_compression: str, param_dtyp
     return payload_bytes(shapes, Compression.parse(grad_compression), torch.empty((), dtype=param_dtype).element_size())
 
 
-def wire_factor(strategy: str, processes: int) -> float:
-    """The share of a step's payload each rank sends in a ring over `processes` ranks: 2 (n - 1) / n for ddp's and
-    zero1's all-reduce, (n - 1) / n for zero2's and zero3's reduce-scatter."""
+def wire_factor(collective: str, processes: int) -> float:
+    """The share of a step's payload each rank sends in a ring over `processes` ranks under a strategy whose
+    gradient `collective` (strategies/facts.py) is all_reduce, 2 (n - 1) / n (ddp, zero1), or reduce_scatter,
+    (n - 1) / n (zero2, zero3)."""
     share = (processes - 1) / processes
-    return 2 * share if strategy in ("ddp", "zero1") else share
+    return 2 * share if collective == "all_reduce" else share

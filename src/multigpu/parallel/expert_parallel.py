@@ -48,7 +48,7 @@ def parallelize(mixture: MixtureOfExperts, device: torch.device, alike: bool = F
     """Gives each rank of an ep group its 1/ep of every layer's experts that it holds as DTensors sharded by expert,
     and makes what the block calls with the tokens dispatch them; returns those layers. The values are rank 0's,
     broadcast first unless the ranks start `alike` already (the strategy broadcast the whole model). The strategy's
-    data-parallel wrapping then takes the spread experts: replicate_experts, shard_experts, spread_stage_experts."""
+    data-parallel wrapping then takes the spread experts, which hold_experts readies for it."""
     assert mixture.mesh is not None
     ep_mesh = mixture.mesh["ep"]
     held = held_layers(mixture)
@@ -148,23 +148,6 @@ def _average_gradients(params: list[nn.Parameter], group: Any) -> None:
             param.register_post_accumulate_grad_hook(average)
 
 
-def replicate_experts(model: nn.Module, mixture: MixtureOfExperts) -> None:
-    """Expert parallelism beside DDP: each rank's experts (DTensors over the ep ranks, which DDP cannot take) left
-    out of DDP, their gradients averaged over the ranks that hold the same experts."""
-    held = {id(p) for p in mixture.expert_parameters()}
-    ignored = [name for name, p in model.named_parameters() if id(p) in held]
-    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
-    _average_gradients(mixture.expert_parameters(), mixture.mesh["edp"].get_group())  # type: ignore[index]
-
-
-def shard_experts(mixture: MixtureOfExperts, policy: MixedPrecisionPolicy, reshard_after_forward: bool) -> None:
-    """Expert parallelism beside zero2, zero3 and hsdp: each layer's experts (what its block calls: a LoRA wrapper
-    included) an FSDP unit of their own over the edp ranks, which hold the same experts. LoRA adapters on them are
-    whole on every rank and averaged over all data-parallel ranks, so that unit leaves them out and a hook
-    averages them (the unit's reduction would average them over the edp ranks only)."""
-    _shard_entries(mixture, held_layers(mixture), policy, reshard_after_forward)
-
-
 def _shard_entries(
     mixture: MixtureOfExperts, layers: list[MoELayer], policy: MixedPrecisionPolicy, reshard_after_forward: bool
 ) -> None:
@@ -184,17 +167,30 @@ def _shard_entries(
         _average_gradients(adapters, mixture.data_group())
 
 
-def spread_stage_experts(
-    mixture: MixtureOfExperts, policy: MixedPrecisionPolicy | None, reshard_after_forward: bool
-) -> set[int]:
-    """Expert parallelism beside pp, for the layers of this rank's stages (spread before the stages were cut). With
-    zero inside the stages (`policy`), each layer's experts an FSDP unit over the edp ranks, as shard_experts makes
-    them; with whole replicas of the pipeline (no policy), their gradients averaged over the edp ranks by hook, and
-    their ids returned: the replicas' own all-reduce (over every replica) leaves them out."""
+def hold_experts(mixture: MixtureOfExperts, sharding: tuple[MixedPrecisionPolicy, bool] | None) -> None:
+    """Expert parallelism's last step (engine/parallelize.py, after a pipeline's stages are cut and before the
+    strategy's wrapping): the ranks that hold the same experts (edp) keep the layers this rank holds alike. With
+    `sharding` (zero2, zero3, hsdp, and zero inside pipeline stages: the policy and reshard_after_forward of their
+    units), each layer's experts (what its block calls: a LoRA wrapper included) are an FSDP unit of their own over
+    the edp ranks; LoRA adapters on them are whole on every rank and averaged over all data-parallel ranks, so that
+    unit leaves them out and a hook averages them (the unit's reduction would average them over the edp ranks only).
+    Without (ddp, pp's whole replicas), the experts' gradients are averaged over the edp ranks by hook, and the
+    wrapping leaves them out of its own averaging (spread_parameters)."""
     layers = held_layers(mixture)
-    if policy is not None:
-        _shard_entries(mixture, layers, policy, reshard_after_forward)
-        return set()
+    if sharding is not None:
+        _shard_entries(mixture, layers, *sharding)
+        return
     params = [p for layer in layers for p in layer.experts.parameters(recurse=False)]
     _average_gradients(params, mixture.mesh["edp"].get_group())  # type: ignore[index]
-    return {id(p) for p in params}
+
+
+def is_spread(param: torch.Tensor) -> bool:
+    """Whether `param` is a slice ep spread (`parallelize`): a DTensor laid out over the ep ranks."""
+    return isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ())
+
+
+def leave_out_of_ddp(model: nn.Module) -> None:
+    """Expert parallelism beside DDP: each rank's experts (DTensors over the ep ranks, which DDP cannot take) left out
+    of DDP; hold_experts averages their gradients over the ranks that hold the same experts."""
+    ignored = [name for name, p in model.named_parameters() if is_spread(p)]
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)

@@ -222,28 +222,32 @@ class MixtureOfExperts:
 
         return hook
 
-    def weigh(self, weight: float, count: int | torch.Tensor | None, window: Any) -> None:
+    def weigh(self, weight: float, count: int | torch.Tensor | None, data_world: int, device: torch.device) -> None:
         """Sets the weight the next backward gives the load-balancing loss, so that the step's gradient is the main
-        loss's plus coefficient x this loss's: the main loss is averaged over the data_world ranks' gradients, and
-        a summed one is divided by the step's token count after backward (its global count for this micro-step
-        here: with accumulation, each micro-batch's load-balancing loss is weighted by its tokens)."""
+        loss's plus coefficient x this loss's: `weight` is the main loss's (engine/window.py), averaged over the
+        `data_world` ranks' gradients, and a summed one is divided by the step's token count after backward (its
+        global count for this micro-step here, summed on `device`: with accumulation, each micro-batch's
+        load-balancing loss is weighted by its tokens)."""
         if self.coefficient == 0:  # nothing to weigh: spare the count's all-reduce on every micro-step
             return
         if count is None:
-            self.backward_weight = weight * window.data_world
+            self.backward_weight = weight * data_world
             return
-        count = torch.as_tensor(count, dtype=torch.float64, device=window.device).detach().clone()
+        count = torch.as_tensor(count, dtype=torch.float64, device=device).detach().clone()
         group = self.data_group()
         if group is not None:
             dist.all_reduce(count, group=group)
         self.backward_weight = weight * float(count)
 
-    def weigh_pipeline(self, loss_fn: Any, targets: Any, window: Any) -> None:
+    def weigh_pipeline(
+        self, weight: float, count: int | torch.Tensor | None, data_world: int, device: torch.device
+    ) -> None:
         """`weigh` for a pipeline step, before it runs: its stages' backwards interleave with later forwards, so the
-        step's token count comes from the targets, by the loss's own rule (engine.lm_loss's `count`). Each of the
-        schedule's micro-batches (equal slices of the batch) gets its share; `pipeline_slices` divides by them."""
-        self.counted = hasattr(loss_fn, "count")
-        self.weigh(window.weight(self.counted), loss_fn.count(targets) if self.counted else None, window)
+        step's token `count` comes from the targets, by the loss's own rule (engine.lm_loss's `count`; None where
+        the loss has none). Each of the schedule's micro-batches (equal slices of the batch) gets its share;
+        `pipeline_slices` divides by them."""
+        self.counted = count is not None
+        self.weigh(weight, count, data_world, device)
 
     def pipeline_slices(self, micro: int, summed: bool) -> None:
         """Divides the step's weight among the schedule's `micro` micro-batches; refuses a summed loss whose
@@ -336,9 +340,3 @@ def without_experts(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
         return any(regex.fullmatch(name) for name in among)
 
     return {p: style for p, style in plan.items() if not matches(p, names) and matches(p, modules)}
-
-
-def weigh_pipeline(experts: MixtureOfExperts | None, loss_fn: Any, targets: Any, window: Any) -> None:
-    """A pipeline step's `weigh`, before it runs (MixtureOfExperts.weigh_pipeline); nothing for a dense model."""
-    if experts is not None:
-        experts.weigh_pipeline(loss_fn, targets, window)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from multigpu.core.errors import UsageError
-from multigpu.planner.memory import OPTIMIZERS, ORDER, Plan, PlanConfig, StrategyMemory
+from multigpu.planner.memory import OPTIMIZERS, Plan, PlanConfig, StrategyMemory
 from multigpu.planner.module_shape import from_module
 from multigpu.planner.recommend import plan_shape
 from multigpu.planner.shapes import BUILTIN, ModelShape, load_shape
@@ -13,7 +13,6 @@ from multigpu.planner.shapes import BUILTIN, ModelShape, load_shape
 __all__ = [
     "BUILTIN",
     "OPTIMIZERS",
-    "ORDER",
     "Choice",
     "ModelShape",
     "Plan",

@@ -8,18 +8,12 @@ from multigpu.planner.activations import transformer_activations
 from multigpu.planner.gpus import MixedGpus, parse_bytes  # noqa: F401  (importers)
 from multigpu.planner.model_parallel import Stage, held_shape, pipeline_stages, stage_activations
 from multigpu.planner.plan_config import OPTIMIZERS, PlanConfig, takes_cp, takes_ep  # noqa: F401  (importers)
+from multigpu.planner.rows import row as row_of
 from multigpu.planner.setup_memory import BUILD_BYTES, setup_bytes, setup_fits
 from multigpu.planner.shapes import ModelShape
 from multigpu.planner.states import model_states, sharded_states
+from multigpu.strategies.facts import GATHERED_MODEL, GRAD_BUCKET, TWO_UNITS, MemoryModel
 
-#: From fastest to most frugal: the planner recommends the first that fits (the guides' decision tree).
-ORDER = ("ddp", "zero1", "zero2", "zero3", "zero3+offload")
-#: Shown too, for one GPU and for the guides' simple mode; dp's GPU 0 holds the whole model and optimizer.
-REPORTED = ("single", "dp", *ORDER)
-#: With tp_size or pp_size: the data-parallel strategies that compose with them, fastest first (hsdp shards
-#: inside a node and replicates across nodes, between zero2's and zero3's traffic).
-COMPOSED = ("zero2", "hsdp", "zero3")
-DEEPSPEED = ("deepspeed1", "deepspeed2", "deepspeed3")  # reported, never recommended: DeepSpeed is optional
 FRAMEWORK_OVERHEAD = 1 << 30  # CUDA context, kernels, allocator slack: about 1 GiB that no tensor accounts for
 
 
@@ -140,40 +134,40 @@ def _stage_memory(name: str, whole: ModelShape, config: PlanConfig, batch: int, 
     memory = StrategyMemory(
         name, params, grads, optim, activations, 0.0, FRAMEWORK_OVERHEAD, pp_rank=stage.rank, ep_size=ep
     )
-    autocast_weights = autocast_weights_bytes(held, config)
-    if name in ("single", "dp") or (config.model_parallel and name == model_parallel_name(config)):
-        memory.temporary = autocast_weights
-    if name == "ddp":
-        memory.temporary = grads + autocast_weights  # DDP keeps a flat bucket copy of every gradient
-    elif name == "zero1":
-        memory.optimizer = shard_optim
-        memory.temporary = grads + autocast_weights
-    elif name == "zero2":
-        memory.params, memory.grads, memory.optimizer = shard_params, fsdp_grads, shard_optim
-        memory.temporary = held.params * compute  # parameters stay gathered from forward to backward
-    elif name in ("zero3", "hsdp"):
-        memory.params, memory.grads, memory.optimizer = shard_params, fsdp_grads, shard_optim
-        memory.temporary = 2 * unit  # the unit in use and the next one, prefetched
-    elif name in DEEPSPEED:
-        # DeepSpeed keeps an fp32 master copy of this rank's partition of the trainable weights beside the
-        # weights forward uses, in fp32 training too; stage 3 partitions those weights as well.
-        stage = int(name[-1])
-        master = grads / n
-        memory.optimizer = optim / n
-        memory.params = (params / n if stage == 3 else params) + master
-        memory.grads = grads if stage == 1 else grads / n
-        memory.temporary = 2 * unit if stage == 3 else autocast_weights
-    elif name == "zero3+offload":
+    model = row_of(name).memory
+    if model.offload:  # the sharded states in host memory
         memory.cpu = shard_params + shard_grads + shard_optim
         memory.params = memory.optimizer = 0.0
         # Deferred reduce-scatters keep the whole gradients on the GPU until the window's last micro-step.
         memory.grads = grads if _accumulates_unsharded(config) else 0.0
-        memory.temporary = 2 * unit
+    elif model.partitions:
+        # DeepSpeed keeps an fp32 master copy of this rank's partition of the trainable weights beside the
+        # weights forward uses, in fp32 training too; stage 3 partitions those weights as well.
+        memory.optimizer = optim / n
+        memory.params = (params / n if "params" in model.sharded else params) + grads / n
+        memory.grads = grads / n if "grads" in model.sharded else grads
+    else:
+        if "optimizer" in model.sharded:
+            memory.optimizer = shard_optim
+        if "params" in model.sharded:  # FSDP shards parameters and gradients together
+            memory.params, memory.grads = shard_params, fsdp_grads
+    memory.temporary = _temporary(model, grads, autocast_weights_bytes(held, config), held.params * compute, unit)
     memory.total = (
         memory.params + memory.grads + memory.optimizer + memory.activations + memory.temporary + memory.overhead
     )
     memory.fits = memory.total <= config.gpu_bytes
     return memory
+
+
+def _temporary(model: MemoryModel, grads: float, autocast: float, gathered: float, unit: float) -> float:
+    """What a rank holds beside its states (strategies/facts.py names each kind)."""
+    if model.temporary == GRAD_BUCKET:
+        return grads + autocast  # DDP keeps a flat bucket copy of every gradient
+    if model.temporary == GATHERED_MODEL:
+        return gathered  # parameters stay gathered from forward to backward
+    if model.temporary == TWO_UNITS:
+        return 2 * unit  # the unit in use and the next one, prefetched
+    return autocast
 
 
 def _activations(name: str, shape: ModelShape, config: PlanConfig, batch: int, stage: Stage, ep: int) -> float:
@@ -212,18 +206,18 @@ def data_parallel(name: str, config: PlanConfig) -> int:
     every data-parallel rank for the others, each times cp."""
     dims = config.layout(name)
     # The cp ranks of a replica reduce gradients, and shard parameters, together with its data-parallel ranks.
-    return (dims.shard if name == "hsdp" else dims.data_parallel_size) * dims.cp
+    return (dims.shard if row_of(name).memory.shards_within_replica else dims.data_parallel_size) * dims.cp
 
 
 def setup(name: str, shape: ModelShape, config: PlanConfig, pp_rank: int) -> tuple[float, float]:
     """(plain build, under engine.init_module()). A plain build makes the whole model on every rank before tp/pp
     slice it; under init_module a rank materialises its own slice, sharded over the data-parallel ranks."""
     if not config.model_parallel:
-        return setup_bytes(name, shape, config.world, *built_model(shape, config))
+        return setup_bytes(row_of(name).memory.build, shape, config.world, *built_model(shape, config))
     stage = _stages(shape, config)[pp_rank]
     held = held_shape(shape, config.tp_size, config.pp_size, stage)
     n = data_parallel(name, config)
-    slices, init_module = setup_bytes(name, held, n, *built_model(held, config))
+    slices, init_module = setup_bytes(row_of(name).memory.build, held, n, *built_model(held, config))
     whole, _ = built_model(shape, config)
     held_bytes, _ = built_model(held, config)
     return whole + slices - held_bytes, init_module

@@ -6,15 +6,6 @@ import functools
 from dataclasses import dataclass
 
 from multigpu.config.layout import (
-    ALONE,
-    HYBRID,
-    IN_PROCESS,
-    OPTIMIZER_SHARDS,
-    OWN_GROUPS,
-    PIPELINE,
-    REPLICAS,
-    SHARDS,
-    TENSOR,
     LayoutSettings,
     ParallelDims,
     ShardingOptions,
@@ -27,35 +18,18 @@ from multigpu.config.pipeline import ZERO_BUBBLE, PipelineOptions, check_microba
 from multigpu.config.settings import ComputeSettings, Settings, TrainingSettings, setting, shown
 from multigpu.core.errors import UsageError
 from multigpu.planner.gpus import GpuKind, node_gpus
-
-#: Which strategy each of the planner's rows is, as a layout (config/layout.py): each row's degrees are resolved as the
-#: strategy's own are when it runs.
-SPREADS = {
-    "single": ALONE,
-    "dp": IN_PROCESS,
-    "ddp": REPLICAS,
-    "zero1": OPTIMIZER_SHARDS,
-    "zero2": SHARDS,
-    "zero3": SHARDS,
-    "zero3+offload": SHARDS,
-    "hsdp": HYBRID,
-    "deepspeed1": OWN_GROUPS,
-    "deepspeed2": OWN_GROUPS,
-    "deepspeed3": OWN_GROUPS,
-    "tp": TENSOR,
-    "pp": PIPELINE,
-    "tp+pp": PIPELINE,
-}
+from multigpu.planner.rows import reference
+from multigpu.planner.rows import row as row_of
 
 
 def takes_cp(row: str) -> bool:
     """Whether a row's strategy splits sequences over cp ranks (single, dp, tp and DeepSpeed's do not)."""
-    return "cp" in SPREADS[row].takes
+    return "cp" in row_of(row).spread.takes
 
 
 def takes_ep(row: str) -> bool:
     """Whether a row's strategy spreads a mixture's experts over ep ranks (single, dp, tp and DeepSpeed's do not)."""
-    return "ep" in SPREADS[row].takes
+    return "ep" in row_of(row).spread.takes
 
 
 @dataclass
@@ -163,9 +137,10 @@ class PlanConfig(Settings):
         cp = self.cp_size if takes_cp(row) else None
         ep = self.ep_size if takes_ep(row) else None
         request = LayoutSettings(tp_size=self.tp_size, pp_size=self.pp_size, cp_size=cp, ep_size=ep)
-        return resolve_layout(request, SPREADS[row], self.world, self.nodes, row)
+        # Each row's degrees are resolved as its strategy's are when it runs (config/layout.py).
+        return resolve_layout(request, row_of(row).spread, self.world, self.nodes, row)
 
     @property
     def data_parallel(self) -> int:
         """The ranks that train on different batches beside tp x pp, as the data-parallel strategies lay them out."""
-        return self.layout("zero3").data_parallel_size
+        return self.layout(reference()).data_parallel_size

@@ -10,11 +10,7 @@ from multigpu.config.optimizer import NOT_UNDER_DEEPSPEED, NOT_WITH_CPU_OFFLOAD
 from multigpu.core.errors import UsageError
 from multigpu.planner.gpus import MixedGpus, shares_that_fit
 from multigpu.planner.memory import (
-    COMPOSED,
-    DEEPSPEED,
     FRAMEWORK_OVERHEAD,
-    ORDER,
-    REPORTED,
     Plan,
     StrategyMemory,
     filled_row,
@@ -24,9 +20,12 @@ from multigpu.planner.memory import (
     strategy_memory,
 )
 from multigpu.planner.plan_config import PlanConfig, takes_ep
+from multigpu.planner.rows import recommended_in, reference, rows, shown_in
+from multigpu.planner.rows import row as row_of
 from multigpu.planner.setup_memory import setup_fits, setup_warning
 from multigpu.planner.shapes import ModelShape
 from multigpu.planner.states import model_states
+from multigpu.strategies.facts import BESIDE_MODEL_PARALLEL, DATA_PARALLEL, ONE_GPU
 
 
 def plan_shape(shape: ModelShape, config: PlanConfig, per: str = "GPU") -> Plan:
@@ -37,7 +36,7 @@ def plan_shape(shape: ModelShape, config: PlanConfig, per: str = "GPU") -> Plan:
     _check_ep(shape, config.ep_size)
     for name in _rows(config):
         plan.strategies.append(filled_row(name, shape, config))
-        if name == "zero3" and shape.experts and config.world > 1:  # zero3 at every other ep, just below
+        if name == reference() and shape.experts and config.world > 1:  # zero3 at every other ep, just below
             others = [ep for ep in ep_degrees(shape, config, name) if ep != row_ep(name, config)]
             plan.strategies += [filled_row(name, shape, replace(config, ep_size=ep)) for ep in others]
     plan.left_out = _left_out(config)
@@ -45,7 +44,7 @@ def plan_shape(shape: ModelShape, config: PlanConfig, per: str = "GPU") -> Plan:
     if config.mixed and not config.model_parallel and config.cp_size == 1:  # one GPU per data-parallel rank
         return recommend_mixed(plan, shape, config, per)
     fitting = [m for m in _ranked(shape, config, plan.strategies) if m.fits]
-    allowed = [m for m in fitting if m.strategy != "zero3+offload" or config.cpu_offload]
+    allowed = [m for m in fitting if not row_of(m.strategy).offloads or config.cpu_offload]
     memory = f"{config.gpu_bytes / 2**30:.2f} GiB per {per}"
     # Where nothing fits, not even with offload, a sequence split over more GPUs may.
     split = _more_cp(shape, config) if not fitting else None
@@ -71,10 +70,10 @@ def plan_shape(shape: ModelShape, config: PlanConfig, per: str = "GPU") -> Plan:
         plan.setup_warning = setup_warning(best, config.gpu_bytes, config.precision, per)
         return plan
     instead = what_else(config, per)
-    if fitting:  # zero3+offload alone, which the config does not allow: the table says it fits, and so must this
+    if fitting:  # an offloading row alone, which the config does not allow: the table says it fits, and so must this
         plan.reason = (
-            f"only zero3+offload fits {memory} at batch size {config.batch_size}, and it keeps the model states "
-            f"in host memory ({fitting[0].cpu / 2**30:.2f} GiB per process): pass --cpu-offload to allow it, "
+            f"only {fitting[0].strategy} fits {memory} at batch size {config.batch_size}, and it keeps the model "
+            f"states in host memory ({fitting[0].cpu / 2**30:.2f} GiB per process): pass --cpu-offload to allow it, "
             f"or {instead}"
         )
     else:
@@ -138,8 +137,11 @@ def _check_ep(shape: ModelShape, ep: int | None) -> None:
 def _candidates(config: PlanConfig) -> tuple[str, ...]:
     """The rows a recommendation is drawn from. One GPU: single unless only offload fits; several: the guides'
     order, fastest first."""
-    rows = ("single", "zero3+offload") if config.world == 1 else _rows(config) if config.model_parallel else ORDER
-    return tuple(name for name in rows if name not in _refused_names(config))
+    if config.world == 1:
+        candidates = recommended_in(ONE_GPU)
+    else:
+        candidates = _rows(config) if config.model_parallel else recommended_in(DATA_PARALLEL)
+    return tuple(name for name in candidates if name not in _refused_names(config))
 
 
 def _more_cp(shape: ModelShape, config: PlanConfig) -> tuple[StrategyMemory, int] | None:
@@ -151,7 +153,7 @@ def _more_cp(shape: ModelShape, config: PlanConfig) -> tuple[StrategyMemory, int
     while config.world % (config.tp_size * config.pp_size * cp) == 0 and config.seq_len % (2 * cp) == 0:
         split = replace(config, cp_size=cp)
         rows = [strategy_memory(name, shape, split, split.batch_size) for name in _rows(split)]
-        allowed = [m for m in rows if m.strategy in _candidates(split) and m.fits and m.strategy != "zero3+offload"]
+        allowed = [m for m in rows if m.strategy in _candidates(split) and m.fits and not row_of(m.strategy).offloads]
         if allowed:
             best = allowed[0]
             best.setup, best.setup_init_module = setup(best.strategy, shape, split, best.pp_rank)
@@ -174,13 +176,12 @@ def _refused_rows(config: PlanConfig) -> list[tuple[tuple[str, ...], str]]:
     """(rows, why) for each kind of row a run under this optimizer refuses (config/optimizer.py says which)."""
     refused = []
     if config.optimizer in NOT_UNDER_DEEPSPEED:
-        refused.append(
-            (DEEPSPEED, f"DeepSpeed steps flat partitions of many parameters, which {config.optimizer} cannot")
-        )
+        flat = tuple(label for label, r in rows().items() if r.facts.flat_partitions)
+        refused.append((flat, f"DeepSpeed steps flat partitions of many parameters, which {config.optimizer} cannot"))
     if config.optimizer in NOT_WITH_CPU_OFFLOAD:
-        refused.append(
-            (("zero3+offload",), f"{config.optimizer} gathers each matrix's update, which offload keeps on the host")
-        )
+        offloading = tuple(label for label, r in rows().items() if r.offloads)
+        why = f"{config.optimizer} gathers each matrix's update, which offload keeps on the host"
+        refused.append((offloading, why))
     return refused
 
 
@@ -188,9 +189,8 @@ def _left_out(config: PlanConfig) -> str:
     """The rows the plan does not show, and why (Plan.left_out)."""
     notes = []
     if (config.cp_size > 1 or (config.ep_size or 1) > 1) and not config.model_parallel:
-        notes.append(
-            f"{', '.join(DEEPSPEED)}: DeepSpeed lays out its own process groups, without --cp-size or --ep-size"
-        )
+        own = [label for label in shown_in(DATA_PARALLEL) if label not in recommended_in(DATA_PARALLEL)]
+        notes.append(f"{', '.join(own)}: DeepSpeed lays out its own process groups, without --cp-size or --ep-size")
     laid_out = _layout_rows(config)
     for names, why in _refused_rows(config):
         if shown := [name for name in names if name in laid_out]:
@@ -201,12 +201,13 @@ def _left_out(config: PlanConfig) -> str:
 def _layout_rows(config: PlanConfig) -> tuple[str, ...]:
     if not config.model_parallel:
         if config.cp_size > 1 or (config.ep_size or 1) > 1:
-            return ORDER  # DeepSpeed's rows take no cp and no ep (Plan.left_out)
-        return REPORTED if config.world == 1 else (*ORDER, *DEEPSPEED)
+            return recommended_in(DATA_PARALLEL)  # DeepSpeed's rows take no cp and no ep (Plan.left_out)
+        return shown_in(ONE_GPU) if config.world == 1 else shown_in(DATA_PARALLEL)
     if config.data_parallel == 1 and config.cp_size == 1:
         return (model_parallel_name(config),)
     # hsdp is a row of its own only where it replicates; with one node's worth of shards it is zero3.
-    return tuple(name for name in COMPOSED if name != "hsdp" or config.layout("hsdp").replicate > 1)
+    composed = shown_in(BESIDE_MODEL_PARALLEL)
+    return tuple(n for n in composed if not row_of(n).memory.shards_within_replica or config.layout(n).replicate > 1)
 
 
 def _check_tp_divides_heads(shape: ModelShape, tp: int) -> None:
@@ -223,7 +224,7 @@ def recommend_mixed(plan: Plan, shape: ModelShape, config: PlanConfig, per: str)
     even split among them, where the smallest GPU holds it): the states are the same on every GPU, and the slices
     move only the activations."""
     for row in _ranked(shape, config, plan.strategies):
-        if row.strategy == "zero3+offload" and not config.cpu_offload:
+        if row_of(row.strategy).offloads and not config.cpu_offload:
             continue
         mixed = mixed_gpus(shape, config, row.strategy)
         if mixed.slices is None:

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from multigpu.planner.rows import row
 from multigpu.planner.shapes import ModelShape
+from multigpu.strategies.facts import FSDP_SLICES, WHOLE
 
 
 class StrategyMemory(Protocol):
@@ -38,33 +40,31 @@ class StrategyMemory(Protocol):
     setup_fits: str
 
 
-#: Strategies whose engine.init_module() materialises only this rank's shard.
-SHARDED_BUILD = ("zero2", "zero3", "zero3+offload", "deepspeed3")
-FSDP_BUILD = ("zero2", "zero3", "zero3+offload")
 BUILD_BYTES = 4  # models are built in fp32
 #: setup_fits: the plain build fits; only a build under engine.init_module() does; neither does.
 FITS, WITH_INIT_MODULE, NO = "yes", "with init_module", "no"
 
 
-def setup_bytes(strategy: str, shape: ModelShape, world: int, built: float, built_params: int) -> tuple[float, float]:
-    """(plain build, under engine.init_module()) bytes per rank. `built`: the whole built model's bytes, of
+def setup_bytes(build: str, shape: ModelShape, world: int, built: float, built_params: int) -> tuple[float, float]:
+    """(plain build, under engine.init_module()) bytes per rank of a row whose model builds as `build`
+    (strategies/facts.py: WHOLE, FSDP_SLICES, PARTITIONED). `built`: the whole built model's bytes, of
     `built_params` parameters (LoRA adapters included)."""
-    if strategy not in SHARDED_BUILD:
+    if build == WHOLE:
         return built, built
     # fully_shard copies each rank's slices out of the whole model before the whole is freed: measured 1 + 1/N
     # of the model per rank (benchmarks/setup_memory.py). DeepSpeed's own partitioning is counted as the whole.
-    plain = built * (1 + 1 / world) if strategy in FSDP_BUILD else built
+    plain = built * (1 + 1 / world) if build == FSDP_SLICES else built
     width = built / built_params  # bytes per parameter, below 4 where QLoRA's weights are quantised
     unit = shape.largest_unit or shape.params // 10  # as training's gathered unit counts it
     tensor = shape.largest_tensor or unit
-    whole_on_device = tensor if strategy in FSDP_BUILD else unit + tensor  # FSDP's rank 0 makes units on the host
+    whole_on_device = tensor if build == FSDP_SLICES else unit + tensor  # FSDP's rank 0 makes units on the host
     return plain, built / world + whole_on_device * width
 
 
 def setup_fits(memory: StrategyMemory, gpu_bytes: float, overhead: float) -> str:
-    """Whether setup fits the GPU, as FITS, WITH_INIT_MODULE or NO. zero3+offload builds in host memory, which
-    the planner does not know: its GPU holds no weights at setup."""
-    if memory.strategy == "zero3+offload" or memory.setup + overhead <= gpu_bytes:
+    """Whether setup fits the GPU, as FITS, WITH_INIT_MODULE or NO. A row that offloads (zero3+offload) builds in
+    host memory, which the planner does not know: its GPU holds no weights at setup."""
+    if row(memory.strategy).offloads or memory.setup + overhead <= gpu_bytes:
         return FITS
     return WITH_INIT_MODULE if memory.setup_init_module + overhead <= gpu_bytes else NO
 

@@ -40,7 +40,8 @@ from multigpu.planner.links import (  # noqa: F401  (re-exported: the simulator'
     tree_all_reduce,
 )
 from multigpu.planner.model_parallel import bubble_fraction
-from multigpu.planner.simulate_config import HYBRID_STRATEGY, STRATEGIES, SimulateConfig  # noqa: F401  (re-exported)
+from multigpu.planner.simulate_config import SimulateConfig
+from multigpu.strategies.facts import REDUCE_SCATTER
 from multigpu.transforms.recompute import FORWARD_RUN_AGAIN
 
 if TYPE_CHECKING:
@@ -82,12 +83,14 @@ def strategy_comm(
     grads = config.params * config.grad_bytes if config.grad_payload is None else config.grad_payload
     weights = config.params * config.param_bytes
     backward = config.backward_fraction * compute_s
-    if config.strategy in ("ddp", "zero1", "zero2"):
+    communication = config.communication
+    if not communication.per_unit:  # gradients reduced in buckets as backward makes them (ddp, zero1, zero2)
         full, rest = divmod(grads, config.bucket_mb * 2**20)
         sizes = [config.bucket_mb * 2**20] * int(full) + ([rest] if rest else [])
-        cost, op = (reduce_scatter, "reduce_scatter") if config.strategy == "zero2" else (all_reduce, "all_reduce")
+        op = communication.gradients
+        cost = reduce_scatter if op == REDUCE_SCATTER else all_reduce
         comm, exposed = overlapped([cost(n, size, links[op]) for size in sizes], backward, config.overlap)
-        if config.strategy != "ddp":  # updated shards gathered after the optimizer step: nothing left to hide them
+        if communication.gathers_after_step:  # updated shards gathered after the step: nothing left to hide them
             gather = all_gather(n, weights, links["all_gather"])
             comm, exposed = comm + gather, exposed + gather
         return comm, exposed

@@ -9,7 +9,8 @@ from typing import Any
 
 from multigpu.core.errors import UsageError
 from multigpu.parallel.compression import Compression
-from multigpu.planner.simulate import HYBRID_STRATEGY, Prediction
+from multigpu.planner.rows import hybrid
+from multigpu.planner.simulate import Prediction
 
 #: A change is advised where it shortens the predicted step by at least this fraction of it (1.33x faster). Set by
 #: two nodes on shaped links (docs/benchmarks.md): every change predicted to gain 1.4x or more was measured faster,
@@ -29,17 +30,15 @@ def link_advice(request: Any, predictions: list[Prediction], predict: Callable[[
     if not across or across[-1].exposed_comm_s <= 0:
         return None
     now = across[-1]
-    changes = []
+    changes: list[tuple[str, dict[str, str]]] = []
     if Compression.parse(request.grad_compression).kind == "none":
-        changes += [
-            (f"--grad-compression {kind}", replace(request, grad_compression=kind)) for kind in ("bf16", "powersgd")
-        ]
-    if request.strategy != HYBRID_STRATEGY and request.gpus_per_node > 1:
-        changes.append((f"--multi-gpu {HYBRID_STRATEGY}", replace(request, strategy=HYBRID_STRATEGY)))
+        changes += [(f"--grad-compression {kind}", {"grad_compression": kind}) for kind in ("bf16", "powersgd")]
+    if (name := hybrid()) is not None and request.strategy != name and request.gpus_per_node > 1:
+        changes.append((f"--multi-gpu {name}", {"strategy": name}))
     better = []
-    for flag, changed in changes:
-        try:
-            predicted = predict(replace(changed, gpus=str(now.gpus)))
+    for flag, change in changes:
+        try:  # the changed request is checked as it is made: a change this run refuses is no advice
+            predicted = predict(replace(request, **change, gpus=str(now.gpus)))
         except UsageError:  # not for this run: PowerSGD under a sharding strategy or without the model's matrices
             continue
         if predicted.step_s <= (1 - ADVICE_GAIN) * now.step_s:

@@ -10,11 +10,8 @@ from multigpu.config.layout import CP_METHODS, HYBRID, SHARDS, LayoutSettings, P
 from multigpu.config.pipeline import ZERO_BUBBLE, check_microbatches, check_schedule
 from multigpu.core.errors import UsageError
 from multigpu.planner.links import INTERCONNECTS
-
-#: hsdp: zero3 over each node's GPUs, whole replicas across the nodes (one all-reduce of a gradient shard per unit
-#: leaves the node); the others spread their collectives over every GPU.
-HYBRID_STRATEGY = "hsdp"
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", HYBRID_STRATEGY)
+from multigpu.planner.rows import simulated, strategy_facts
+from multigpu.strategies.facts import Communication
 
 
 @dataclass(frozen=True)
@@ -87,12 +84,19 @@ class SimulateConfig:
         for flag, name in (("--interconnect", self.interconnect), ("--intra", self.intra)):
             if name not in INTERCONNECTS:
                 raise UsageError(f"{flag} must be one of {', '.join(INTERCONNECTS)} (got {name!r}).")
-        if self.strategy not in STRATEGIES:
-            raise UsageError(f"--strategy must be one of {', '.join(STRATEGIES)} (got {self.strategy!r}).")
+        if self.strategy not in (modelled := simulated()):  # those whose facts describe their collectives
+            raise UsageError(f"--strategy must be one of {', '.join(modelled)} (got {self.strategy!r}).")
         if not 0 < self.bucket_mb < math.inf:
             raise UsageError(f"--bucket-mb must be positive and finite (got {self.bucket_mb:g}).")
         if not 0 < self.backward_fraction < 1:
             raise UsageError(f"--backward-fraction must lie between 0 and 1 (got {self.backward_fraction:g}).")
+
+    @property
+    def communication(self) -> Communication:
+        """The strategy's collectives (strategies/facts.py), which the simulator models."""
+        communication = strategy_facts(self.strategy).communication
+        assert communication is not None, f"{self.strategy} has no collectives to simulate (check refuses it)"
+        return communication
 
     @property
     def model_parallel(self) -> int:
@@ -109,7 +113,9 @@ class SimulateConfig:
         zero3's is: every data-parallel strategy modelled here but hsdp needs only how many ranks share the rest;
         hsdp's replicas are one per node, its shards inside one)."""
         request = LayoutSettings(tp_size=self.tp_size, pp_size=self.pp_size, cp_size=self.cp_size, ep_size=self.ep_size)
-        spread = HYBRID if self.strategy == HYBRID_STRATEGY else SHARDS
+        # A strategy whose shards' gradients are all-reduced across replicas (hsdp: zero3 over each node's GPUs,
+        # whole replicas across the nodes); the others spread their collectives over every GPU.
+        spread = HYBRID if self.communication.across_replicas else SHARDS
         return resolve_layout(request, spread, n, -(-n // self.gpus_per_node), self.strategy)
 
     def _check_layout(self) -> None:

@@ -20,7 +20,8 @@ from multigpu.checkpoint import run_lock
 from multigpu.config.config_writer import RUN_CONFIG, save_run_config
 from multigpu.config.flags import config_to_argv
 from multigpu.config.layout import ParallelDims
-from multigpu.config.settings import Settings, setting, shown
+from multigpu.config.optimizer import OptimizerSettings
+from multigpu.config.settings import Settings, setting, shown_group
 from multigpu.core import atomic
 from multigpu.core.errors import UsageError, require
 from multigpu.core.launcher_notes import LAST_CHECKPOINT, LAUNCHER_DIR, attempt, launched, launcher_note
@@ -29,6 +30,7 @@ from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
 from multigpu.launch.launcher import LaunchConfig, launch, select_gpus
 from multigpu.observers.monitor import peak_memory_bytes
+from multigpu.strategies import drives_gpus_in_process
 from multigpu.transforms.pretrained import give_usual_mode
 
 
@@ -69,14 +71,19 @@ class RecipeSettings(Settings):
 class OptimizerChoice(Settings):
     """The Engine's optimizer settings, as train and finetune show them (each keeping its one definition)."""
 
-    optimizer: str = shown(EngineConfig)
-    weight_decay: float = shown(EngineConfig)
-    beta1: float = shown(EngineConfig)
-    beta2: float = shown(EngineConfig)
-    momentum: float = shown(EngineConfig)
-    muon_ns_steps: int = shown(EngineConfig)
-    muon_params: str = shown(EngineConfig)
-    muon_lr_scale: str = shown(EngineConfig)
+    _optimizer = shown_group(EngineConfig, OptimizerSettings)
+
+
+# The Engine's settings that neither recipe shows: global_batch_size, cpu_offload, find_unused_parameters,
+# sync_batchnorm and backend keep the Engine's defaults; the log_dir is the run's --save-dir (RecipeSettings).
+NOT_SHOWN_BY_RECIPES = (
+    "global_batch_size",
+    "cpu_offload",
+    "find_unused_parameters",
+    "sync_batchnorm",
+    "backend",
+    "log_dir",
+)
 
 
 #: What a recipe's --nproc adds to the launch's help, and what its unset value means.
@@ -97,7 +104,7 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
     settings = engine_settings(config)
     # dp drives every GPU named from one process; the others run a process per GPU.
     named_gpus = [part for part in (config.gpu_ids or "").split(",") if part.strip()]
-    nproc = config.nproc or (1 if settings["strategy"] == "dp" else len(named_gpus)) or 1
+    nproc = config.nproc or (1 if drives_gpus_in_process(settings["strategy"]) else len(named_gpus)) or 1
     restarts = getattr(config, "max_restarts", 0)
     launch_config = LaunchConfig(
         nproc=nproc, gpu_ids=config.gpu_ids, max_restarts=restarts, share_gpus=config.share_gpus

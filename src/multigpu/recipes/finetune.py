@@ -21,7 +21,7 @@ from torch import nn
 
 from multigpu.config.flags import Parser, add_config_arguments, config_from_args
 from multigpu.config.layout import ParallelDims, cp_chunks
-from multigpu.config.settings import setting, shown
+from multigpu.config.settings import setting, shown, shown_group
 from multigpu.core.errors import exit_on_usage_error, require
 from multigpu.data import lm_data, packing
 from multigpu.engine.config import EngineConfig
@@ -32,6 +32,7 @@ from multigpu.models import lm_models
 from multigpu.models.lm_experts import check_experts, expert_progress, expert_summary
 from multigpu.recipes import lm_fit
 from multigpu.recipes.common import (
+    NOT_SHOWN_BY_RECIPES,
     NPROC_NOTE,
     NPROC_UNSET,
     OptimizerChoice,
@@ -50,6 +51,7 @@ from multigpu.recipes.common import (
 )
 from multigpu.recipes.lm_results import outputs, save_result
 from multigpu.recipes.resume_changes import FINETUNE, check_resume, follow_changes, following_hyperparameters
+from multigpu.strategies import lays_out_along
 from multigpu.transforms.loss import TokenLoss, summed_cross_entropy
 
 
@@ -65,39 +67,8 @@ class FinetuneSettings(RecipeSettings, OptimizerChoice):
     resume: str = shown(RunDirSettings)
     save_every: int = shown(RunDirSettings)
     multi_gpu: str = shown(EngineConfig, "strategy")
-    precision: str = shown(EngineConfig)
-    grad_accum_steps: int = shown(EngineConfig)
-    max_grad_norm: float | None = shown(EngineConfig)
-    seed: int = shown(EngineConfig)
-    activation_checkpointing: str = shown(EngineConfig)
-    compile: bool = shown(EngineConfig)
-    compile_backend: str = shown(EngineConfig)
-    float8: str = shown(EngineConfig)
-    loss: str = shown(EngineConfig)
-    liger: bool = shown(EngineConfig)
-    replicate: int | None = shown(EngineConfig)
-    tp_size: int | None = shown(EngineConfig)
-    pp_size: int | None = shown(EngineConfig)
-    cp_size: int | None = shown(EngineConfig)
-    ep_size: int | None = shown(EngineConfig)
-    cp_method: str = shown(EngineConfig)
-    batch_shares: str = shown(EngineConfig)
-    sequence_parallel: bool = shown(EngineConfig)
-    pp_schedule: str = shown(EngineConfig)
-    pp_stages_per_rank: int = shown(EngineConfig)
-    pp_microbatches: int | None = shown(EngineConfig)
-    pp_split: str | None = shown(EngineConfig)
-    unsharded_grad_accum: bool = shown(EngineConfig)
-    grad_compression: str = shown(EngineConfig)
-    zero_stage: int | None = shown(EngineConfig)
-    offload_optimizer: bool = shown(EngineConfig)
-    offload_param: bool = shown(EngineConfig)
-    deepspeed_config: str | None = shown(EngineConfig)
-    timeout_s: float = shown(EngineConfig)
     log_every: int = shown(EngineConfig, default=10)
-    peak_tflops: float | None = shown(EngineConfig)
-    log_to: str = shown(EngineConfig)
-    run_name: str | None = shown(EngineConfig)
+    _engine = shown_group(EngineConfig, omit=NOT_SHOWN_BY_RECIPES)
 
 
 @dataclass
@@ -149,12 +120,12 @@ class FinetuneConfig(lm_data.DataSettings, FinetuneSettings, lm_models.ModelSett
             ),
             (not self.merge or self.method != "full", "--merge merges an adapter; drop it for --method full."),
             (
-                self.method != "qlora" or (self.multi_gpu != "tp" and (self.tp_size or 1) == 1),
+                self.method != "qlora" or ((self.tp_size or 1) == 1 and not lays_out_along(self.multi_gpu, "tp")),
                 "--method qlora's 4-bit weights cannot be split by tensor parallelism; use --method lora or full "
                 "under --multi-gpu tp and --tp-size, or drop them.",
             ),
             (
-                self.multi_gpu != "pp" or (self.method != "qlora" and not self.sample_prompt),
+                (self.method != "qlora" and not self.sample_prompt) or not lays_out_along(self.multi_gpu, "pp"),
                 "Under --multi-gpu pp, --method qlora and --sample-prompt do not run yet (4-bit layers and generation "
                 "need the whole model in one process); use --method full or lora and drop --sample-prompt.",
             ),

@@ -20,7 +20,7 @@ from torch import nn
 
 from multigpu.config.flags import Parser, add_config_arguments, config_from_args
 from multigpu.config.layout import ParallelDims
-from multigpu.config.settings import setting, shown
+from multigpu.config.settings import setting, shown, shown_group
 from multigpu.core import atomic
 from multigpu.core.errors import exit_on_usage_error, require
 from multigpu.data import activity_data
@@ -31,6 +31,7 @@ from multigpu.launch.launcher import LaunchConfig
 from multigpu.models import activity_models
 from multigpu.models.activity_models import MODES
 from multigpu.recipes.common import (
+    NOT_SHOWN_BY_RECIPES,
     NPROC_NOTE,
     NPROC_UNSET,
     RUN_RESULT,
@@ -50,8 +51,16 @@ from multigpu.recipes.common import (
     write_safetensors,
 )
 from multigpu.recipes.resume_changes import TRAIN, check_resume, follow_changes, following_hyperparameters
+from multigpu.strategies import lays_out_along
 
 LR_SCALING = ("none", "linear", "sqrt")
+# The Engine's settings for a language model (its loss, Liger's kernels) or for parallelisms of sequences and
+# layers (context, expert, sequence and pipeline parallelism), which the activity models take no part of: finetune
+# shows them, train does not.
+LANGUAGE_MODEL_ONLY = (
+    *("loss", "liger", "pp_size", "cp_size", "ep_size", "cp_method", "sequence_parallel"),
+    *("pp_schedule", "pp_stages_per_rank", "pp_microbatches", "pp_split"),
+)
 
 
 @dataclass
@@ -67,29 +76,9 @@ class TrainSettings(RecipeSettings, OptimizerChoice):
     resume: str = shown(RunDirSettings)
     save_every: int = shown(RunDirSettings)
     multi_gpu: str = shown(EngineConfig, "strategy")
-    precision: str = shown(EngineConfig)
-    grad_accum_steps: int = shown(EngineConfig)
-    max_grad_norm: float | None = shown(EngineConfig)
     weight_decay: float = shown(EngineConfig, default=1e-4)
-    seed: int = shown(EngineConfig)
-    activation_checkpointing: str = shown(EngineConfig)
-    compile: bool = shown(EngineConfig)
-    compile_backend: str = shown(EngineConfig)
-    float8: str = shown(EngineConfig)
-    replicate: int | None = shown(EngineConfig)
-    tp_size: int | None = shown(EngineConfig)
-    batch_shares: str = shown(EngineConfig)
-    unsharded_grad_accum: bool = shown(EngineConfig)
-    grad_compression: str = shown(EngineConfig)
-    zero_stage: int | None = shown(EngineConfig)
-    offload_optimizer: bool = shown(EngineConfig)
-    offload_param: bool = shown(EngineConfig)
-    deepspeed_config: str | None = shown(EngineConfig)
-    timeout_s: float = shown(EngineConfig)
     log_every: int = shown(EngineConfig, default=100)
-    peak_tflops: float | None = shown(EngineConfig)
-    log_to: str = shown(EngineConfig)
-    run_name: str | None = shown(EngineConfig)
+    _engine = shown_group(EngineConfig, omit=NOT_SHOWN_BY_RECIPES + LANGUAGE_MODEL_ONLY)
 
 
 @dataclass
@@ -114,12 +103,12 @@ class TrainConfig(TrainSettings):
             (self.num_workers >= 0, f"--num-workers must be 0 or more (got {self.num_workers})."),
             (self.keep_last >= 1, f"--keep-last must be 1 or more (got {self.keep_last})."),
             (
-                self.mode == "flatten" or (self.multi_gpu != "tp" and (self.tp_size or 1) == 1),
+                self.mode == "flatten" or ((self.tp_size or 1) == 1 and not lays_out_along(self.multi_gpu, "tp")),
                 "--mode conv has no layers tensor parallelism can split (convolutions); use --mode flatten under "
                 "--multi-gpu tp or --tp-size.",
             ),
             (
-                self.multi_gpu != "pp",
+                not lays_out_along(self.multi_gpu, "pp"),
                 "multigpu train does not run under --multi-gpu pp yet (its evaluation gathers each sample's "
                 "prediction from the whole model); use another strategy.",
             ),

@@ -1,7 +1,8 @@
 """Strategy names -> strategy classes, and `build_strategy`, which builds the one a run asks for.
 
 Adding a strategy is one file with a Strategy subclass (strategies/base.py) and one line in STRATEGY_CLASSES (its
-name, and where its class is): the Engine, the CLI's choices, config files and `multigpu demo` take it by name. Its
+name, and where its class is): the Engine, the CLI's choices, config files and `multigpu demo` take it by name; the
+planner, the simulator and bench read what its class declares of itself (strategies/facts.py: `facts`, `plan_rows`). Its
 constructor arguments are its options, the fields of the option groups it inherits (config/layout.py, or its own
 file), and the layout.
 """
@@ -53,6 +54,22 @@ __all__ = ["STRATEGIES", "STRATEGY_CLASSES", "Strategy", "build_strategy", "stra
 def strategy_class(name: str) -> type[Strategy]:
     """The class registered as `name`, imported now."""
     return imported(STRATEGY_CLASSES[name])
+
+
+def drives_gpus_in_process(name: str | None) -> bool:
+    """Whether the strategy registered as `name` drives every GPU from one process (dp): one process is launched."""
+    return name in STRATEGY_CLASSES and strategy_class(name).spread.gpus_in_process
+
+
+def lays_out_along(name: str | None, dim: str) -> bool:
+    """Whether the strategy registered as `name` lays its own processes along the mesh dimension `dim` (tp: every
+    process splits every layer; pp: a pipeline), whatever degrees a run asks for beside it."""
+    return name in STRATEGY_CLASSES and dim in strategy_class(name).spread.fills
+
+
+def plain_single_process(name: str | None) -> bool:
+    """Whether `name` is a one-process strategy on one device (single): a run with nothing to spread."""
+    return name in STRATEGY_CLASSES and strategy_class(name).facts.one_process and not drives_gpus_in_process(name)
 
 
 def __getattr__(name: str) -> Any:

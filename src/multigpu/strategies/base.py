@@ -8,7 +8,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,17 @@ from multigpu.core.env import DistEnv, grouped
 from multigpu.core.errors import UsageError
 from multigpu.core.lazy import is_dtensor
 from multigpu.parallel.mesh import build_mesh
-from multigpu.transforms.modules import MetaValues, parameters_on_meta
+from multigpu.strategies.facts import Facts, PlanRow
+from multigpu.transforms.modules import MetaValues, default_units, parameters_on_meta
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+#: What most strategies run with (strategies/compatibility.py says what turns each on).
+COMMON_FEATURES = frozenset(
+    {"fp16", "bf16_true", "muon", "low_bit_optimizer", "cpu_offload", "unsharded_grad_accum"}
+    | {"head_after_forward", "compile", "activation_checkpointing", "sync_batchnorm"}
+)
 
 
 @dataclass(frozen=True)
@@ -57,11 +67,16 @@ class Strategy(ABC):
     pipelined: ClassVar[bool] = False
     #: Options of a group it inherits that it does not take (zero2 inherits zero3's, but cannot offload).
     not_taken: ClassVar[tuple[str, ...]] = ()
+    #: What it shards, holds, communicates and can run (strategies/facts.py): the planner, simulator and bench read it.
+    facts: ClassVar[Facts] = Facts()
+    #: The rows `multigpu plan` shows for it (none: it is not planned).
+    plan_rows: ClassVar[tuple[PlanRow, ...]] = ()
+    #: The features (strategies/compatibility.py's FEATURES, not degrees: `spread.takes` has those) it runs with;
+    #: the table refuses the others. Most run with COMMON_FEATURES; powersgd and shared GPUs are DDP's own.
+    composes_with: ClassVar[frozenset[str]] = COMMON_FEATURES
     #: Built by `build_mesh` before the model is split (engine/parallelize.py); None until then and for strategies
     #: without mesh_dims.
     mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
-    #: The model's mixture-of-experts layers (parallel/experts.py), set before setup; None for a dense model.
-    experts: Any = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def build(cls, say: Callable[[str], None], **arguments: Any) -> Strategy:
@@ -114,12 +129,55 @@ class Strategy(ABC):
         their slices of what each rank holds); returns whether it did. DDP and DeepSpeed broadcast as they wrap."""
         return False
 
+    # What engine/parallelize.py asks of the strategy, step by step.
+    def splits_layers(self) -> bool:
+        """Whether the tp step splits the model's layers over a tp dimension of the strategy's mesh (there is one
+        wherever the layout has tp, or the strategy works on that dimension)."""
+        return bool(self.mesh_dims) and (self.layout.tp > 1 or "tp" in self.mesh_dims)
+
+    def splits_sequence(self) -> bool:
+        """Whether the tp step also splits a decoder's norms and residual stream by position (sequence_parallel)."""
+        return False
+
+    def finds_unused_parameters(self) -> bool:
+        """Whether the strategy lets parameters go without a gradient in a step (ddp's find_unused_parameters)."""
+        return False
+
+    def gathers_weights(self) -> bool:
+        """Whether the strategy shards the weights and gathers each unit's before it runs (zero2, zero3, hsdp, in
+        pipeline stages too): float8 then gathers them in float8, and compile keeps static shapes under tp."""
+        return False
+
+    def unit_blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The blocks recomputation and compile wrap: the model's own, or the units a sharding strategy shards, so
+        that its hooks run around a recomputed block."""
+        return default_units(model)
+
+    def sharded_modules(self, model: nn.Module) -> list[nn.Module]:
+        """Every module the strategy wraps apart (zero's units and 4-bit layers): selective recomputation cannot run
+        where one of them sits inside a block."""
+        return self.unit_blocks(model)
+
+    def cut_stages(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """A pipeline's stages cut from the whole model, after compile: what setup then wraps, and the optimizer
+        left with their parameters. Nothing to cut but for pp."""
+        return model, optimizer
+
+    def expert_sharding(self, plan: PrecisionPlan) -> tuple[MixedPrecisionPolicy, bool] | None:
+        """How the ranks that hold the same experts once ep spread them keep them (parallel/expert_parallel.py:
+        hold_experts): the policy and reshard_after_forward of an FSDP unit over them for each layer's experts
+        (zero2, zero3, hsdp), or None: they replicate them, their gradients averaged by hook."""
+        return None
+
     @abstractmethod
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, plan: PrecisionPlan
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         """Moves the model to its device and wraps model and optimizer (the last step of engine/parallelize.py:
-        tp and ep have split it by then); returns what the loop must use."""
+        tp and ep have split it, cut_stages cut it and hold_experts readied ep's experts by then); returns what the
+        loop must use."""
 
     def setup_from_meta(
         self,

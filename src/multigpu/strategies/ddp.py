@@ -20,7 +20,17 @@ from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
 from multigpu.parallel.compression import CompressionOptions
 from multigpu.parallel.mesh import with_cp
-from multigpu.strategies.base import Strategy, move_to_device
+from multigpu.strategies.base import COMMON_FEATURES, Strategy, move_to_device
+from multigpu.strategies.facts import (
+    ALL_REDUCE,
+    DATA_PARALLEL,
+    GRAD_BUCKET,
+    ONE_GPU,
+    Communication,
+    Facts,
+    MemoryModel,
+    PlanRow,
+)
 
 # DDP's reducer notices a bucket left waiting only when the next forward starts, and says so in these words.
 UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
@@ -37,6 +47,10 @@ class DDPOptions(Settings):
         "ddp/zero1: let some parameters get no gradient in a step (costs a pass over the autograd graph every step)",
     )
 
+    def finds_unused_parameters(self) -> bool:
+        """Strategy.finds_unused_parameters, for the strategies that take this option."""
+        return self.find_unused_parameters
+
 
 @dataclass
 class DDP(CompressionOptions, DDPOptions, Strategy):
@@ -46,18 +60,22 @@ class DDP(CompressionOptions, DDPOptions, Strategy):
     powersgd: Any = field(default=None, init=False, repr=False, compare=False)
 
     name = "ddp"
+    facts = Facts(MemoryModel(temporary=GRAD_BUCKET), Communication(ALL_REDUCE))
+    plan_rows = (PlanRow(order=2, shown=frozenset({ONE_GPU, DATA_PARALLEL}), recommended=frozenset({DATA_PARALLEL})),)
     spread = REPLICAS
+    # PowerSGD is a DDP communication hook; gloo, which processes sharing GPUs talk over, runs its all-reduces.
+    composes_with = COMMON_FEATURES | {"powersgd", "shared_gpus"}
     mesh_dims = ("replicate",)
 
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, plan: PrecisionPlan
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         mesh = self.build_mesh(env)
-        model = move_to_device(model, env)
+        # On its device since make_alike: a move here would swap ep's DTensors, dropping hold_experts's hooks.
         if self.layout.ep > 1:  # ep spread the experts (engine/parallelize.py); DDP replicates the rest
-            from multigpu.parallel.expert_parallel import replicate_experts
+            from multigpu.parallel.expert_parallel import leave_out_of_ddp
 
-            replicate_experts(model, self.experts)
+            leave_out_of_ddp(model)
         device_ids = [env.device.index] if env.device.type == "cuda" else None
         wrapped = DistributedDataParallel(
             model,
@@ -77,6 +95,12 @@ class DDP(CompressionOptions, DDPOptions, Strategy):
 
             self.powersgd = register(wrapped, self.compression, with_cp(mesh, ("replicate",)).get_group())
         return wrapped, optimizer
+
+    def make_alike(self, model: nn.Module, env: DistEnv) -> bool:
+        # Onto its device before tp and ep, so that nothing moves it once hold_experts has hooked ep's experts;
+        # DDP itself gives every rank rank 0's weights as it wraps.
+        move_to_device(model, env)
+        return False
 
     def communication_state(self) -> dict[str, Any] | None:
         """This rank's PowerSGD state for a checkpoint (checkpoint/), or None without powersgd."""

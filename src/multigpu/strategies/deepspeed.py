@@ -26,7 +26,17 @@ from multigpu.config.settings import StrategyOptions, setting
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError, require
 from multigpu.parallel.deepspeed_config import completed_config
-from multigpu.strategies.base import StepOutcome, Strategy, frozen_names
+from multigpu.strategies.base import COMMON_FEATURES, StepOutcome, Strategy, frozen_names
+from multigpu.strategies.facts import (
+    AUTOCAST,
+    DATA_PARALLEL,
+    PARTITIONED,
+    TWO_UNITS,
+    WHOLE,
+    Facts,
+    MemoryModel,
+    PlanRow,
+)
 from multigpu.transforms.modules import give_back_freed_memory
 
 INSTALL = "pip install 'multigpu[deepspeed]'"
@@ -44,13 +54,8 @@ class DeepSpeedOptions(StrategyOptions):
     deepspeed_config: str | None = setting(None, "deepspeed: a DeepSpeed JSON config to start from", metavar="JSON")
 
     def check(self) -> None:
-        require(
-            (self.zero_stage in (None, 1, 2, 3), f"zero_stage must be 1, 2 or 3 (got {self.zero_stage})."),
-            (
-                not self.offload_param or self.zero_stage in (None, 3),
-                "offload_param needs ZeRO stage 3, where parameters are partitioned; set zero_stage 3.",
-            ),
-        )
+        # offload_param with a zero_stage other than 3: strategies/compatibility.py's table of what composes.
+        require((self.zero_stage in (None, 1, 2, 3), f"zero_stage must be 1, 2 or 3 (got {self.zero_stage})."))
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,26 @@ class DeepSpeed(DeepSpeedOptions, Strategy):
     # Its own layout: deepspeed.initialize makes its own data-parallel groups over the default one (every process a
     # ZeRO partition), so it builds no torch mesh, which would only add communicators nothing uses.
     spread = OWN_GROUPS
+    # An optional backend: planned and reported at each ZeRO stage, never recommended.
+    facts = Facts(MemoryModel(partitions=True), optional=True, flat_partitions=True)
+    plan_rows = tuple(
+        PlanRow(
+            f"{{name}}{stage}",
+            (("zero_stage", stage),),
+            MemoryModel(
+                frozenset(("optimizer", "grads", "params")[:stage]),
+                partitions=True,
+                temporary=TWO_UNITS if stage == 3 else AUTOCAST,
+                build=PARTITIONED if stage == 3 else WHOLE,
+            ),
+            order=7 + stage,
+            shown=frozenset({DATA_PARALLEL}),
+        )
+        for stage in (1, 2, 3)
+    )
+    # fp32 master weights; ZeRO steps flat partitions of many parameters, where Muon finds no matrix and torchao's
+    # low-bit states no tensor of their own; ZeRO-3 releases the output head's weight after forward.
+    composes_with = COMMON_FEATURES - {"bf16_true", "muon", "low_bit_optimizer", "head_after_forward"}
 
     @classmethod
     def build(cls, say: Callable[[str], None], **arguments: Any) -> DeepSpeed:
@@ -83,8 +108,7 @@ class DeepSpeed(DeepSpeedOptions, Strategy):
         self._partitioned: Any = None  # DeepSpeed's ZeRO optimizer, around the torch one setup returns
 
     def precision_plan(self, precision: Precision, device: torch.device) -> DeepSpeedPrecision:
-        if precision.param_dtype != torch.float32:
-            raise UsageError("DeepSpeed keeps fp32 master weights, so it has no bf16-true; use precision bf16-mixed.")
+        # bf16-true (parameters stored in bf16) is refused with the settings: composes_with has no bf16_true.
         if not precision.needs_grad_scaler:
             return DeepSpeedPrecision(precision, precision.compute_dtype)
         if device.type != "cuda":

@@ -15,7 +15,8 @@ from multigpu.config.layout import AUTO, EVEN, IN_PROCESS, Spread, parse_shares,
 from multigpu.config.precision import PrecisionPlan
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
-from multigpu.strategies.base import Strategy, move_to_device
+from multigpu.strategies.base import COMMON_FEATURES, Strategy, move_to_device
+from multigpu.strategies.facts import ONE_GPU, Facts, PlanRow
 from multigpu.strategies.single import Single
 
 
@@ -105,7 +106,12 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 @dataclass
 class DataParallel(Strategy):
     name = "dp"
+    facts = Facts(reduces_gradients=False, one_process=True)
+    plan_rows = (PlanRow(order=1, shown=frozenset({ONE_GPU})),)
     spread: ClassVar[Spread] = IN_PROCESS
+    # nn.DataParallel copies the model to each GPU every step, from one process: the copies run the original
+    # blocks (not compiled or checkpointed ones), and there is no process group for SyncBatchNorm.
+    composes_with = COMMON_FEATURES - {"compile", "activation_checkpointing", "sync_batchnorm"}
     batch_shares: str = EVEN  # one weight per GPU (the Engine setting's)
 
     @classmethod

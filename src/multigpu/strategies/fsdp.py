@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -15,15 +15,32 @@ from multigpu.config.layout import SHARDS, ShardingOptions, TensorParallelOption
 from multigpu.config.precision import Precision, PrecisionPlan
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError, require
-from multigpu.parallel.compression import CompressionOptions, refuse_powersgd
+from multigpu.parallel.compression import CompressionOptions
 from multigpu.parallel.grad_scaler import DTensorGradScaler
 from multigpu.parallel.mesh import with_cp
 from multigpu.parallel.shard_fill import fill_shards
 from multigpu.parallel.tensor_parallel import check_sequence_parallel, start_alike
-from multigpu.strategies.base import Strategy, is_quantized
+from multigpu.strategies.base import COMMON_FEATURES, Strategy, is_quantized
+from multigpu.strategies.facts import (
+    BESIDE_MODEL_PARALLEL,
+    DATA_PARALLEL,
+    FSDP_SLICES,
+    GATHERED_MODEL,
+    ONE_GPU,
+    REDUCE_SCATTER,
+    STATES,
+    TWO_UNITS,
+    Communication,
+    Facts,
+    MemoryModel,
+    PlanRow,
+)
 from multigpu.transforms.modules import MetaValues, check_ties, default_units, repoint
 
 UnitSelector = Callable[[nn.Module], list[nn.Module]]
+#: The plans zero2's and zero3's rows are shown in, and those that may recommend them.
+EVERYWHERE = frozenset({ONE_GPU, DATA_PARALLEL, BESIDE_MODEL_PARALLEL})
+SEVERAL = frozenset({DATA_PARALLEL, BESIDE_MODEL_PARALLEL})
 
 
 def children_first(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
@@ -58,7 +75,23 @@ class FSDP(CompressionOptions, ShardingOptions, TensorParallelOptions, Strategy)
     units: UnitSelector = default_units
 
     spread = SHARDS
+    facts = Facts(
+        MemoryModel(STATES, temporary=TWO_UNITS, build=FSDP_SLICES), Communication(REDUCE_SCATTER, per_unit=True)
+    )
+    plan_rows = (
+        PlanRow(order=6, shown=EVERYWHERE, recommended=SEVERAL, reference=True),
+        # cpu_offload keeps the sharded states in host memory: the slowest, recommended only where allowed.
+        PlanRow(
+            "{name}+offload",
+            (("cpu_offload", True),),
+            replace(facts.memory, offload=True),
+            order=7,
+            shown=frozenset({ONE_GPU, DATA_PARALLEL}),
+            recommended=frozenset({ONE_GPU, DATA_PARALLEL}),
+        ),
+    )
     mesh_dims = ("shard",)
+    composes_with = COMMON_FEATURES  # no powersgd: FSDP2 has no communication hook
 
     def check(self) -> None:
         require(
@@ -67,8 +100,7 @@ class FSDP(CompressionOptions, ShardingOptions, TensorParallelOptions, Strategy)
                 "cpu_offload works with strategy zero3 or hsdp only, not zero2; drop it or use zero3.",
             )
         )
-        check_sequence_parallel(self)
-        refuse_powersgd(self.name, self.grad_compression)
+        check_sequence_parallel(self)  # powersgd is refused with the settings: composes_with has none
 
     @property
     def builds_on_meta(self) -> bool:  # type: ignore[override]
@@ -101,6 +133,19 @@ class FSDP(CompressionOptions, ShardingOptions, TensorParallelOptions, Strategy)
         scaler = (lambda: DTensorGradScaler(device=device.type)) if precision.needs_grad_scaler else None
         return FSDPPrecision(precision, None, precision.param_dtype, scaler, **policies)
 
+    def gathers_weights(self) -> bool:
+        return True
+
+    def unit_blocks(self, model: nn.Module) -> list[nn.Module]:
+        return self.units(model)
+
+    def sharded_modules(self, model: nn.Module) -> list[nn.Module]:
+        return [*self.units(model), *quantized_owners(model)]
+
+    def expert_sharding(self, plan: PrecisionPlan) -> tuple[MixedPrecisionPolicy, bool]:
+        assert isinstance(plan, FSDPPrecision)  # precision_plan's
+        return plan.unit, self.reshard_after_forward
+
     def make_alike(self, model: nn.Module, env: DistEnv) -> bool:
         if not self.cpu_offload:  # offloaded, the parameters stay in CPU memory (start_alike sends them through it)
             model.to(env.device)
@@ -112,11 +157,8 @@ class FSDP(CompressionOptions, ShardingOptions, TensorParallelOptions, Strategy)
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, plan: PrecisionPlan
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         names = {id(p): name for name, p in model.named_parameters()}
+        # ep's experts are units of their own already (engine/parallelize.py: hold_experts).
         units, shard = self._wrapping(model, optimizer, env, plan)
-        if self.layout.ep > 1:  # ep spread the experts; each layer's are a unit over the ranks that hold the same
-            from multigpu.parallel.expert_parallel import shard_experts
-
-            shard_experts(self.experts, plan.unit, self.reshard_after_forward)
         for unit in [*units, model]:
             shard(unit)
         # fully_shard replaced every Parameter with a sharded DTensor one; point the optimizer at those.
@@ -157,20 +199,32 @@ class FSDP(CompressionOptions, ShardingOptions, TensorParallelOptions, Strategy)
         check_ties(model, units)
         return children_first(model, [*units, *quantized_owners(model)]), self.sharder(model, plan, keep_root=True)
 
-    def shard_stage(self, stage: nn.Module, units: list[nn.Module], plan: FSDPPrecision) -> None:
+    def shard_stage(
+        self, stage: nn.Module, units: list[nn.Module], plan: FSDPPrecision, mesh: DeviceMesh, reshard: bool
+    ) -> None:
         """Shards one pipeline stage (pp.py): `units` (those of the whole model that the stage holds) and then the
-        stage itself, the root whose pre-forward gathers what no unit holds (embeddings, norm, head)."""
+        stage itself, the root whose pre-forward gathers what no unit holds (embeddings, norm, head); over the
+        pipeline's `mesh` (this strategy's dimensions are slices of it), resharding after forward as `reshard` says
+        (the pipeline's schedule decides)."""
         check_ties(stage, units)
-        shard = self.sharder(stage, plan)
+        shard = self.sharder(stage, plan, on=(self.sharding_mesh(mesh), reshard))
         for unit in [*children_first(stage, [*units, *quantized_owners(stage)]), stage]:
             shard(unit)
 
-    def sharder(self, root: nn.Module, plan: FSDPPrecision, keep_root: bool = False) -> Callable[[nn.Module], None]:
-        """What shards one unit of the tree under `root` (and `root` itself, last), with the plan's casts.
+    def sharder(
+        self,
+        root: nn.Module,
+        plan: FSDPPrecision,
+        keep_root: bool = False,
+        on: tuple[DeviceMesh, bool] | None = None,
+    ) -> Callable[[nn.Module], None]:
+        """What shards one unit of the tree under `root` (and `root` itself, last), with the plan's casts, over `on`'s
+        mesh with its reshard_after_forward (by default the strategy's own).
         `keep_root`: the root keeps its parameters gathered from forward to backward, FSDP2's own default for a root
         (a model's, not a pipeline stage's, whose schedule runs several forwards first): its backward begins at once
         and would gather them again, one all-gather a step more than a plain fully_shard loop."""
-        common = {"mesh": self.sharding_mesh(), "reshard_after_forward": self.reshard_after_forward}
+        mesh, reshard = on or (self.sharding_mesh(), self.reshard_after_forward)
+        common = {"mesh": mesh, "reshard_after_forward": reshard}
         if self.cpu_offload:
             common["offload_policy"] = CPUOffloadPolicy()
         # Packed 4-bit weights are bytes, not numbers: their layers are units of their own that gather the storage
@@ -184,10 +238,11 @@ class FSDP(CompressionOptions, ShardingOptions, TensorParallelOptions, Strategy)
 
         return shard
 
-    def sharding_mesh(self) -> DeviceMesh:
-        """The mesh fully_shard lays parameters out on. It reads a 2-D ("replicate", "shard") mesh as HSDP (shards
-        within each replica group, gradients averaged across groups): an hsdp strategy returns that here."""
-        return with_cp(self.mesh, ("shard",))
+    def sharding_mesh(self, mesh: DeviceMesh | None = None) -> DeviceMesh:
+        """The mesh fully_shard lays parameters out on, of `mesh` (a pipeline's) or the strategy's own. It reads a
+        2-D ("replicate", "shard") mesh as HSDP (shards within each replica group, gradients averaged across
+        groups): an hsdp strategy returns that here."""
+        return with_cp(mesh or self.mesh, ("shard",))
 
     @property
     def accumulates_unsynced(self) -> bool:  # type: ignore[override]
@@ -212,3 +267,8 @@ class Zero2(FSDP):
 
     reshard_after_forward: bool = False
     not_taken = ("cpu_offload",)
+    facts = Facts(
+        MemoryModel(STATES, temporary=GATHERED_MODEL, build=FSDP_SLICES),
+        Communication(REDUCE_SCATTER, gathers_after_step=True),
+    )
+    plan_rows = (PlanRow(order=4, shown=EVERYWHERE, recommended=SEVERAL),)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
@@ -38,11 +38,13 @@ from multigpu.config.precision import Precision, PrecisionPlan
 from multigpu.core.compute_clock import probe_s, probe_tflop
 from multigpu.core.env import DistEnv, collective_device
 from multigpu.core.errors import UsageError
+from multigpu.parallel.experts import MixtureOfExperts
 from multigpu.parallel.mesh import with_cp
 from multigpu.parallel.pipeline_schedules import VStage, schedule_class
 from multigpu.parallel.pipeline_stages import DecoderStage, layer_count, stage_parts
 from multigpu.parallel.tensor_parallel import check_sequence_parallel, start_alike, tied_places
-from multigpu.strategies.base import StepOutcome, Strategy, frozen_names
+from multigpu.strategies.base import COMMON_FEATURES, StepOutcome, Strategy, frozen_names
+from multigpu.strategies.facts import MODEL_PARALLEL, PlanRow
 from multigpu.strategies.fsdp import FSDP
 from multigpu.transforms.modules import repoint
 
@@ -87,17 +89,17 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
     _spread: set[int] = field(default_factory=set, repr=False)  # ep's experts' parameter ids: not the replicas'
 
     spread = PIPELINE
+    # Its gradient collectives are its inner strategy's; the planner shows it alone where tp x pp take every GPU.
+    plan_rows = (PlanRow(shown=frozenset({MODEL_PARALLEL})), PlanRow("tp+{name}", shown=frozenset({MODEL_PARALLEL})))
     pipelined = True
+    # fp16: only the last stage sees the loss it scales. cpu_offload and unsharded_grad_accum: the stages' zero
+    # shards neither live in host memory nor accumulate whole.
+    composes_with = COMMON_FEATURES - {"fp16", "cpu_offload", "unsharded_grad_accum"}
 
     def check(self) -> None:
         self._per_rank = check_schedule(self.pp_schedule, self.pp_stages_per_rank)
         check_microbatches(self.pp_schedule, self.layout.pp, self._per_rank, self.pp_microbatches)
-        check_sequence_parallel(self)
-        if self.inner is not None and (self.inner.cpu_offload or self.inner.unsharded_grad_accum):
-            raise UsageError(
-                f"pp_size runs pipeline stages with zero2, zero3 or hsdp inside them (or whole replicas with strategy "
-                f"pp), not {self.inner.name} with cpu_offload or unsharded_grad_accum; drop those or pp_size."
-            )
+        check_sequence_parallel(self)  # an inner zero's cpu_offload and unsharded_grad_accum: composes_with
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -108,21 +110,17 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
         return ("pp", *(self.inner.mesh_dims if self.inner is not None else ()))
 
     def precision_plan(self, precision: Precision, device: torch.device) -> PrecisionPlan:
-        """The plan of the strategy inside the stages (zero's stages cast their own parameters); no loss scaling."""
-        if precision.needs_grad_scaler:
-            raise UsageError(
-                "fp16-mixed's loss scaling needs every pipeline stage to see the loss, which only the last one "
-                "computes; use bf16-mixed or 32 under strategy pp."
-            )
+        """The plan of the strategy inside the stages (zero's stages cast their own parameters); no loss scaling:
+        fp16-mixed is refused with the settings (composes_with has no fp16)."""
         if self.inner is not None:
             return self.inner.precision_plan(precision, device)
         return super().precision_plan(precision, device)
 
-    def build_mesh(self, env: DistEnv) -> DeviceMesh | None:
-        mesh = super().build_mesh(env)
-        if self.inner is not None:
-            self.inner.mesh = mesh  # one mesh: zero's "shard" (and "replicate") dimensions are slices of it
-        return mesh
+    def gathers_weights(self) -> bool:
+        return self.inner is not None
+
+    def expert_sharding(self, plan: PrecisionPlan) -> tuple[MixedPrecisionPolicy, bool] | None:
+        return self.inner.expert_sharding(plan) if self.inner is not None else None
 
     def make_alike(self, model: nn.Module, env: DistEnv) -> bool:
         if self.layout.tp > 1:  # tp splits the whole model on the device; without it only the stages go there
@@ -152,11 +150,13 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
         return stages
 
     def local_stages(self) -> list[nn.Module]:
-        return list(getattr(self, "_forwards", []))  # made in setup
+        return list(getattr(self, "_forwards", []))  # made in cut_stages
 
-    def setup(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, plan: PrecisionPlan
+    def cut_stages(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """This rank's stages of the whole model (a PipelineModel), the rest on the meta device; the optimizer left
+        with their parameters (engine/parallelize.py's step before ep's last one and setup)."""
         if optimizer is not None and optimizer.state:
             raise UsageError("pp must split a fresh optimizer; call engine.setup before the first step.")
         mesh = self.build_mesh(env)
@@ -188,22 +188,29 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
                 forward.position_split = self.layout.tp
         pipeline = PipelineModel(model, kept)
         names = {id(p): name for name, p in pipeline.named_parameters()}
+        # A tied weight by its name in this rank's stages: sharding replaces the Parameter, the name stays.
+        self._tied = [(names[id(p)], group, count) for p, group, count in ties]
         if optimizer is not None:
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) in held]
-        if self.layout.ep > 1:  # the stages' experts, spread by ep, before zero shards the rest
-            from multigpu.parallel.expert_parallel import spread_stage_experts
-
-            policy = getattr(plan, "unit", None) if self.inner is not None else None
-            reshard = getattr(self.inner, "reshard_after_forward", True)
-            self._spread = spread_stage_experts(self.experts, policy, reshard)
-        if self.inner is not None:
-            self._shard_stages(model, plan)
-        if self.inner is not None or self.layout.ep > 1:
-            repoint(optimizer, names, pipeline)
-        current = dict(pipeline.named_parameters())  # sharding replaced the Parameters; the names stay
-        self._ties = [(current[names[id(p)]], group, count) for p, group, count in ties]
         return pipeline, optimizer
+
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, plan: PrecisionPlan
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """Wraps the stages cut_stages made (`model`, their PipelineModel; ep's experts held already): zero inside
+        each stage, or whole replicas of the pipeline, which average every gradient but ep's experts'."""
+        names = {id(p): name for name, p in model.named_parameters()}
+        if self.layout.ep > 1:
+            from multigpu.parallel.expert_parallel import is_spread
+
+            self._spread = {id(p) for p in model.parameters() if is_spread(p)}
+        if self.inner is not None:
+            self._shard_stages(model.module, plan)
+            repoint(optimizer, names, model)
+        current = dict(model.named_parameters())
+        self._ties = [(current[name], group, count) for name, group, count in self._tied]
+        return model, optimizer
 
     def _shard_stages(self, model: nn.Module, plan: PrecisionPlan) -> None:
         """zero2/zero3/hsdp inside each stage: the whole model's units that the stage holds, then the stage as
@@ -214,8 +221,8 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
         # micro-batch's forward in between, their gradients are lost. A zero-bubble schedule's stages therefore keep
         # their weights gathered from the forward to the step's last weight half, as torchtitan's pipelines do.
         resharding = self.inner.reshard_after_forward
-        self.inner.reshard_after_forward = resharding and self.pp_schedule not in ZERO_BUBBLE
-        if resharding and not self.inner.reshard_after_forward and dist.get_rank() == 0:
+        reshard = resharding and self.pp_schedule not in ZERO_BUBBLE
+        if resharding and not reshard and dist.get_rank() == 0:
             print(
                 f"{self.name} under pp_schedule {self.pp_schedule}: each stage's weights stay gathered from its "
                 "forward to the step's last weight half (torch's split backward needs them); gradients and optimizer "
@@ -224,8 +231,8 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
             )
         for forward in self._forwards:
             inside = {id(m) for m in forward.modules()}
-            self.inner.shard_stage(forward, [u for u in units if id(u) in inside], plan)
-        self.inner.reshard_after_forward = resharding
+            # On this strategy's mesh: zero's "shard" (and "replicate") dimensions are slices of it.
+            self.inner.shard_stage(forward, [u for u in units if id(u) in inside], plan, self.mesh, reshard)
         # A tied weight's name outside this rank's stages (the embedding's, on the last stage) follows the
         # Parameter that sharding put in place of the one both names held.
         for place, first, old in tied:
@@ -264,12 +271,19 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
 
     # -- one micro-step --------------------------------------------------------------------------------------------
     def pipeline_step(
-        self, inputs: Any, targets: torch.Tensor, loss_fn: LossFn, weigh: Callable[[Any, float], Any], train: bool
+        self,
+        inputs: Any,
+        targets: torch.Tensor,
+        loss_fn: LossFn,
+        weigh: Callable[[Any, float], Any],
+        train: bool,
+        experts: MixtureOfExperts | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs the schedule over `inputs` (forward and backward when `train`, forward only otherwise); returns the
         loss (summed over micro-batches when loss_fn gives (sum, count), else the batch's mean) and the count, both
         on every rank. `weigh(loss_fn's result, the micro-batch's share of the batch's rows)` gives the scalar each
-        micro-batch's backward starts from."""
+        micro-batch's backward starts from; `experts`, the model's mixture, whose load-balancing loss each
+        micro-batch weighs its share of."""
         args, kwargs = (inputs, {}) if not isinstance(inputs, dict) else ((), inputs)
         args = args if isinstance(args, tuple) else (args,)
         shapes = tuple(tuple(t.shape) for t in [*args, *kwargs.values(), targets] if torch.is_tensor(t))
@@ -294,8 +308,8 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
         # A new schedule's first run infers its shapes by a real forward and backward, after which torch drops the
         # sharded stages' gradients: those of this accumulation's earlier batches wait aside meanwhile.
         aside = self._gradients_aside() if new and train and self.inner is not None else []
-        if self.experts is not None and train:
-            self.experts.pipeline_slices(micro, summed=False)
+        if experts is not None and train:
+            experts.pipeline_slices(micro, summed=False)
         run(*args, target=targets, losses=[], **kwargs)
         with torch.no_grad():
             for param, grad in aside:
@@ -313,8 +327,8 @@ class PipelineParallel(PipelineOptions, TensorParallelOptions, Strategy):
         totals[2] = float(summed)
         dist.all_reduce(totals, group=self._group)  # only the last stage computed them
         loss, count, summed = totals[0], totals[1], bool(totals[2] > 0)
-        if self.experts is not None and train and summed:
-            self.experts.pipeline_slices(1, summed=True)  # refuses a count it could not know beforehand
+        if experts is not None and train and summed:
+            experts.pipeline_slices(1, summed=True)  # refuses a count it could not know beforehand
         return (loss, count) if summed else (loss, None)
 
     def _gradients_aside(self) -> list[tuple[nn.Parameter, torch.Tensor]]:

@@ -10,11 +10,14 @@ from torch import nn
 from multigpu.config.precision import PrecisionPlan
 from multigpu.core.env import DistEnv
 from multigpu.strategies.base import Strategy, move_to_device
+from multigpu.strategies.facts import ONE_GPU, Facts, PlanRow
 
 
 @dataclass
 class Single(Strategy):
     name = "single"
+    facts = Facts(reduces_gradients=False, one_process=True)
+    plan_rows = (PlanRow(order=0, shown=frozenset({ONE_GPU}), recommended=frozenset({ONE_GPU})),)
 
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, env: DistEnv, plan: PrecisionPlan

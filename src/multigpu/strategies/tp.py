@@ -15,6 +15,7 @@ from multigpu.core.env import DistEnv
 from multigpu.parallel.grad_scaler import DTensorGradScaler
 from multigpu.parallel.tensor_parallel import check_sequence_parallel, start_alike
 from multigpu.strategies.base import Strategy, move_to_device
+from multigpu.strategies.facts import MODEL_PARALLEL, Facts, PlanRow
 
 
 @dataclass
@@ -22,6 +23,8 @@ class TensorParallel(TensorParallelOptions, Strategy):
     """Tensor parallelism over every process: one slice of each planned layer per process, one batch for all."""
 
     name = "tp"
+    facts = Facts(reduces_gradients=False)  # it splits layers: each rank's gradients are its own slices'
+    plan_rows = (PlanRow(shown=frozenset({MODEL_PARALLEL})),)
     spread = TENSOR
     mesh_dims = ("tp",)
 

@@ -16,11 +16,26 @@ from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
 from multigpu.parallel.mesh import with_cp
 from multigpu.strategies.ddp import DDP
+from multigpu.strategies.facts import (
+    ALL_REDUCE,
+    DATA_PARALLEL,
+    GRAD_BUCKET,
+    ONE_GPU,
+    Communication,
+    Facts,
+    MemoryModel,
+    PlanRow,
+)
 
 
 @dataclass
 class Zero1(DDP):
     name = "zero1"
+    facts = Facts(
+        MemoryModel(frozenset({"optimizer"}), temporary=GRAD_BUCKET),
+        Communication(ALL_REDUCE, gathers_after_step=True),
+    )
+    plan_rows = (PlanRow(order=3, shown=frozenset({ONE_GPU, DATA_PARALLEL}), recommended=frozenset({DATA_PARALLEL})),)
     spread = OPTIMIZER_SHARDS
 
     def setup(

@@ -19,15 +19,30 @@ from typing import Any
 import numpy as np
 
 from multigpu.config.flags import parse_list
-from multigpu.config.settings import Settings, override, setting
+from multigpu.config.settings import Settings, override_group, setting
 from multigpu.core.errors import UsageError
 from multigpu.engine.config import EngineConfig
 from multigpu.parallel.compression import CompressionOptions, refuse_powersgd, wire_factor
-from multigpu.strategies import STRATEGIES
+from multigpu.strategies import STRATEGY_CLASSES, Strategy, strategy_class
 from multigpu.tools import harness
 
-#: The strategies whose gradient collectives bench counts (bytes sent per step); tp reduces no gradients.
-REDUCING = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+
+def reducing(strategy: str) -> bool:
+    """Whether bench counts `strategy`'s gradient collectives (bytes sent per step) and runs it with each
+    grad_compression: one data-parallel ring (strategies/facts.py: its communication). tp reduces no gradients;
+    hsdp's cross two groups, which one ring's share does not count."""
+    communication = strategy_class(strategy).facts.communication
+    return communication is not None and not communication.across_replicas
+
+
+def plain() -> str:
+    """The one-process baseline: the first registered strategy that runs one process on one device (single)."""
+    return next(n for n, c in ((n, strategy_class(n)) for n in STRATEGY_CLASSES) if _single_process(c))
+
+
+def _single_process(cls: type[Strategy]) -> bool:
+    return cls.facts.one_process and not cls.spread.gpus_in_process
+
 
 RECIPES = {
     "train": ["multigpu.recipes.train", "--resume", "none", "--epochs", "1000", "--log-every", "0"],
@@ -49,15 +64,8 @@ class BenchConfig(Settings):
     """`multigpu bench`'s flags: the Engine settings it imposes on every run (each unset by default: the script's
     own; config/settings.py: override), then its own."""
 
-    precision: str | None = override(EngineConfig, note=EVERY_RUN)
-    activation_checkpointing: str | None = override(EngineConfig, note=EVERY_RUN)
-    compile: bool | None = override(EngineConfig, note=EVERY_RUN)
-    compile_backend: str | None = override(EngineConfig, note=EVERY_RUN)
-    float8: str | None = override(EngineConfig, note=EVERY_RUN)
-    loss: str | None = override(EngineConfig, note=EVERY_RUN)
-    optimizer: str | None = override(EngineConfig, note=EVERY_RUN)
-    cp_size: int | None = override(EngineConfig, note=EVERY_MULTI_PROCESS_RUN)
-    ep_size: int | None = override(EngineConfig, note=EVERY_MULTI_PROCESS_RUN)
+    _every_run = override_group(EngineConfig, *harness.STEP_SETTINGS, note=EVERY_RUN)
+    _every_multi_process_run = override_group(EngineConfig, "cp_size", "ep_size", note=EVERY_MULTI_PROCESS_RUN)
     nproc: str = setting("1,2", "comma-separated process counts, e.g. 1,2,4")
     # --strategy and --multi-gpu as well: the strategy's flags on the other verbs, here taking a list.
     strategies: str = setting(
@@ -84,17 +92,21 @@ class BenchConfig(Settings):
         if any(n < 1 for n in self.counts):
             raise UsageError(f"--nproc {self.nproc} must list process counts of 1 or more, e.g. 1,2,4.")
         self.strategy_names = parse_list(self.strategies, "--strategies", str)
-        unknown = [s for s in self.strategy_names if s not in STRATEGIES or s in ("auto", "single", "dp")]
+        # A strategy that runs in one process is no cell of its own: one process runs as the baseline.
+        unknown = [s for s in self.strategy_names if s not in STRATEGY_CLASSES or strategy_class(s).facts.one_process]
         if unknown:
+            among = ", ".join(name for name in STRATEGY_CLASSES if reducing(name))
             raise UsageError(
-                f"--strategies has {', '.join(unknown)}; choose among ddp, zero1, zero2, zero3, fsdp "
+                f"--strategies has {', '.join(unknown)}; choose among {among} "
                 "(1 process always runs as the single-process baseline)."
             )
         self.compressions = parse_list(self.grad_compressions, "--grad-compressions", str)
         for compression in self.compressions:  # each checked as the Engine's setting is, before any launch
             CompressionOptions(grad_compression=compression)
-            for strategy in set(self.strategy_names) - {"ddp", "zero1", "tp"}:
-                refuse_powersgd(strategy, compression)
+            for strategy in dict.fromkeys(self.strategy_names):
+                cls = strategy_class(strategy)  # powersgd: a feature it composes with (DDP's communication hook)
+                if cls.facts.reduces_gradients and "powersgd" not in cls.composes_with:
+                    refuse_powersgd(strategy, compression)
         for flag, size, what in (("--cp-size", self.cp_size, "each sequence"), ("--ep-size", self.ep_size, "experts")):
             uneven = [n for n in self.counts if n > 1 and size and n % size]
             if uneven:
@@ -118,7 +130,7 @@ def run_cell(
         imposed = {"strategy": strategy, "tp_size": None, "pp_size": None, **config.values_for(EngineConfig)}
         if n == 1:  # the one-process baseline splits nothing
             imposed["cp_size"] = imposed["ep_size"] = None
-        if strategy in REDUCING:  # the one-process baseline (single) and tp take no grad_compression
+        if reducing(strategy):  # the one-process baseline (single) and tp take no grad_compression
             imposed["grad_compression"] = compression
         spec = harness.Harness(tmp, imposed, warmup=config.warmup, steps=config.steps, grad_sync=sync)
         ranks = harness.run(target, module, n, spec)
@@ -136,11 +148,20 @@ def run_cell(
         "device": ranks[0]["device"],
         "precision": ranks[0]["precision"],
         # The ring's share of what each rank hands to the gradient collectives (harness.py); none on 1 process.
-        "grad_bytes": ranks[0]["gradient_bytes"] * wire_factor(strategy, n) if strategy in REDUCING and n > 1 else None,
+        "grad_bytes": _wire_bytes(ranks[0]["gradient_bytes"], strategy, n),
         "state_bytes": [r["optimizer_state_bytes"] for r in ranks],
         "state_elements": [r["optimizer_state_elements"] for r in ranks],
         "gathered_bytes": ranks[0]["optimizer_gathered_bytes"],
     }
+
+
+def _wire_bytes(payload: int, strategy: str, n: int) -> float | None:
+    """The ring's share of what a rank hands to the gradient collectives (harness.py); none on 1 process."""
+    if not reducing(strategy) or n == 1:
+        return None
+    communication = strategy_class(strategy).facts.communication
+    assert communication is not None  # reducing
+    return payload * wire_factor(communication.gradients, n)
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -155,7 +176,7 @@ def summarise(
     cell: dict[str, Any] = {
         "nproc": n,
         "strategy": strategy,
-        "grad_compression": compression if strategy in REDUCING else "none",
+        "grad_compression": compression if reducing(strategy) else "none",
         # Gradient bytes each rank sends per optimizer step (a ring's share of its payload; PowerSGD's after its
         # warm-up steps), or None where no gradients are reduced.
         "grad_bytes_sent": runs[0]["grad_bytes"],
@@ -187,14 +208,14 @@ def bench(config: BenchConfig, target: list[str], module: bool = False) -> dict[
         unsynced = []
         # tp communicates inside every layer's forward and backward, which no_sync leaves in place: the
         # gradient-sync share would read 0%, so it is not measured ("-").
-        if config.comm_share and n > 1 and strategy != "tp":
+        if config.comm_share and n > 1 and strategy_class(strategy).facts.reduces_gradients:
             unsynced = [
                 run_cell(target, module, n, strategy, config, False, compression) for _ in range(config.repeats)
             ]
         cells.append(summarise(n, strategy, runs, unsynced, compression))
         device, precision = runs[0]["device"], runs[0]["precision"]
     for cell in cells:
-        wanted = "single" if config.baseline == "single" else cell["strategy"]
+        wanted = cell["strategy"] if config.baseline == "same" else plain()
         base = next((c for c in cells if c["nproc"] == 1 and c["strategy"] == wanted), None)
         if base is not None:
             cell["speedup"] = cell["samples_per_s"]["median"] / base["samples_per_s"]["median"]
@@ -219,9 +240,9 @@ def cell_list(config: BenchConfig) -> list[tuple[int, str, str]]:
     """(processes, strategy, grad_compression) of every cell, in order: the one-process baseline once."""
     cells = []
     for n in config.counts:
-        for strategy in ["single"] if n == 1 and config.baseline == "single" else config.strategy_names:
-            reducing = strategy in REDUCING and n > 1  # one process reduces nothing: compression changes nothing
-            cells += [(n, strategy, c) for c in (config.compressions if reducing else ["none"])]
+        for strategy in [plain()] if n == 1 and config.baseline != "same" else config.strategy_names:
+            reduces = reducing(strategy) and n > 1  # one process reduces nothing: compression changes nothing
+            cells += [(n, strategy, c) for c in (config.compressions if reduces else ["none"])]
     return cells
 
 
@@ -233,12 +254,13 @@ def plot(report: dict[str, Any], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     cells = report["cells"]
-    strategies = list(dict.fromkeys(label(c) for c in cells if c["strategy"] != "single"))
+    baseline = plain()
+    strategies = list(dict.fromkeys(label(c) for c in cells if c["strategy"] != baseline))
     counts = sorted({c["nproc"] for c in cells})
     figure, axes = plt.subplots(figsize=(6, 4))
     axes.plot(counts, counts, "k--", label="ideal")
     for strategy in strategies:
-        points = [(c["nproc"], c["speedup"]) for c in cells if label(c) in (strategy, "single") and c["speedup"]]
+        points = [(c["nproc"], c["speedup"]) for c in cells if label(c) in (strategy, baseline) and c["speedup"]]
         axes.plot(*zip(*points, strict=True), "o-", label=strategy)
     axes.set(xlabel="processes", ylabel="speedup over 1 process", title=f"{report['device']}: speedup")
     axes.set_xticks(counts)

@@ -26,6 +26,10 @@ from multigpu.observers.monitor import Monitor, peak_memory_bytes
 from multigpu.optimizers.build import state_bytes
 from multigpu.parallel.compression import step_payload_bytes
 
+#: The Engine settings that change what a step computes (its numbers), not how the processes split it: those verify
+#: imposes on both its runs and bench on every run.
+STEP_SETTINGS = ("precision", "activation_checkpointing", "compile", "compile_backend", "float8", "loss", "optimizer")
+
 
 @dataclass
 class Harness:

@@ -16,14 +16,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from multigpu.config.flags import json_value, parse_groups, parse_list, read_json
-from multigpu.config.settings import Settings, setting, shown
+from multigpu.config.layout import LayoutSettings
+from multigpu.config.pipeline import PipelineOptions
+from multigpu.config.settings import Settings, setting, shown, shown_group
 from multigpu.core.errors import UsageError
 from multigpu.engine.config import EngineConfig
-from multigpu.parallel.compression import Compression, payload_bytes, refuse_powersgd
+from multigpu.parallel.compression import Compression, CompressionOptions, payload_bytes, refuse_powersgd
+from multigpu.planner.rows import simulated
 from multigpu.planner.simulate import (
     INTERCONNECTS,
     OPS,
-    STRATEGIES,
     Link,
     Links,
     MixedPrediction,
@@ -36,6 +38,7 @@ from multigpu.planner.simulate import (
     simulate_mixed,
 )
 from multigpu.planner.simulate_advice import link_advice
+from multigpu.strategies import strategy_class
 from multigpu.transforms.recompute import FORWARD_RUN_AGAIN
 
 if TYPE_CHECKING:  # the planner's shapes are imported where a request is resolved
@@ -156,7 +159,7 @@ class SimulateRequest(Settings):
     and layout simulated are the Engine's settings (config/settings.py: shown); simulate models the data-parallel
     strategies."""
 
-    strategy: str = shown(EngineConfig, default="ddp", note="; simulate: the data-parallel one", choices=STRATEGIES)
+    strategy: str = shown(EngineConfig, default="ddp", note="; simulate: the data-parallel one", choices=simulated())
     activation_checkpointing: str = shown(
         EngineConfig,
         note=" (simulate: full runs the forward again, a third more compute with --tflops, and tp's forward "
@@ -176,11 +179,15 @@ class SimulateRequest(Settings):
         "over the data-parallel ranks / ep, compute from the active parameters; --gpus lists multiples of tp x pp "
         "x ep",
     )
-    cp_method: str = shown(EngineConfig)
-    pp_schedule: str = shown(EngineConfig)
-    pp_stages_per_rank: int = shown(EngineConfig)
     microbatches: int | None = shown(EngineConfig, "pp_microbatches")
-    grad_compression: str = shown(EngineConfig)
+    # The layout's, the pipeline's and the compression's other settings, as the Engine defines them.
+    _layout = shown_group(
+        EngineConfig,
+        LayoutSettings,
+        PipelineOptions,
+        CompressionOptions,
+        omit=("replicate", "batch_shares", "pp_split"),
+    )
     # The model, the cluster and the step, simulate's own.
     model: str | None = setting(None, "a built-in model name or a config.json (or its dir)")
     params: float | None = setting(None, "parameter count instead of --model, e.g. 7e9")
@@ -356,7 +363,7 @@ def compressed_gradients(request: SimulateRequest, shape: ModelShape) -> float |
     compression = Compression.parse(request.grad_compression)
     if compression.kind == "none":
         return None
-    if request.strategy not in ("ddp", "zero1"):
+    if "powersgd" not in strategy_class(request.strategy).composes_with:  # DDP's communication hook runs it
         refuse_powersgd(request.strategy, request.grad_compression)
     if compression.kind != "powersgd":
         return float(payload_bytes([(shape.params,)], compression, request.grad_bytes))

@@ -23,10 +23,18 @@ from typing import Any
 
 import torch
 
-from multigpu.config.settings import Settings, override, setting, shown, strategy_option_fields
+from multigpu.config.settings import (
+    Settings,
+    override,
+    override_group,
+    setting,
+    shown,
+    strategy_option_fields,
+)
 from multigpu.core.errors import UsageError
 from multigpu.engine.config import EngineConfig
 from multigpu.launch.launcher import LaunchConfig
+from multigpu.strategies import STRATEGY_CLASSES, drives_gpus_in_process, plain_single_process
 from multigpu.tools import harness
 
 # (loss: relative difference per step, parameters: difference as a fraction of how far training moved them).
@@ -73,11 +81,13 @@ def default_tolerances(dist: dict[str, Any], config: VerifyConfig) -> tuple[floa
 
 
 # The settings given to verify that the 1-process run takes too: what is computed, not how the processes split it.
-BOTH_RUNS_TAKE = ("precision", "activation_checkpointing", "compile", "compile_backend", "float8", "loss", "optimizer")
+BOTH_RUNS_TAKE = harness.STEP_SETTINGS
 # What a setting verify imposes means there.
 BOTH_RUNS = "; verify: both runs' (default: the script's own)"
 N_PROCESS_RUN = "; verify: the N-process run's"
 WITH_STRATEGY = "; verify: the N-process run's, with --strategy"
+# The degrees and the split of layers the N-process run takes (with --strategy).
+WITH_STRATEGY_TAKE = ("tp_size", "pp_size", "pp_split", "cp_size", "ep_size")
 
 
 @dataclass
@@ -86,20 +96,9 @@ class VerifyConfig(Settings):
     own; config/settings.py: override), then its own."""
 
     strategy: str | None = override(EngineConfig, note=f"{N_PROCESS_RUN} (default: the script's own)")
-    precision: str | None = override(EngineConfig, note=BOTH_RUNS)
-    activation_checkpointing: str | None = override(EngineConfig, note=BOTH_RUNS)
-    compile: bool | None = override(EngineConfig, note=BOTH_RUNS)
-    compile_backend: str | None = override(EngineConfig, note=BOTH_RUNS)
-    float8: str | None = override(EngineConfig, note=BOTH_RUNS)
-    loss: str | None = override(EngineConfig, note=BOTH_RUNS)
-    optimizer: str | None = override(EngineConfig, note=BOTH_RUNS)
-    tp_size: int | None = override(EngineConfig, note=WITH_STRATEGY)
-    pp_size: int | None = override(EngineConfig, note=WITH_STRATEGY)
-    pp_split: str | None = override(EngineConfig, note=WITH_STRATEGY)
-    cp_size: int | None = override(EngineConfig, note=WITH_STRATEGY)
-    ep_size: int | None = override(EngineConfig, note=WITH_STRATEGY)
-    cp_method: str | None = override(EngineConfig, note=N_PROCESS_RUN)
-    batch_shares: str | None = override(EngineConfig, note=N_PROCESS_RUN)
+    _both_runs = override_group(EngineConfig, *BOTH_RUNS_TAKE, note=BOTH_RUNS)
+    _with_strategy = override_group(EngineConfig, *WITH_STRATEGY_TAKE, note=WITH_STRATEGY)
+    _n_process_run = override_group(EngineConfig, "cp_method", "batch_shares", note=N_PROCESS_RUN)
     grad_compression: str | None = override(EngineConfig, note=f"{N_PROCESS_RUN} (default: the script's own)")
     nproc: int | None = setting(
         None, "processes to compare with one (default: 2, or 1 under dp; 1 with --strategy, for one GPU)"
@@ -112,16 +111,16 @@ class VerifyConfig(Settings):
     )
 
     def check(self) -> None:
-        if self.strategy == "dp" and self.nproc not in (None, 1):
+        if drives_gpus_in_process(self.strategy) and self.nproc not in (None, 1):
             raise UsageError(
                 f"--strategy dp is one process that drives every GPU, so there are no {self.nproc} processes to "
                 "launch; drop --nproc."
             )
         if self.nproc is None:
-            self.nproc = 1 if self.strategy == "dp" else 2
+            self.nproc = 1 if drives_gpus_in_process(self.strategy) else 2
         if self.nproc < 1:
             raise UsageError(f"--nproc must be 1 or more (got {self.nproc}).")
-        if self.nproc == 1 and self.strategy in (None, "single", "auto"):
+        if self.nproc == 1 and (self.strategy not in STRATEGY_CLASSES or plain_single_process(self.strategy)):
             # One process under a real strategy (on one GPU: NCCL in a group of one) still checks its wrapping,
             # sharding and precision against the plain run; without one there is nothing to compare.
             raise UsageError(
@@ -166,7 +165,7 @@ class Verdict:
 
 def verify(config: VerifyConfig, target: list[str], module: bool = False) -> Verdict:
     """Runs the script in N processes and in 1, on the same global batches, and compares them step by step."""
-    if config.strategy == "dp" and torch.cuda.device_count() < 2:
+    if drives_gpus_in_process(config.strategy) and torch.cuda.device_count() < 2:
         raise UsageError(
             f"--strategy dp splits each batch over the GPUs of one process, and this machine has "
             f"{torch.cuda.device_count()}, so it would run as single; verify dp on a machine with 2 or more GPUs, "

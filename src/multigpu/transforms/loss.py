@@ -310,12 +310,13 @@ def check_runnable(
     loss: str,
     liger: bool,
     device: torch.device,
-    strategy: str,
+    head_kept: bool,
     vocabulary_split: bool,
     find_unused_parameters: bool = False,
 ) -> None:
-    """Refuses, in one sentence, a loss or Liger-Kernel setting this device or layout cannot run;
-    `vocabulary_split`: whether tensor parallelism splits the output head."""
+    """Refuses, in one sentence, a loss or Liger-Kernel setting this device or layout cannot run; `head_kept`:
+    whether the strategy keeps the output head's weight after forward (composes with the table's head_after_forward,
+    strategies/compatibility.py); `vocabulary_split`: whether tensor parallelism splits the output head."""
     require(
         (
             device.type == "cuda" or (loss != "fused" and not liger),
@@ -328,7 +329,7 @@ def check_runnable(
             "chunked under tensor parallelism.",
         ),
         (
-            loss == "plain" or strategy != "deepspeed",
+            loss == "plain" or head_kept,
             f"loss {loss} uses the output head's weight after the model's forward, where DeepSpeed's ZeRO-3 has "
             "released it; use loss plain under strategy deepspeed, or strategy zero2 or zero3.",
         ),
