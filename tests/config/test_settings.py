@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ from multigpu.tools.verify import VerifyConfig
 PACKAGE = Path(multigpu.__file__).parent
 
 
+@functools.cache  # every source file parsed once: the tests below ask for it per config and per setting
 def declared_fields() -> list[tuple[str, str, bool]]:
     """(name, where, is a setting) of every field declared in the body of a dataclass of the package: a setting
     carries a help text (`setting(...)`, or a field with metadata), a plain field is a value the class holds."""
