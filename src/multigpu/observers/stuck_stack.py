@@ -19,9 +19,13 @@ def this_process() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+PF_EXITING = 0x4  # the kernel's flag for a task inside exit(): set before it frees its memory and closes its sockets
+
+
 def ended_here(process: str) -> bool:
-    """Whether `process` (`host:pid`) ran on this machine and has ended (a zombie its parent has not reaped yet
-    counts as ended); False for a process elsewhere, which this machine cannot see."""
+    """Whether `process` (`host:pid`) ran on this machine and has ended or is ending (a zombie its parent has not
+    reaped yet, or a task inside exit(), whose sockets close once its memory is freed: a request sent meanwhile is
+    reset); False for a process elsewhere, which this machine cannot see."""
     host, _, pid = process.rpartition(":")
     if host != socket.gethostname() or not pid.isdigit():
         return False
@@ -37,7 +41,9 @@ def ended_here(process: str) -> bool:
         except OSError:
             pass
         return False
-    return stat.rpartition(")")[2].split()[0] in ("Z", "X")  # the state follows the command's closing parenthesis
+    # The state follows the command's closing parenthesis; the flags are the sixth field after it.
+    fields = stat.rpartition(")")[2].split()
+    return fields[0] in ("Z", "X") or bool(int(fields[6]) & PF_EXITING)
 
 
 def continue_stopped(processes: list[str]) -> None:
