@@ -34,7 +34,7 @@ from multigpu.strategies import Strategy
 from multigpu.transforms.compile import compile_blocks
 from multigpu.transforms.float8 import convert_linears
 from multigpu.transforms.loss import apply_liger
-from multigpu.transforms.modules import MetaValues, outermost, repoint
+from multigpu.transforms.modules import MetaValues, outermost, repointing
 from multigpu.transforms.recompute import recompute_blocks
 
 
@@ -121,9 +121,8 @@ def split_layers(model: nn.Module, optimizer: torch.optim.Optimizer | None, stra
     # Imported by runs with tp only: the CLI's process imports this module, and DTensor's import costs it ~0.5 s.
     from multigpu.parallel.tensor_parallel import tensor_parallelize
 
-    names = {id(p): name for name, p in model.named_parameters()}
-    tensor_parallelize(model, strategy.mesh["tp"], strategy.splits_sequence())
-    repoint(optimizer, names, model)
+    with repointing(optimizer, model):
+        tensor_parallelize(model, strategy.mesh["tp"], strategy.splits_sequence())
 
 
 def spread_experts(
@@ -139,9 +138,8 @@ def spread_experts(
     from multigpu.parallel.expert_parallel import parallelize as spread  # imported by runs with ep only
 
     assert experts is not None  # mixture_of_experts refuses ep for a model without a mixture
-    names = {id(p): name for name, p in model.named_parameters()}
-    spread(experts, env.device, alike=alike)
-    repoint(optimizer, names, model)
+    with repointing(optimizer, model):
+        spread(experts, env.device, alike=alike)
 
 
 def hold_experts(
@@ -158,9 +156,8 @@ def hold_experts(
     from multigpu.parallel.expert_parallel import hold_experts as hold  # imported by runs with ep only
 
     assert experts is not None  # mixture_of_experts refuses ep for a model without a mixture
-    names = {id(p): name for name, p in model.named_parameters()}
-    hold(experts, strategy.expert_sharding(plan))
-    repoint(optimizer, names, model)
+    with repointing(optimizer, model):
+        hold(experts, strategy.expert_sharding(plan))
 
 
 def static_shapes(strategy: Strategy) -> bool:

@@ -224,6 +224,15 @@ def repoint(optimizer: torch.optim.Optimizer | None, names: dict[int, str], mode
         group["params"] = [current[names[id(p)]] for p in group["params"]]
 
 
+@contextlib.contextmanager
+def repointing(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> Iterator[None]:
+    """Around a step that replaces `model`'s Parameter objects in place (tp's split, ep's spread): `optimizer` then
+    points at the new ones (repoint)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    yield
+    repoint(optimizer, names, model)
+
+
 def give_back_freed_memory() -> None:
     """Returns the C heap's free pages to the system (glibc; elsewhere nothing happens). glibc keeps what a freed
     unit held for later and serves the next unit's storage from fresh pages around it, so a unit-by-unit build's
