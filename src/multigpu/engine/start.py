@@ -96,7 +96,7 @@ def precision_plan(strategy: Strategy, config: EngineConfig, env: DistEnv) -> Pr
             f"{' and '.join(changed)} cannot run under strategy dp: nn.DataParallel copies the model to each GPU in "
             "every step, and the copies would run the original blocks' forward on the first GPU; use strategy ddp."
         )
-    if config.compile and config.activation_checkpointing == "full" and splits_layers(strategy):
+    if config.compile and config.activation_checkpointing == "full" and strategy.splits_layers():
         raise UsageError(
             "activation_checkpointing full cannot run with compile under tensor parallelism on torch 2.13: a compiled "
             "block that recomputes attention on tp's split heads saves a DeviceMesh for its backward and fails; use "
@@ -143,11 +143,6 @@ def check_shared_gpus(strategy: Strategy, env: DistEnv) -> None:
             f"all-gathers and sends crash on CUDA tensors, and {' with '.join(needs)} needs them; share GPUs under "
             "strategy ddp or zero1 (cp_size and batch_shares work too), or give each process a GPU of its own."
         )
-
-
-def splits_layers(strategy: Strategy) -> bool:
-    """Whether `strategy` splits the model's layers by tensor parallelism (strategy tp in one process too)."""
-    return strategy.layout.tp > 1 or "tp" in strategy.mesh_dims
 
 
 def context_parallel(strategy: Strategy, config: EngineConfig) -> ContextParallel | None:

@@ -14,12 +14,13 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 from torch import nn
 
-if TYPE_CHECKING:  # the configure hook's type only: importing the config imports every strategy
-    from multigpu.engine.config import EngineConfig
+#: The Engine's settings (an EngineConfig), passed through `configure`: named here without importing the engine,
+#: which imports this module.
+Config = TypeVar("Config")
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class StepObserver:
     wants_loss = False  # the engine all-reduces each step's global loss (one more scalar) for StepStats.loss
     synchronizes = False  # the engine waits for the device's queued work before it times each step
 
-    def configure(self, config: EngineConfig) -> EngineConfig:
+    def configure(self, config: Config) -> Config:
         """The Engine's settings before anything is built from them; return them changed to override them."""
         return config
 
