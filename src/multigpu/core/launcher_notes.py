@@ -20,6 +20,9 @@ DIVERGED = "diverged"  # the sentence that says the ranks went different ways (m
 SAID = "said-rank"  # + the rank: the one sentence that ended that rank's script, for the launcher to print once
 LOST_PEER = "lost-peer-rank"  # + the rank: its script failed because a peer went away (an echo, not a cause)
 STACKS = "stacks-rank"  # + the rank: its threads' Python stacks, written on the launcher's request after its script
+#: Set by `multigpu run` on one node: `host:port` of the store its own process serves (torch elastic's rendezvous
+#: store), which outlives every worker; the workers' heartbeats post there rather than to rank 0's store.
+LAUNCHER_STORE = "MULTIGPU_LAUNCHER_STORE"
 
 
 def attempt() -> int:

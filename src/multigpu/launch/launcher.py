@@ -25,7 +25,7 @@ from torch.distributed.run import run as torch_run
 from multigpu.config.settings import Settings, setting
 from multigpu.core.env import free_port
 from multigpu.core.errors import UsageError
-from multigpu.core.launcher_notes import LAST_CHECKPOINT, LAUNCHER_DIR, launcher_note
+from multigpu.core.launcher_notes import LAST_CHECKPOINT, LAUNCHER_DIR, LAUNCHER_STORE, launcher_note
 from multigpu.launch.exit_watch import ending_stuck_workers, stuck_lines
 from multigpu.launch.failures import (
     holding_failure_lines,
@@ -285,6 +285,10 @@ def launch(config: LaunchConfig, target: list[str], module: bool = False, worker
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     args = get_args_parser().parse_args(torchrun_argv(config, nproc, target, module, worker))
+    # Several nodes share the agent's store already (TORCHELASTIC_USE_AGENT_STORE); one node offers its own.
+    os.environ.pop(LAUNCHER_STORE, None)
+    if config.nnodes == 1:
+        os.environ[LAUNCHER_STORE] = args.rdzv_endpoint
     ranks = range(config.node_rank * nproc, (config.node_rank + 1) * nproc)
     if route is None:
         return run_workers(args, present, ranks, lightning_defaults(nproc, config.nnodes))
