@@ -31,6 +31,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     return launch(config_from_args(LaunchConfig, args), [args.script, *args.script_args], module=args.module)
 
 
+def cmd_lighthouse(args: argparse.Namespace) -> int:
+    from multigpu.launch import lighthouse
+
+    return lighthouse.serve(config_from_args(lighthouse.LighthouseConfig, args))
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from multigpu.recipes import demo
 
@@ -223,10 +229,23 @@ VERBS: dict[str, Verb] = {
         ("multigpu.launch.launcher:LaunchConfig", add_run_flags),
         cmd_run,
     ),
+    "lighthouse": Verb(
+        "where the replica groups of a fault-tolerant run meet (torchft's lighthouse), for a cluster",
+        "Serve torchft's lighthouse until Ctrl-C or SIGTERM: the replica groups of a run (one `multigpu run "
+        "--replica-groups N --replica-id I --lighthouse HOST:PORT` per node) agree on each step's quorum there. "
+        "On one machine, `multigpu run --replica-groups N` starts one itself.",
+        ("multigpu.launch.lighthouse:LighthouseConfig",),
+        cmd_lighthouse,
+    ),
     "demo": Verb(
         "a short built-in training run (spiral classification) to check a machine end to end",
         "Train a small MLP on a generated spiral with the Engine, in --nproc processes.",
-        (add_demo_flags, "multigpu.recipes.demo:DemoConfig", "multigpu.engine.config:EngineConfig"),
+        (
+            add_demo_flags,
+            "multigpu.recipes.demo:DemoLaunch",
+            "multigpu.recipes.demo:DemoConfig",
+            "multigpu.engine.config:EngineConfig",
+        ),
         cmd_demo,
     ),
     "train": Verb(

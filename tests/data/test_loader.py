@@ -361,3 +361,31 @@ def test_split_by_shares_adds_up_gives_each_rank_one_and_follows_the_weights() -
         exact = [samples * share / sum(shares) for share in shares]
         if min(exact) >= 1:  # no minimum forced on a rank: each part is its exact share, rounded up or down
             assert all(abs(part - want) < 1 for part, want in zip(parts, exact, strict=True))
+
+
+def test_fault_tolerance_splits_each_window_among_the_ranks_alive_and_runs_a_window_again() -> None:
+    """Loaders of 3 replica groups of 1 rank each: from the second window on, groups 0 and 2 alone (places 0 and 1
+    of 2) read every sample of each global batch between them, with weights that still average over the whole
+    batch; a window rewound is handed out again, the same samples; and a pass carries on from a healed position."""
+    three = loaders(60, 3, 2, accum=2)
+    alive = [three[0], three[2]]
+    for place, loader in enumerate(alive):
+        loader.before_window = lambda loader=loader, place=place: (
+            loader.set_split((place, 2)) if loader.position > 0 else None
+        )
+    iterators = [iter(loader) for loader in alive]
+    first = [next(it) for it in iterators for _ in range(2)]  # a window of 2 batches, as 3 ranks (rank 1 lost)
+    assert sum(len(values) for (values,) in first) == 8  # 2 of the 3 ranks' batches of 2, twice
+    window = [[next(it) for _ in range(2)] for it in iterators]  # split among the 2 alive: 3 samples each
+    samples = sorted(int(v) for batches in window for (values,) in batches for v in values)
+    assert len(samples) == len(set(samples)) == 12  # the whole global batch of 3 x 2, twice, between the two
+    # Each rank's batch weighs its 3 of the window's 12 samples, times the 2 ranks its gradient is averaged over.
+    assert [loader.yielded[k].weight for loader in alive for k in (2, 3)] == pytest.approx([3 * 2 / 12] * 4)
+    for loader in alive:
+        loader.rewind_window()
+    again = sorted(int(v) for it in iterators for _ in range(2) for (values,) in [next(it)] for v in values)
+    assert again == samples
+    healed = loaders(60, 3, 2, accum=2)[1]
+    healed.before_window = lambda: healed.load_state_dict(alive[0].state_dict()) if healed.position == 0 else None
+    (values,) = next(iter(healed))
+    assert healed.position == alive[0].position + 6 and int(values[0]) not in samples

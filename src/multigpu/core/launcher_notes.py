@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from dataclasses import astuple, dataclass
+from typing import Any
 
 #: Set by `multigpu run` for its own workers (not a user setting): a directory where they leave notes for it.
 LAUNCHER_DIR = "MULTIGPU_EXIT_DIR"
@@ -28,6 +29,25 @@ LAUNCHER_STORE = "MULTIGPU_LAUNCHER_STORE"
 def attempt() -> int:
     """Which start of the workers this process is: 0 at first, then one more at each restart (--max-restarts)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def launcher_store_address() -> str | None:
+    """`host:port` of the store this worker's launcher serves, or None outside `multigpu run` on one node (a
+    process a script or test starts of its own may inherit the variable from a launch long gone)."""
+    return os.environ.get(LAUNCHER_STORE) if launched() else None
+
+
+def launcher_store() -> Any:
+    """A client of the store this worker's launcher serves, or None (launcher_store_address)."""
+    address = launcher_store_address()
+    if not address:
+        return None
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    host, _, port = address.rpartition(":")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
 
 
 def launched() -> bool:

@@ -93,19 +93,20 @@ class EpochPlan(Sequence[Batch]):
         return self._count
 
     def __getitem__(self, k: int) -> Batch:  # type: ignore[override]
-        count, global_batch, world = self._count, self.global_batch, self.world_size
+        count, global_batch = self._count, self.global_batch
         k = k + count if k < 0 else k
         if not 0 <= k < count:
             raise IndexError(f"batch {k} of {count}")
         first = self.start + k * global_batch
         size = min(global_batch, self.stop - first)
+        shares, among = (self.shares, None) if self.changes is None else self.changes.at(k)
+        rank, world = among or (self.rank, self.world_size)
         if size >= world:
-            shares = self.shares if self.changes is None else self.changes.at(k)
-            positions = rank_positions(first, size, self.rank, world, shares)
+            positions = rank_positions(first, size, rank, world, shares)
             real = len(positions)
         else:  # fewer samples than ranks: one each, and the ranks left over repeat the first as padding
-            positions = range(first + self.rank, first + self.rank + 1) if self.rank < size else range(first, first + 1)
-            real = int(self.rank < size)
+            positions = range(first + rank, first + rank + 1) if rank < size else range(first, first + 1)
+            real = int(rank < size)
         window_first = self.start + k // self.grad_accum_steps * self.grad_accum_steps * global_batch
         window_samples = min(window_first + self.grad_accum_steps * global_batch, self.stop) - window_first
         indices = list(positions) if self.order is None else self.order(positions).tolist()
@@ -128,23 +129,28 @@ def rank_positions(first: int, size: int, rank: int, world: int, shares: tuple[f
     return range(begin, begin + parts[rank])
 
 
+#: (rank, ranks) that split a global batch instead of the loader's own: under fault tolerance, this rank's place
+#: among the replica groups alive at a step, which train the whole global batch of every replica group together.
+Among = tuple[int, int] | None
+
+
 class SplitChanges:
-    """The shares each batch of a pass is split by: `shares` from batch 0, and each change from the batch it began
-    at (it applies to every batch after it until the next)."""
+    """How each batch of a pass is split: by `shares` among the loader's ranks from batch 0, and each change (of
+    shares, or of the ranks that split it) from the batch it began at, for every batch after it until the next."""
 
-    def __init__(self, shares: tuple[float, ...] | None) -> None:
+    def __init__(self, shares: tuple[float, ...] | None, among: Among = None) -> None:
         self.starts: list[int] = [0]
-        self.shares: list[tuple[float, ...] | None] = [shares]
+        self.splits: list[tuple[tuple[float, ...] | None, Among]] = [(shares, among)]
 
-    def at(self, k: int) -> tuple[float, ...] | None:
-        return self.shares[bisect.bisect_right(self.starts, k) - 1]
+    def at(self, k: int) -> tuple[tuple[float, ...] | None, Among]:
+        return self.splits[bisect.bisect_right(self.starts, k) - 1]
 
-    def change(self, k: int, shares: tuple[float, ...] | None) -> None:
-        if k == self.starts[-1]:  # nothing was split by the last change yet
-            self.shares[-1] = shares
-        else:
-            self.starts.append(k)
-            self.shares.append(shares)
+    def change(self, k: int, shares: tuple[float, ...] | None, among: Among = None) -> None:
+        # The changes from batch k on are replaced: nothing was split by them yet, or a step run again replans.
+        keep = bisect.bisect_left(self.starts, k)
+        del self.starts[keep:], self.splits[keep:]
+        self.starts.append(k)
+        self.splits.append((shares, among))
 
 
 class Yielded(Sequence[Batch]):
@@ -267,11 +273,30 @@ class DistributedLoader(LoaderBase):
         self.position = 0  # real samples of this epoch already handed out, counted over all ranks
         self._started = False  # a pass is under way (a new __iter__ before it ends abandons it)
         self._sampler: _Sampler | None = None  # the pass's, while one is under way
+        # Fault tolerance (engine/replicas.py): called as each window's first batch is planned, to split it among
+        # the replica groups alive (set_split) or to carry on from a healed position (load_state_dict).
+        self.before_window: Callable[[], None] | None = None
+        self.among: Among = None
+        self._window_start = (0, 0)  # (epoch, position) where the window under way began
 
     def set_shares(self, shares: tuple[float, ...]) -> None:
         super().set_shares(shares)
         if self._sampler is not None:
-            self._sampler.plan.changes.change(self._sampler.planned, shares)  # type: ignore[union-attr]
+            self._sampler.plan.changes.change(self._sampler.planned, shares, self.among)  # type: ignore[union-attr]
+
+    def set_split(self, among: Among) -> None:
+        """Splits the global batches not yet planned among `among` = (this rank, ranks) instead of the loader's
+        own rank and world size (None: those again)."""
+        self.among = among
+        if self._sampler is not None:
+            self._sampler.plan.changes.change(self._sampler.planned, self.shares, among)  # type: ignore[union-attr]
+
+    def rewind_window(self) -> None:
+        """Hands out the window under way again from its first batch: a step whose commit failed runs again on the
+        same global batch."""
+        self.epoch, self.position = self._window_start
+        if self._sampler is not None:
+            self._sampler.restart()
 
     def __len__(self) -> int:
         return len(self._plan(0))
@@ -320,10 +345,8 @@ class DistributedLoader(LoaderBase):
         if self._started:  # the previous pass was abandoned midway: its epoch counts as done
             self._advance()
         self._started = True
-        plan = replace(self._plan(self.position), changes=SplitChanges(self.shares))
-        self.yielded = yielded = Yielded(plan)
         pending: collections.deque[Batch] = collections.deque()  # planned for the DataLoader, not yet yielded
-        self._sampler = _Sampler(plan, pending)
+        self._sampler = _Sampler(self, pending)
         loader = DataLoader(
             self.dataset,
             batch_sampler=self._sampler,
@@ -337,7 +360,7 @@ class DistributedLoader(LoaderBase):
         for data in loader:
             batch = pending.popleft()
             self.position += batch.global_size
-            yielded.count += 1
+            self.yielded.count += 1  # type: ignore[attr-defined]
             self._on_batch(self, batch)
             yield move_to(data, self.device)
         # A finished pass moves on at once, so `while loader.epoch < epochs: for batch in loader:` resumes right
@@ -373,6 +396,9 @@ class DistributedLoader(LoaderBase):
                 "this one no longer makes; finish that run with the multigpu version that started it, or start anew."
             )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        if self._sampler is not None:  # healed from a live replica group inside a pass: it goes on from there
+            self._sampler.restart()
+            return
         self._started = False
         self.yielded = ()
         if self.position > 0 and not self._plan(self.position):  # saved at the very end of an epoch
@@ -380,18 +406,35 @@ class DistributedLoader(LoaderBase):
 
 
 class _Sampler:
-    """The DataLoader's batches of a plan, each computed as the DataLoader asks for it (its workers may ask a few
+    """The DataLoader's batches of a pass, each computed as the DataLoader asks for it (its workers may ask a few
     ahead), and queued for the loop that yields them."""
 
-    def __init__(self, plan: EpochPlan, pending: collections.deque[Batch]) -> None:
-        self.plan, self.pending = plan, pending
-        self.planned = 0  # batches computed so far: a change of shares applies from the next
+    def __init__(self, loader: DistributedLoader, pending: collections.deque[Batch]) -> None:
+        self.loader, self.pending = loader, pending
+        self.restart()
+
+    def restart(self) -> None:
+        """Plans the pass from the loader's position on: at its start, or where a window runs again or a healed
+        replica group carries on."""
+        loader = self.loader
+        self.plan = replace(loader._plan(loader.position), changes=SplitChanges(loader.shares, loader.among))
+        self.planned = 0  # batches computed so far: a change of split applies from the next
+        self.pending.clear()
+        loader.yielded = Yielded(self.plan)
 
     def __len__(self) -> int:
         return len(self.plan)
 
     def __iter__(self) -> Iterator[list[int]]:
-        for batch in self.plan:
+        loader = self.loader
+        while self.planned < len(self.plan):
+            if self.planned % self.plan.grad_accum_steps == 0:
+                if loader.before_window is not None:
+                    loader.before_window()  # may split otherwise from here, or restart the plan elsewhere
+                    if self.planned >= len(self.plan):
+                        return
+                loader._window_start = (loader.epoch, loader.position)
+            batch = self.plan[self.planned]
             self.planned += 1
             self.pending.append(batch)
             yield batch.indices

@@ -67,6 +67,12 @@ class EngineConfig(
         choices=BACKENDS,
     )
     timeout_s: float = setting(1800.0, "seconds a collective may wait before the run fails")
+    fault_tolerance: bool = setting(
+        False,
+        "train the data-parallel replica groups that --replica-groups starts under torchft: a group that dies costs "
+        "the others one step run again, not a restart, and rejoins healed from a live one; every step's global batch "
+        "is trained in full by the groups alive (pip install 'multigpu[ft]')",
+    )
     log_every: int = setting(0, "report memory, throughput and MFU every N optimizer steps (0: never)")
     log_dir: str | None = setting(None, "also write those reports and engine.log's records as JSONL and to --log-to")
     peak_tflops: float | None = setting(

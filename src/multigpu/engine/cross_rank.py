@@ -20,6 +20,7 @@ class AcrossRanks:
     environment, observers, device, loader, layout and data ranks."""
 
     env: DistEnv
+    _replicas: Any  # engine/replicas.py's Replicas under fault tolerance, else None
 
     @property
     def rank(self) -> int:
@@ -35,7 +36,8 @@ class AcrossRanks:
 
     @property
     def is_main_process(self) -> bool:
-        return self.env.rank == 0
+        """Rank 0; under fault tolerance, replica group 0's (which prints, logs and records the run)."""
+        return self.env.rank == 0 and (self._replicas is None or self._replicas.group.group_id == 0)
 
     def reduce(self, value: float | torch.Tensor, op: str = "mean") -> float | torch.Tensor:
         """`value` combined over all ranks ("mean", "sum" or "max"), returned on every rank as the same type."""
@@ -71,10 +73,12 @@ class AcrossRanks:
     def _sum_over_replicas(self, totals: torch.Tensor) -> torch.Tensor:
         """A step's `totals` summed over every rank, each replica's counted once: the tp and pp ranks of a replica
         hold the same totals, its cp ranks each their own tokens'."""
-        if not grouped():
-            return totals
-        totals = totals.to(collective_device(self.device))
-        with watching(self._hooks.watchers, "step totals"):  # the watching observers': this runs every step
-            dist.all_reduce(totals)
-        layout = self._strategy.layout
-        return totals / (layout.tp * layout.pp)
+        if grouped():
+            totals = totals.to(collective_device(self.device))
+            with watching(self._hooks.watchers, "step totals"):  # the watching observers': this runs every step
+                dist.all_reduce(totals)
+            layout = self._strategy.layout
+            totals = totals / (layout.tp * layout.pp)
+        if self._replicas is not None:  # and over the replica groups of the step's quorum (fault tolerance)
+            totals = self._replicas.sum(totals)
+        return totals

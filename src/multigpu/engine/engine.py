@@ -24,6 +24,7 @@ from multigpu.config.precision import Precision
 from multigpu.core import faults
 from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
+from multigpu.core.replica_env import ReplicaGroup
 from multigpu.data.iterable import make_loader
 from multigpu.data.loader import Batch
 from multigpu.data.stream import Loader, WindowedStream
@@ -34,6 +35,7 @@ from multigpu.engine.cross_rank import AcrossRanks
 from multigpu.engine.lr_schedule import SampleSchedule
 from multigpu.engine.micro_step import MicroSteps
 from multigpu.engine.parallelize import parallelize
+from multigpu.engine.replica_steps import ReplicaSteps
 from multigpu.engine.saving import Saving
 from multigpu.engine.window import Window, accumulation_for
 from multigpu.observers.observe import Hooks, Reporting, StepObserver, StepStats, new_observers, watched, watching
@@ -46,7 +48,7 @@ from multigpu.transforms.modules import on_meta
 from multigpu.transforms.pretrained import SafetensorsCheckpoint
 
 
-class Engine(MicroSteps, Saving, Reporting, AcrossRanks):
+class Engine(MicroSteps, Saving, Reporting, AcrossRanks, ReplicaSteps):
     def __init__(
         self, strategy: str | Strategy = "auto", *, observers: Sequence[StepObserver] = (), **settings: Any
     ) -> None:
@@ -57,7 +59,8 @@ class Engine(MicroSteps, Saving, Reporting, AcrossRanks):
         config = EngineConfig.of(strategy if isinstance(strategy, str) else strategy.name, settings)
         for observer in self.observers:  # bench and verify decide some settings, whatever the script asks for
             config = observer.configure(config)
-        self.config = config = replace(config)  # checked again, as an observer may have changed it
+        group = ReplicaGroup.from_environ()  # this process's replica group under fault tolerance, else None
+        self.config = config = start.with_replicas(replace(config), group)  # checked again: observers change it
         self.env = DistEnv.from_environ()
         self._strategy = start.resolve(strategy, self.env, config, self.print)
         self._auto_pending = config.strategy == "auto" and self.env.is_distributed
@@ -69,6 +72,12 @@ class Engine(MicroSteps, Saving, Reporting, AcrossRanks):
         # Which batch this rank reads, among how many: the ranks of one replica's tp and pp groups read the same one.
         layout = self._strategy.layout
         self._data_rank, self._data_world = layout.data_parallel_rank(self.env.rank), layout.data_parallel_size
+        self._group_rank, self._group_world = self._data_rank, self._data_world
+        self._ft_loaders, self._ft_optimizers = [], []
+        if group is not None:  # the loaders split the batches of every group's ranks (engine/replicas.py)
+            self._replicas = start.replicas(group, self.env, config, self._heal_state)
+            self._data_rank += group.group_id * self._data_world
+            self._data_world *= group.groups
         self._cp = start.context_parallel(self._strategy, config)
         wants_loss = any(observer.wants_loss for observer in self.observers)
         # The ranks whose gradients are averaged: the data-parallel ones and, each with its own tokens, the cp ones.
@@ -169,6 +178,7 @@ class Engine(MicroSteps, Saving, Reporting, AcrossRanks):
         model.forward = watched(self._hooks.watchers, "forward", self._plan.wrap_forward(model.forward, self.device))
         self._scaler = self._plan.scaler() if self._plan.scaler is not None else None
         self._model = model
+        self._ft_optimizers += [optimizer] if optimizer is not None else []
         self._set_up += [given, model]
         for observer in self.observers:
             observer.on_setup(model)
@@ -242,6 +252,7 @@ class Engine(MicroSteps, Saving, Reporting, AcrossRanks):
             on_batch=self._on_batch,
             shares=self._strategy.layout.shares,
         )
+        self._follow_replicas(loader, num_workers)
         if not self._printed_batch_size:
             self._printed_batch_size = True
             # Under tp, pp and cp "processes" counts the data-parallel ranks; say who reads the same batch.
@@ -289,8 +300,11 @@ class Engine(MicroSteps, Saving, Reporting, AcrossRanks):
         self._window.batch = None
         if not self._window.done:
             return False
+        self._follow_step(optimizer, scheduler)
         with watching(self._hooks.watchers, "optimizer step"):
             count, loss = self._window.global_totals(self._sum_over_replicas)
+            if not self._commit_across_replicas(optimizer):
+                return False  # the same global batch comes again, for the groups alive now
             outcome = self._strategy.optimizer_step(
                 self._model, optimizer, self._scaler, count, self.config.max_grad_norm
             )
@@ -331,6 +345,8 @@ class Engine(MicroSteps, Saving, Reporting, AcrossRanks):
         summary = self.batch_shares_summary()
         if summary is not None:
             self.print(summary)
+        if self._replicas is not None:
+            self._replicas.close()
         super().close()
 
     def mark_untimed(self) -> None:

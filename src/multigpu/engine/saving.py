@@ -30,6 +30,7 @@ class Saving:
     _steps: int
     skipped_steps: int
     _pending_save: tuple[Future, Path] | None = None  # a background save and where it goes
+    _replicas: Any  # engine/replicas.py's Replicas under fault tolerance, else None
 
     def save(
         self, path: str | Path, state: dict[str, Any], async_save: bool = False, keep_last: int | None = None
@@ -42,6 +43,8 @@ class Saving:
         """
         self.wait_for_checkpoint()
         self.mark_untimed()
+        if self._replicas is not None and self._replicas.place != 0:
+            return Path(path)  # every replica group holds the same state: the first in the step's quorum writes it
         counters = {"steps": self._steps, "skipped_steps": self.skipped_steps}
         path, state = Path(path), {**state, COUNTERS: counters, OPTIMIZER_KINDS: optimizer_kinds(state)}
         with watching(self.observers, "save"):

@@ -10,6 +10,7 @@ import random
 from collections.abc import Callable
 from dataclasses import fields, replace
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,7 +23,9 @@ from multigpu.config.settings import strategy_option_fields
 from multigpu.core.compute_clock import check_measurable
 from multigpu.core.env import DistEnv, check_backend, init_process_group
 from multigpu.core.errors import UsageError
+from multigpu.core.replica_env import ReplicaGroup
 from multigpu.engine.config import EngineConfig
+from multigpu.engine.replicas import Replicas
 from multigpu.observers.trackers import check_servers, parse_log_to
 from multigpu.parallel.context import ContextParallel
 from multigpu.planner import choose_strategy
@@ -166,6 +169,28 @@ def check(config: EngineConfig, nproc: int) -> ParallelDims:
     if config.log_dir is not None:  # the main worker would refuse it after the launch, and the others wait meanwhile
         check_servers(parse_log_to(config.log_to, config.log_dir))
     return strategy.layout
+
+
+NEEDS_REPLICA_GROUPS = (
+    "fault_tolerance trains replica groups; pass --replica-groups N (2 or more) to multigpu run, train, finetune or "
+    "demo, or drop fault_tolerance."
+)
+
+
+def with_replicas(config: EngineConfig, group: ReplicaGroup | None) -> EngineConfig:
+    """`config` under the replica group this process was launched in: a launch with replica groups trains under
+    fault tolerance whatever the script asked (its groups would otherwise train apart); fault tolerance without
+    one is refused."""
+    if group is None:
+        if config.fault_tolerance:
+            raise UsageError(NEEDS_REPLICA_GROUPS)
+        return config
+    return config if config.fault_tolerance else replace(config, fault_tolerance=True)
+
+
+def replicas(group: ReplicaGroup, env: DistEnv, config: EngineConfig, state: Callable[[], dict[str, Any]]) -> Replicas:
+    """torchft's Manager for this process's replica group (engine/replicas.py), once its own group is joined."""
+    return Replicas(group, env, config.timeout_s, state)
 
 
 def join(env: DistEnv, strategy: Strategy, config: EngineConfig) -> None:

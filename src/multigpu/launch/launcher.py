@@ -13,7 +13,7 @@ import socket
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,6 +26,8 @@ from multigpu.config.settings import Settings, setting
 from multigpu.core.env import free_port
 from multigpu.core.errors import UsageError
 from multigpu.core.launcher_notes import LAST_CHECKPOINT, LAUNCHER_DIR, LAUNCHER_STORE, launcher_note
+from multigpu.core.replica_env import GROUPS, MIN_REPLICAS, ReplicaGroup
+from multigpu.launch import lighthouse, replica_groups
 from multigpu.launch.exit_watch import ending_stuck_workers, stuck_lines
 from multigpu.launch.failures import (
     holding_failure_lines,
@@ -41,6 +43,10 @@ from multigpu.launch.stop import LAUNCHER_PID, raising_on_stop, report_stop
 from multigpu.observers.flight_recorder import nccl_watchdog_environment
 
 WORKER = ("multigpu.launch.worker",)  # what each process runs: see its module doc
+
+
+#: How a run recovers from a failure: the LaunchConfig settings each training verb shows as they are.
+RECOVERY = ("max_restarts", "replica_groups", "replica_id", "lighthouse", "min_replicas")
 
 
 @dataclass
@@ -71,6 +77,24 @@ class LaunchConfig(Settings):
         "let --nproc exceed the GPUs, processes taking the GPUs in turn and talking over gloo (NCCL refuses two "
         "ranks on one GPU): to try a multi-process run on one GPU",
     )
+    replica_groups: int = setting(
+        1,
+        "data-parallel replica groups that train under torchft fault tolerance: a group that dies is restarted "
+        "(--max-restarts) and heals from a live one while the others train on",
+    )
+    replica_id: int | None = setting(
+        None,
+        "this launch's replica group on a cluster, 0..N-1 for --replica-groups N (default: on one machine, start all "
+        "N groups here)",
+    )
+    lighthouse: str | None = setting(
+        None,
+        "HOST:PORT of the lighthouse `multigpu lighthouse` started, for --replica-id (default: on one machine, one "
+        "started here)",
+    )
+    min_replicas: int = setting(
+        1, "the fewest replica groups that may commit a step; with fewer the run ends, saying so in one sentence"
+    )
 
     def check(self) -> None:
         if self.nproc is not None and self.nproc < 1:
@@ -86,6 +110,7 @@ class LaunchConfig(Settings):
                 f"--master-port must be in 1..65534 (got {self.master_port}): node 0 also listens on the next one."
             )
         check_node_timeouts(self.join_timeout, self.node_timeout)
+        lighthouse.check_replica_settings(self)
 
 
 def parse_gpu_ids(gpu_ids: str, present: int, where: str = "this machine has") -> list[int]:
@@ -116,12 +141,10 @@ def select_gpus(config: LaunchConfig, present: int, cuda_visible_devices: str | 
             "--share-gpus lets processes take this machine's GPUs in turn, and it has none; drop it (without GPUs "
             "every process runs on the CPU anyway)."
         )
+    visible = visible_gpus(present, cuda_visible_devices)
     if cuda_visible_devices is None:
-        visible, where = [str(index) for index in range(present)], "this machine has"
+        where = "this machine has"
     else:
-        # CUDA stops at the first entry it cannot use, so the GPUs torch counts are the first `present` entries.
-        # They are kept verbatim: an index, a GPU-<uuid> or a MIG-<uuid> each means something only to CUDA.
-        visible = [entry.strip() for entry in cuda_visible_devices.split(",")][:present]
         where = f"CUDA_VISIBLE_DEVICES={cuda_visible_devices} leaves"
     if config.gpu_ids is None:
         selected, usable = None, present
@@ -139,6 +162,23 @@ def select_gpus(config: LaunchConfig, present: int, cuda_visible_devices: str | 
             f"pass --nproc {usable}{' or fewer' if usable > 1 else ''}, or --share-gpus to share them over gloo."
         )
     return nproc, selected
+
+
+def visible_gpus(present: int, cuda_visible_devices: str | None) -> list[str]:
+    """The `present` GPUs torch counts, as CUDA_VISIBLE_DEVICES names them (their indices where it is unset)."""
+    if cuda_visible_devices is None:
+        return [str(index) for index in range(present)]
+    # CUDA stops at the first entry it cannot use, so the GPUs torch counts are the first `present` entries. They
+    # are kept verbatim: an index, a GPU-<uuid> or a MIG-<uuid> each means something only to CUDA.
+    return [entry.strip() for entry in cuda_visible_devices.split(",")][:present]
+
+
+def usable_gpus(config: LaunchConfig, present: int, cuda_visible_devices: str | None) -> list[str]:
+    """The GPUs a run may use, as CUDA_VISIBLE_DEVICES names them: those --gpu-ids names, else every visible one."""
+    if not present:
+        return []
+    _, selected = select_gpus(replace(config, nproc=None), present, cuda_visible_devices)
+    return visible_gpus(present, cuda_visible_devices) if selected is None else selected.split(",")
 
 
 def check_target(target: list[str], module: bool) -> None:
@@ -265,7 +305,11 @@ def launch(config: LaunchConfig, target: list[str], module: bool = False, worker
     verify, which launch several runs, stop too.
     """
     check_target(target, module)
+    if config.replica_groups > 1 and config.replica_id is None:  # every group on this machine
+        gpus = usable_gpus(config, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        return replica_groups.run_groups(config, target, module, gpus)
     check_port_free(config)
+    replica_environment(config)
     present = torch.cuda.device_count()
     nproc, visible_devices = select_gpus(config, present, os.environ.get("CUDA_VISIBLE_DEVICES"))
     if visible_devices is not None:
@@ -300,6 +344,20 @@ def launch(config: LaunchConfig, target: list[str], module: bool = False, worker
     return run_nodes(
         lambda: run_workers(args, present, ranks, lightning_defaults(nproc, config.nnodes), watch), watch, config
     )
+
+
+def replica_environment(config: LaunchConfig) -> None:
+    """Gives this launch's workers their replica group (core/replica_env.py), where it is one of several; takes
+    away a group that a launch above this one gave (a script's own `multigpu run` inside a worker is no group)."""
+    if config.replica_id is None or config.lighthouse is None:
+        for name in (GROUPS, MIN_REPLICAS):
+            os.environ.pop(name, None)
+        return
+    lighthouse.require_torchft("--replica-id")
+    group = ReplicaGroup(
+        config.replica_id, config.replica_groups, lighthouse.url(config.lighthouse), config.min_replicas
+    )
+    os.environ.update(group.environment())
 
 
 def run_workers(

@@ -92,6 +92,7 @@ class StepMonitor:
         self.flops_per_step: float | None = None  # all ranks together, counted once by the Engine
         self.batch_shares: tuple[float, ...] | None = None  # each data-parallel rank's fraction of a global batch
         self.batch_speeds: tuple[str, list[float]] | None = None  # batch_shares auto's measure of each rank's speed
+        self.replicas: dict[str, int] | None = None  # the Engine's replica_quorum under fault tolerance
         self._interval: list[tuple[float, int, float, float]] = []  # (seconds, samples, tokens, data+forward s)
         if self.peak is None and every:
             say(
@@ -136,6 +137,7 @@ class StepMonitor:
             record["batch_shares"] = [round(share, 6) for share in self.batch_shares]
         if self.batch_speeds is not None:
             record[f"batch_speeds/{self.batch_speeds[0]}"] = [round(speed, 6) for speed in self.batch_speeds[1]]
+        record |= self.replicas or {}  # fault tolerance: the groups in the last step's quorum, steps run again
         if self.flops_per_step is not None:
             record["perf/flops_per_step"] = self.flops_per_step
             record["perf/tflops_per_device"] = (
@@ -310,6 +312,7 @@ class Monitor(StepObserver):
 
     def on_step_end(self, stats: StepStats) -> None:
         self.reports.batch_shares, self.reports.batch_speeds = self._engine.batch_shares, self._engine.batch_speeds
+        self.reports.replicas = self._engine.replica_quorum
         self.reports.add(stats.step, stats.seconds, stats.samples, stats.tokens, stats.busy_s, stats.timed)
         self._steps_seen += 1
         if self._steps_seen == 1 and self.count_flops and self._model is not None:

@@ -26,21 +26,14 @@ import os
 import sys
 import threading
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from multigpu.core import launcher_notes
 from multigpu.core.errors import Explained
-from multigpu.core.launcher_notes import (
-    DIVERGED,
-    LAUNCHER_STORE,
-    ScriptEnd,
-    attempt,
-    launched,
-    note_for_launcher,
-)
+from multigpu.core.launcher_notes import DIVERGED, ScriptEnd, attempt, launched, note_for_launcher
 from multigpu.observers import divergence, stuck_stack
 from multigpu.observers.observe import StepObserver, StepStats
 from multigpu.observers.posts import Where, describe, frozen, where_of
@@ -103,19 +96,16 @@ class Progress:
     def _the_store(self) -> dist.Store | None:
         if self._store is None and dist.is_available() and dist.is_initialized() and self.world_size > 1:
             self._watch = "nccl" not in str(dist.get_backend())
-            launcher = os.environ.get(LAUNCHER_STORE)
-            if launcher:  # served by the launcher, which outlives every worker: no peer's death closes it
-                host, _, port = launcher.rpartition(":")
-                self._store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
-            else:  # the default group's store (torchrun's, or the one init_process_group made): private, but stable
-                self._store = dist.distributed_c10d._get_default_store()
+            # The launcher's, which outlives every worker (no peer's death closes it); else the default group's
+            # (torchrun's, or the one init_process_group made): private, but stable.
+            self._store = launcher_notes.launcher_store() or dist.distributed_c10d._get_default_store()
         return self._store
 
     def _store_gone(self) -> bool:
         """Whether rank 0, which serves the store (unless torchrun's agent or multigpu's launcher does), has ended
         on this machine: an op on its closed socket makes c10d print a warning with a C++ stack of 20-odd frames,
         after which this rank has nothing to say that the launcher's line naming the rank that died does not."""
-        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or os.environ.get(LAUNCHER_STORE)
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or launcher_notes.launcher_store_address()
         if self.rank == 0 or self._store is None or agent:
             return False
         if self._server is None:

@@ -25,10 +25,12 @@ from multigpu.config.settings import Settings, setting, shown_group
 from multigpu.core import atomic
 from multigpu.core.errors import UsageError, require
 from multigpu.core.launcher_notes import LAST_CHECKPOINT, LAUNCHER_DIR, attempt, launched, launcher_note
+from multigpu.core.replica_env import ReplicaGroup
 from multigpu.engine import start
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
-from multigpu.launch.launcher import LaunchConfig, launch, select_gpus
+from multigpu.launch.launcher import RECOVERY, LaunchConfig, launch, select_gpus
+from multigpu.launch.replica_groups import STARTED_HERE
 from multigpu.observers.monitor import peak_memory_bytes
 from multigpu.strategies import drives_gpus_in_process
 from multigpu.transforms.pretrained import give_usual_mode
@@ -105,10 +107,14 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
     # dp drives every GPU named from one process; the others run a process per GPU.
     named_gpus = [part for part in (config.gpu_ids or "").split(",") if part.strip()]
     nproc = config.nproc or (1 if drives_gpus_in_process(settings["strategy"]) else len(named_gpus)) or 1
-    restarts = getattr(config, "max_restarts", 0)
-    launch_config = LaunchConfig(
-        nproc=nproc, gpu_ids=config.gpu_ids, max_restarts=restarts, share_gpus=config.share_gpus
-    )
+    launch_config = LaunchConfig(**config.values_for(LaunchConfig) | {"nproc": nproc})
+    restarts, groups = launch_config.max_restarts, launch_config.replica_groups
+    if groups > 1 and not config.fault_tolerance:
+        raise UsageError(
+            f"--replica-groups {groups} trains the groups under torchft's fault tolerance; add --fault-tolerance."
+        )
+    if config.fault_tolerance and groups == 1 and launch_config.replica_id is None:
+        raise UsageError(start.NEEDS_REPLICA_GROUPS)
     if config.gpu_ids is not None or config.share_gpus:  # GPUs that are not there, before the strategies count them
         select_gpus(launch_config, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
     layout = start.check(EngineConfig(**settings), nproc)
@@ -122,13 +128,18 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
         check(config, layout)
         if save_dir is not None:
             held.enter_context(run_lock.holding(save_dir))  # nothing more where held already
-        if nproc == 1 and config.gpu_ids is None and restarts == 0:
+        in_process = groups == 1 and launch_config.replica_id is None  # a replica group is always launched
+        if nproc == 1 and config.gpu_ids is None and restarts == 0 and in_process:
             run(config)
             return 0
-        # torchrun would take --nproc and --max-restarts for its own; the workers read them (and whether they share
-        # GPUs) from it (as_launched).
-        argv = config_to_argv(config, skip=("nproc", "max_restarts", "share_gpus"))
+        # torchrun would take --nproc and --max-restarts for its own, and the replica groups are the launch's; the
+        # workers read them (and whether they share GPUs) from its variables (as_launched).
+        argv = config_to_argv(config, skip=LAUNCH_ONLY)
         return launch(launch_config, [module, *argv], module=True)
+
+
+#: A recipe's launch settings that its launched workers are not given as flags (as_launched reads them back).
+LAUNCH_ONLY = ("nproc", "share_gpus", *RECOVERY)
 
 
 def as_launched(config: Any) -> Any:
@@ -141,6 +152,13 @@ def as_launched(config: Any) -> Any:
         launch["share_gpus"] = torch.cuda.is_available() and launch["nproc"] > torch.cuda.device_count()
     if hasattr(config, "max_restarts"):
         launch["max_restarts"] = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    group = ReplicaGroup.from_environ()
+    if hasattr(config, "replica_groups") and group is not None:
+        # Groups started together on one machine are started so again; a cluster's group rejoins its lighthouse.
+        here = STARTED_HERE in os.environ
+        launch |= {"replica_groups": group.groups, "min_replicas": group.min_replicas}
+        launch |= {"replica_id": None if here else group.group_id}
+        launch |= {"lighthouse": None if here else group.lighthouse.removeprefix("http://")}
     return replace(config, **launch)
 
 

@@ -17,11 +17,11 @@ from torch.utils.data import TensorDataset
 
 from multigpu.config.flags import Parser, add_config_arguments, config_from_args
 from multigpu.config.layout import ParallelDims
-from multigpu.config.settings import Settings, setting, shown
+from multigpu.config.settings import Settings, setting, shown, shown_group
 from multigpu.core.errors import UsageError, exit_on_usage_error, require
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
-from multigpu.launch.launcher import LaunchConfig
+from multigpu.launch.launcher import RECOVERY, LaunchConfig
 from multigpu.recipes.common import run_recipe
 
 
@@ -62,8 +62,8 @@ def train(engine: Engine, config: DemoConfig) -> tuple[float, float]:
     val_loader = engine.dataloader(spiral(1024, seed=99), batch_size=256, shuffle=False)
     loss_fn = nn.CrossEntropyLoss()
     train_loss = accuracy = 0.0
-    for epoch in range(config.epochs):
-        start, total, batches = time.perf_counter(), 0.0, 0
+    while train_loader.epoch < config.epochs:  # the loader's count: a replica group that heals carries it on
+        epoch, start, total, batches = train_loader.epoch, time.perf_counter(), 0.0, 0
         model.train()
         for points, label in train_loader:
             loss = engine.forward_backward(model, points, label, loss_fn)
@@ -93,7 +93,14 @@ def hits(logits: torch.Tensor, label: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 @dataclass
-class DemoRun(DemoConfig, EngineConfig):
+class DemoLaunch(Settings):
+    """The launch's settings the demo verb shows beside --nproc: restarts and fault-tolerant replica groups."""
+
+    _recovery = shown_group(LaunchConfig, *RECOVERY)
+
+
+@dataclass
+class DemoRun(DemoConfig, EngineConfig, DemoLaunch):
     """The demo's run as one recipe config for run_recipe: its settings and the Engine's (inherited, flag for flag:
     the CLI's demo verb takes them all), and the processes."""
 

@@ -27,7 +27,7 @@ from multigpu.data import lm_data, packing
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
 from multigpu.engine.lr_schedule import SampleSchedule
-from multigpu.launch.launcher import LaunchConfig
+from multigpu.launch.launcher import RECOVERY, LaunchConfig
 from multigpu.models import lm_models
 from multigpu.models.lm_experts import check_experts, expert_progress, expert_summary
 from multigpu.recipes import lm_fit
@@ -63,6 +63,7 @@ class FinetuneSettings(RecipeSettings, OptimizerChoice):
     nproc: int | None = shown(LaunchConfig, note=NPROC_NOTE, unset=NPROC_UNSET)
     gpu_ids: str | None = shown(LaunchConfig)
     share_gpus: bool = shown(LaunchConfig)
+    _recovery = shown_group(LaunchConfig, *RECOVERY)
     save_dir: str = shown(RunDirSettings, default="checkpoints/finetune")
     resume: str = shown(RunDirSettings)
     save_every: int = shown(RunDirSettings)
@@ -275,6 +276,7 @@ def set_up(config: FinetuneConfig, engine: Engine) -> FinetuneRun:
     plan = (steps_samples(config.warmup_steps), total_samples)
     scheduler = SampleSchedule(optimizer, train_loader, *plan)
     state = {"model": model, "optimizer": optimizer, "loader": train_loader, "scheduler": scheduler, "step": 0}
+    engine.heal_with(state)  # under fault tolerance, what a replica group that rejoins copies from a live one
     return FinetuneRun(
         engine, config, model, optimizer, tokenizer, data, loss_fn, train_loader, val_loader, scheduler, plan, state
     )

@@ -27,7 +27,7 @@ from multigpu.data import activity_data
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
 from multigpu.engine.lr_schedule import SampleSchedule
-from multigpu.launch.launcher import LaunchConfig
+from multigpu.launch.launcher import RECOVERY, LaunchConfig
 from multigpu.models import activity_models
 from multigpu.models.activity_models import MODES
 from multigpu.recipes.common import (
@@ -71,7 +71,7 @@ class TrainSettings(RecipeSettings, OptimizerChoice):
     nproc: int | None = shown(LaunchConfig, note=NPROC_NOTE, unset=NPROC_UNSET)
     gpu_ids: str | None = shown(LaunchConfig)
     share_gpus: bool = shown(LaunchConfig)
-    max_restarts: int = shown(LaunchConfig)
+    _recovery = shown_group(LaunchConfig, *RECOVERY)
     save_dir: str = shown(RunDirSettings)
     resume: str = shown(RunDirSettings)
     save_every: int = shown(RunDirSettings)
@@ -214,6 +214,7 @@ def set_up(config: TrainConfig, engine: Engine) -> TrainRun:
         "step": 0,
         "epoch_loss": [0.0, 0.0],
     }
+    engine.heal_with(state)  # under fault tolerance, what a replica group that rejoins copies from a live one
     return TrainRun(
         engine, config, data, spec, parameters, model, optimizer, train_loader, val_loader, scheduler, plan, lr, state
     )

@@ -121,10 +121,47 @@ FEATURES: tuple[Feature, ...] = (
     ),
     Feature("sync_batchnorm", "sync_batchnorm", lambda s: s.sync_batchnorm),
     Feature("shared_gpus", "--share-gpus (processes sharing GPUs)", lambda s: False),
+    Feature(
+        "fault_tolerance",
+        "fault_tolerance",
+        lambda s: s.fault_tolerance,
+        lambda s, name: (
+            f"Fault tolerance averages replica groups of ddp, zero2, zero3, hsdp or single, whose gradients and "
+            f"states every group holds alike; strategy {name} is not one of them: use one of those."
+        ),
+    ),
 )
 FEATURE_NAMES = frozenset(feature.name for feature in FEATURES)
 
+
+def _in_the_way_of_replicas(s: Any) -> list[str]:
+    """What a fault-tolerant run does not carry yet (not measured): a layout that splits the model inside a group,
+    states of the step that healing does not copy (loss scale, PowerSGD's error, low-bit tensors), and gradients on
+    the CPU."""
+    sizes = [f"--{name.replace('_', '-')} {getattr(s, name)}" for name in ("tp_size", "pp_size", "cp_size", "ep_size")]
+    return [size for size in sizes if not size.endswith((" None", " 1"))] + [
+        setting
+        for setting, used in (
+            (f"--batch-shares {s.batch_shares}", s.batch_shares.strip() != "even"),
+            ("--precision fp16-mixed", s.precision == "fp16-mixed"),
+            ("--cpu-offload", s.cpu_offload is True),  # its gradients on the CPU, which NCCL across groups cannot take
+            (f"--grad-compression {s.grad_compression}", s.grad_compression.startswith("powersgd")),
+            (f"--optimizer {s.optimizer}", s.optimizer not in ("adamw", "sgd")),
+        )
+        if used
+    ]
+
+
 PAIRS: tuple[Pair, ...] = (
+    Pair(
+        "fault_tolerance x tp, pp, cp, ep, batch_shares, fp16, cpu_offload, powersgd, other optimizers",
+        lambda s: s.fault_tolerance and bool(_in_the_way_of_replicas(s)),
+        lambda s: (
+            "Fault tolerance runs whole replicas (or FSDP shards) in each group with adamw or sgd, even batch shares, "
+            "bf16 or fp32, gradients on the device and no PowerSGD; drop "
+            f"{', '.join(_in_the_way_of_replicas(s))} or --fault-tolerance."
+        ),
+    ),
     Pair(
         "global_batch_size x grad_accum_steps",
         lambda s: s.global_batch_size is not None and s.grad_accum_steps != 1,

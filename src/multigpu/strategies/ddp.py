@@ -64,7 +64,7 @@ class DDP(CompressionOptions, DDPOptions, Strategy):
     plan_rows = (PlanRow(order=2, shown=frozenset({ONE_GPU, DATA_PARALLEL}), recommended=frozenset({DATA_PARALLEL})),)
     spread = REPLICAS
     # PowerSGD is a DDP communication hook; gloo, which processes sharing GPUs talk over, runs its all-reduces.
-    composes_with = COMMON_FEATURES | {"powersgd", "shared_gpus"}
+    composes_with = COMMON_FEATURES | {"powersgd", "shared_gpus", "fault_tolerance"}
     mesh_dims = ("replicate",)
 
     def setup(

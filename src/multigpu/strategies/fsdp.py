@@ -91,7 +91,7 @@ class FSDP(CompressionOptions, ShardingOptions, TensorParallelOptions, Strategy)
         ),
     )
     mesh_dims = ("shard",)
-    composes_with = COMMON_FEATURES  # no powersgd: FSDP2 has no communication hook
+    composes_with = COMMON_FEATURES | {"fault_tolerance"}  # no powersgd: FSDP2 has no communication hook
 
     def check(self) -> None:
         require(

@@ -9,7 +9,7 @@ from torch import nn
 
 from multigpu.config.precision import PrecisionPlan
 from multigpu.core.env import DistEnv
-from multigpu.strategies.base import Strategy, move_to_device
+from multigpu.strategies.base import COMMON_FEATURES, Strategy, move_to_device
 from multigpu.strategies.facts import ONE_GPU, Facts, PlanRow
 
 
@@ -17,6 +17,7 @@ from multigpu.strategies.facts import ONE_GPU, Facts, PlanRow
 class Single(Strategy):
     name = "single"
     facts = Facts(reduces_gradients=False, one_process=True)
+    composes_with = COMMON_FEATURES | {"fault_tolerance"}  # a replica group of one process
     plan_rows = (PlanRow(order=0, shown=frozenset({ONE_GPU}), recommended=frozenset({ONE_GPU})),)
 
     def setup(

@@ -31,6 +31,7 @@ from multigpu.strategies.facts import (
 @dataclass
 class Zero1(DDP):
     name = "zero1"
+    composes_with = DDP.composes_with - {"fault_tolerance"}  # its optimizer's states are sharded inside a group
     facts = Facts(
         MemoryModel(frozenset({"optimizer"}), temporary=GRAD_BUCKET),
         Communication(ALL_REDUCE, gathers_after_step=True),

@@ -22,6 +22,7 @@ from multigpu.config.settings import Settings, setting, shown, shown_group
 from multigpu.core.errors import UsageError
 from multigpu.engine.config import EngineConfig
 from multigpu.parallel.compression import Compression, CompressionOptions, payload_bytes, refuse_powersgd
+from multigpu.planner.failures import FailureSettings
 from multigpu.planner.rows import simulated
 from multigpu.planner.simulate import (
     INTERCONNECTS,
@@ -39,6 +40,7 @@ from multigpu.planner.simulate import (
 )
 from multigpu.planner.simulate_advice import link_advice
 from multigpu.strategies import strategy_class
+from multigpu.tools.simulate_failures import assumptions, failure_rows, failure_table
 from multigpu.transforms.recompute import FORWARD_RUN_AGAIN
 
 if TYPE_CHECKING:  # the planner's shapes are imported where a request is resolved
@@ -103,8 +105,11 @@ def load_calibration(path: str | Path, flag: str = "--calibration") -> Links:
     return links
 
 
-def to_json(predictions: list[Prediction]) -> str:
-    return json.dumps([asdict(p) for p in predictions], indent=2)
+def to_json(predictions: list[Prediction], failures: list[dict[str, Any]] | None = None) -> str:
+    rows = [asdict(p) for p in predictions]
+    for row, failure in zip(rows, failures or [], strict=False):  # --mtbf-hours: each count's goodput beside it
+        row["failures"] = failure
+    return json.dumps(rows, indent=2)
 
 
 def format_table(predictions: list[Prediction], title: str | None = None) -> str:
@@ -219,6 +224,7 @@ class SimulateRequest(Settings):
         None, "a bench --collectives JSON taken across nodes: replaces the inter-node link"
     )
     tp_overlap: bool = setting(False, "async tp: hide tp's all-reduces under the matmuls")
+    _failures = shown_group(FailureSettings)  # --mtbf-hours and what failures cost (planner/failures.py)
 
 
 def resolve(request: SimulateRequest) -> tuple[SimulateConfig, Link | None, Link | None]:
@@ -320,6 +326,8 @@ def check_mixed(request: SimulateRequest, peaks: list[float]) -> None:
         )
     if not all(0 < peak < math.inf for peak in peaks):
         raise UsageError(f"--tflops must be positive (got {request.tflops}).")
+    if request.mtbf_hours is not None:
+        raise UsageError("--mtbf-hours is simulated for GPUs of one speed; drop it, or give --tflops one value.")
 
 
 def gpu_counts(request: SimulateRequest) -> tuple[int, ...]:
@@ -413,8 +421,9 @@ def run(request: SimulateRequest, as_json: bool) -> int:
         print(json.dumps({**asdict(mixed), "speedup": mixed.speedup}, indent=2) if as_json else format_mixed(mixed))
         return 0
     predictions = simulate(config, intra, inter)
+    failures = failure_rows(request, config.params, predictions)
     if as_json:
-        print(to_json(predictions))
+        print(to_json(predictions, failures))
     else:
         title = f"{config.strategy}, {config.intra} in a node, {config.interconnect} between nodes"
         if config.tp_size > 1:
@@ -430,4 +439,6 @@ def run(request: SimulateRequest, as_json: bool) -> int:
         print(format_table(predictions, title=title), end="")
         if advice := link_advice(request, predictions, lambda changed: simulate(*resolve(changed))[0]):
             print(advice)
+        if failures:
+            print(rendered(failure_table(failures)) + assumptions(failures), end="")
     return 0
