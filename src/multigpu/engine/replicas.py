@@ -39,7 +39,7 @@ from multigpu.core.env import DistEnv
 from multigpu.core.errors import UsageError
 from multigpu.core.launcher_notes import attempt
 from multigpu.core.lazy import is_dtensor
-from multigpu.core.network import route_to
+from multigpu.core.network import interface_environment, route_to
 from multigpu.core.replica_env import ReplicaGroup
 from multigpu.core.tensor_trees import map_tensors
 
@@ -63,9 +63,7 @@ class Replicas:
         self.healed_at: int | None = None  # the step this group healed at, once
         self.unplaced: dict[str, Any] = {}  # healed state with no place yet: the Engine places it when it can
         self._state, self._env, self._timeout = state, env, timedelta(seconds=min(timeout_s, 60.0))
-        self._own_store: dist.TCPStore | None = None
-        if not dist.is_initialized():  # one process without a process group: the Manager needs a store to meet at
-            self._own_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 1, True)
+        self._meeting: dist.TCPStore | None = None  # where the groups meet (group rank 0's, at its first quorum)
         self._manager: Any = None
 
     @property
@@ -82,8 +80,10 @@ class Replicas:
         from torchft.checkpointing.http_transport import HTTPTransport
 
         group, env, timeout = self.group, self._env, self._timeout
-        host = urlparse(group.lighthouse).hostname or "127.0.0.1"
-        address = route_to(host).address  # what the other groups reach this node at (not the hostname's loopback)
+        route = route_to(urlparse(group.lighthouse).hostname or "127.0.0.1", "--lighthouse")
+        address = route.address  # what the other groups reach this node at (not the hostname's loopback)
+        os.environ.update(interface_environment(route))  # gloo and NCCL across groups: that interface's address
+        port = self._meeting_port(address)
 
         class Transport(HTTPTransport):  # healing fetches from the address that routes, not gethostname()'s
             def __init__(self, **settings: Any) -> None:
@@ -104,8 +104,8 @@ class Replicas:
             quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S),
             rank=env.rank,
             world_size=env.world_size,
-            store_addr=os.environ["MASTER_ADDR"],
-            store_port=int(os.environ["MASTER_PORT"]),
+            store_addr=address,  # the group's rank 0 serves it, and the quorum's first group's is where all meet
+            store_port=port,
             lighthouse_addr=group.lighthouse,
             replica_id=f"multigpu_{group.group_id:04d}",  # the quorum ranks groups in the order of their ids
             hostname=address,
@@ -113,6 +113,16 @@ class Replicas:
         )
         manager.register_state_dict_fn("multigpu", self._load, self._save)
         return manager
+
+    def _meeting_port(self, address: str) -> int:
+        """The port of a store group rank 0 serves for torchft at `address`, told to the group's ranks. Not the
+        group's own store: torchrun's listens where the group's ranks reach it, not where the other groups do."""
+        if self._env.rank == 0:
+            self._meeting = dist.TCPStore(address, 0, is_master=True, wait_for_workers=False)
+        port = [self._meeting.port if self._meeting is not None else 0]
+        if dist.is_initialized():
+            dist.broadcast_object_list(port, src=0)
+        return port[0]
 
     # -- a step ---------------------------------------------------------------------------------------------
     def begin_step(self) -> tuple[int, int]:
