@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from multigpu.core.child_processes import die_with_parent
 from multigpu.core.env import free_port
 from multigpu.core.errors import UsageError
 from multigpu.launch import lighthouse
-from multigpu.launch.stop import STOP_SIGNALS
+from multigpu.launch.stop import handling_stops
 
 #: Set for the groups started here: their lighthouse ends with this process, so a run's record (config.yaml) keeps
 #: --replica-groups alone, not a --replica-id and --lighthouse that would rejoin one group to a gone lighthouse.
@@ -97,15 +96,8 @@ def forwarding_stops(groups: list[Child], stops: list[int]) -> Iterator[None]:
             with contextlib.suppress(ProcessLookupError):
                 group.process.send_signal(signum)
 
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+    with handling_stops(forward):
         yield
-        return
-    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 @contextlib.contextmanager

@@ -72,11 +72,13 @@ def _stop_here(signum: int, frame: FrameType | None) -> None:
 
 def raising_stopped() -> contextlib.AbstractContextManager[None]:
     """Within it, SIGINT and SIGTERM raise Stopped (see the module's doc); the previous handlers come back after."""
-    return _handling_stops(_stop_here)
+    return handling_stops(_stop_here)
 
 
 @contextlib.contextmanager
-def _handling_stops(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
+def handling_stops(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
+    """Within it, `handler` takes SIGINT and SIGTERM (in the main thread; elsewhere nothing changes); the handlers
+    before come back after."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield
         return
@@ -109,7 +111,7 @@ def raising_on_stop() -> contextlib.AbstractContextManager[None]:
 
     The handlers in place before are restored on the way out (torch elastic leaves its own installed).
     """
-    return _handling_stops(_raise_stop)
+    return handling_stops(_raise_stop)
 
 
 def checkpoint_note(exits: Path) -> str | None:
