@@ -20,18 +20,18 @@ if TYPE_CHECKING:
     from rich.table import Table
 
     from multigpu.planner.simulate import Prediction
-    from multigpu.tools.simulate_request import SimulateRequest
 
 
-def failure_rows(request: SimulateRequest, params: float, predictions: list[Prediction]) -> list[dict[str, Any]]:
+def failure_rows(
+    settings: FailureSettings, gpus_per_node: int, params: float, predictions: list[Prediction]
+) -> list[dict[str, Any]]:
     """One row per prediction: its Failures, and each way's Goodput (in place's None under two replica groups); []
     without --mtbf-hours."""
-    settings = FailureSettings(**request.values_for(FailureSettings))
     if settings.mtbf_hours is None:
         return []
     rows = []
     for p in predictions:
-        failures = failures_at(settings, p.gpus, p.step_s, params, request.gpus_per_node)
+        failures = failures_at(settings, p.gpus, p.step_s, params, gpus_per_node)
         in_place = in_place_goodput(failures)
         rows.append(
             {

@@ -421,7 +421,8 @@ def run(request: SimulateRequest, as_json: bool) -> int:
         print(json.dumps({**asdict(mixed), "speedup": mixed.speedup}, indent=2) if as_json else format_mixed(mixed))
         return 0
     predictions = simulate(config, intra, inter)
-    failures = failure_rows(request, config.params, predictions)
+    settings = FailureSettings(**request.values_for(FailureSettings))
+    failures = failure_rows(settings, request.gpus_per_node, config.params, predictions)
     if as_json:
         print(to_json(predictions, failures))
     else:
