@@ -11,6 +11,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import multigpu as mg
+from multigpu.engine import balance
 from multigpu.engine.lr_schedule import SampleSchedule
 from multigpu.strategies import build_strategy
 from tests.dist import run_command, run_in_processes
@@ -196,8 +198,18 @@ AUTO_STEPS = 30
 
 
 def auto_shares(log_dir: str) -> dict:
-    """zero3 under batch_shares auto, rank 1 spending 3 ms more per sample: one optimizer step per epoch of 16. (Each
-    rank's threads together spend a few ms a step besides, with ms of noise: the burn stands well above them.)"""
+    """zero3 under batch_shares auto, rank 1 spending 3 ms more per sample: one optimizer step per epoch of 16.
+
+    Measured by the main thread's own CPU time, not the rank's demand (its threads' time on a CPU plus their waits
+    for one): the demand counts a co-tenant's crowding as slowness, as it should, and in the suite the tests beside
+    this one crowd both ranks by as much as the burn, unevenly, so auto rightly held the even split (it did in two
+    full runs). This test is about the split moving and the run staying exact; benchmarks/uneven_ranks.py measures
+    the demand's clock against a real co-tenant."""
+    with mock.patch.object(balance, "process_demand_s", time.thread_time):
+        return shares_run(log_dir)
+
+
+def shares_run(log_dir: str) -> dict:
     engine = mg.Engine(strategy="zero3", batch_shares="auto", log_every=2, log_dir=log_dir, peak_tflops=1.0)
     torch.manual_seed(0)
     model = torch.nn.Linear(5, 1)
