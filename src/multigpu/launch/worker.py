@@ -118,7 +118,7 @@ def end_process() -> None:
 class AccelerateOnCpu(importlib.abc.MetaPathFinder):
     """When the script imports accelerate, makes PartialState() honour ACCELERATE_USE_CPU as Accelerator() does.
 
-    `multigpu run` sets ACCELERATE_USE_CPU=true on machines without CUDA GPUs (launch.use_cpu_for_accelerate).
+    `multigpu run` sets ACCELERATE_USE_CPU=true on machines without CUDA GPUs (worker_env.use_cpu_for_accelerate).
     Accelerator() reads it and passes cpu=True to PartialState; accelerate 1.15's PartialState() reads no such
     variable, finds no accelerator and reports num_processes 1 in every worker, so each trains alone.
     """

@@ -29,7 +29,7 @@ from multigpu.core.replica_env import ReplicaGroup
 from multigpu.engine import start
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
-from multigpu.launch.launcher import RECOVERY, LaunchConfig, launch, select_gpus
+from multigpu.launch.launcher import RAY, RECOVERY, LaunchConfig, launch, select_gpus
 from multigpu.launch.replica_groups import STARTED_HERE
 from multigpu.observers.monitor import peak_memory_bytes
 from multigpu.strategies import drives_gpus_in_process
@@ -128,7 +128,8 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
         check(config, layout)
         if save_dir is not None:
             held.enter_context(run_lock.holding(save_dir))  # nothing more where held already
-        in_process = groups == 1 and launch_config.replica_id is None  # a replica group is always launched
+        # A replica group, and a run on Ray, are always launched.
+        in_process = groups == 1 and launch_config.replica_id is None and launch_config.ray is None
         if nproc == 1 and config.gpu_ids is None and restarts == 0 and in_process:
             run(config)
             return 0
@@ -139,7 +140,7 @@ def run_recipe(config: Any, module: str, run: Callable[[Any], Any], check: Calla
 
 
 #: A recipe's launch settings that its launched workers are not given as flags (as_launched reads them back).
-LAUNCH_ONLY = ("nproc", "share_gpus", *RECOVERY)
+LAUNCH_ONLY = ("nproc", "share_gpus", *RECOVERY, *RAY)
 
 
 def as_launched(config: Any) -> Any:

@@ -21,7 +21,7 @@ from multigpu.config.settings import Settings, setting, shown, shown_group
 from multigpu.core.errors import UsageError, exit_on_usage_error, require
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
-from multigpu.launch.launcher import RECOVERY, LaunchConfig
+from multigpu.launch.launcher import RAY, RECOVERY, LaunchConfig
 from multigpu.recipes.common import run_recipe
 
 
@@ -97,6 +97,7 @@ class DemoLaunch(Settings):
     """The launch's settings the demo verb shows beside --nproc: restarts and fault-tolerant replica groups."""
 
     _recovery = shown_group(LaunchConfig, *RECOVERY)
+    _ray = shown_group(LaunchConfig, *RAY)
 
 
 @dataclass

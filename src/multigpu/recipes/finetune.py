@@ -27,7 +27,7 @@ from multigpu.data import lm_data, packing
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
 from multigpu.engine.lr_schedule import SampleSchedule
-from multigpu.launch.launcher import RECOVERY, LaunchConfig
+from multigpu.launch.launcher import RAY, RECOVERY, LaunchConfig
 from multigpu.models import lm_models
 from multigpu.models.lm_experts import check_experts, expert_progress, expert_summary
 from multigpu.recipes import lm_fit
@@ -64,6 +64,7 @@ class FinetuneSettings(RecipeSettings, OptimizerChoice):
     gpu_ids: str | None = shown(LaunchConfig)
     share_gpus: bool = shown(LaunchConfig)
     _recovery = shown_group(LaunchConfig, *RECOVERY)
+    _ray = shown_group(LaunchConfig, *RAY)
     save_dir: str = shown(RunDirSettings, default="checkpoints/finetune")
     resume: str = shown(RunDirSettings)
     save_every: int = shown(RunDirSettings)

@@ -27,7 +27,7 @@ from multigpu.data import activity_data
 from multigpu.engine.config import EngineConfig
 from multigpu.engine.engine import Engine
 from multigpu.engine.lr_schedule import SampleSchedule
-from multigpu.launch.launcher import RECOVERY, LaunchConfig
+from multigpu.launch.launcher import RAY, RECOVERY, LaunchConfig
 from multigpu.models import activity_models
 from multigpu.models.activity_models import MODES
 from multigpu.recipes.common import (
@@ -72,6 +72,7 @@ class TrainSettings(RecipeSettings, OptimizerChoice):
     gpu_ids: str | None = shown(LaunchConfig)
     share_gpus: bool = shown(LaunchConfig)
     _recovery = shown_group(LaunchConfig, *RECOVERY)
+    _ray = shown_group(LaunchConfig, *RAY)
     save_dir: str = shown(RunDirSettings)
     resume: str = shown(RunDirSettings)
     save_every: int = shown(RunDirSettings)

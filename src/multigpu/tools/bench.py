@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 
 from multigpu.config.flags import parse_list
-from multigpu.config.settings import Settings, override_group, setting
+from multigpu.config.settings import Settings, override_group, setting, shown_group
 from multigpu.core.errors import UsageError
 from multigpu.engine.config import EngineConfig
+from multigpu.launch.launcher import RAY, LaunchConfig
 from multigpu.parallel.compression import CompressionOptions, refuse_powersgd, wire_factor
 from multigpu.strategies import STRATEGY_CLASSES, Strategy, strategy_class
 from multigpu.tools import harness
@@ -86,6 +87,7 @@ class BenchConfig(Settings):
         "process (separates a strategy's own overhead from its communication)",
         choices=("single", "same"),
     )
+    _ray = shown_group(LaunchConfig, *RAY)
 
     def check(self) -> None:
         self.counts = parse_list(self.nproc, "--nproc", int)
@@ -133,7 +135,7 @@ def run_cell(
         if reducing(strategy):  # the one-process baseline (single) and tp take no grad_compression
             imposed["grad_compression"] = compression
         spec = harness.Harness(tmp, imposed, warmup=config.warmup, steps=config.steps, grad_sync=sync)
-        ranks = harness.run(target, module, n, spec)
+        ranks = harness.run(target, module, n, spec, config.values_for(LaunchConfig))
     steps = harness.timed_steps(ranks[0], config.warmup)
     if not steps:
         raise UsageError(

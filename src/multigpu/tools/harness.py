@@ -239,13 +239,13 @@ def read_ranks(directory: Path, world_size: int) -> list[dict[str, Any]]:
 
 
 def run(
-    target: list[str], module: bool, nproc: int, harness: Harness, share_gpus: bool = False
+    target: list[str], module: bool, nproc: int, harness: Harness, launching: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
-    """Runs the script in `nproc` processes under `harness` (several on each GPU with `share_gpus`); returns every
-    rank's record."""
+    """Runs the script in `nproc` processes under `harness`; returns every rank's record. `launching`: LaunchConfig
+    settings the tool shows (share_gpus: several processes on each GPU; ray: on a Ray cluster)."""
     harness.save()
     worker = ("multigpu.tools.harness", harness.directory)
-    code = launch(LaunchConfig(nproc=nproc, share_gpus=share_gpus), target, module=module, worker=worker)
+    code = launch(LaunchConfig(nproc=nproc, **(launching or {})), target, module=module, worker=worker)
     if code != 0:
         raise UsageError(
             f"{target[0]} failed in {nproc} process(es) with exit code {code} (its errors are above); "

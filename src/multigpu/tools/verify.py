@@ -29,11 +29,12 @@ from multigpu.config.settings import (
     override_group,
     setting,
     shown,
+    shown_group,
     strategy_option_fields,
 )
 from multigpu.core.errors import UsageError
 from multigpu.engine.config import EngineConfig
-from multigpu.launch.launcher import LaunchConfig
+from multigpu.launch.launcher import RAY, LaunchConfig
 from multigpu.strategies import STRATEGY_CLASSES, drives_gpus_in_process, plain_single_process
 from multigpu.tools import harness
 
@@ -104,6 +105,7 @@ class VerifyConfig(Settings):
         None, "processes to compare with one (default: 2, or 1 under dp; 1 with --strategy, for one GPU)"
     )
     share_gpus: bool = shown(LaunchConfig)
+    _ray = shown_group(LaunchConfig, *RAY)
     steps: int = setting(20, "optimizer steps to compare")
     loss_tolerance: float | None = setting(None, "allowed relative loss difference per step (default: by precision)")
     param_tolerance: float | None = setting(
@@ -179,9 +181,9 @@ def verify(config: VerifyConfig, target: list[str], module: bool = False) -> Ver
         if config.strategy is not None:
             imposed |= {name: getattr(config, name) for name in ("tp_size", "pp_size", "cp_size", "ep_size")}
         many = _folder(tmp, "many")
-        dist = harness.run(
-            target, module, config.nproc, harness.Harness(str(many), imposed, **common), config.share_gpus
-        )
+        launching = config.values_for(LaunchConfig)  # --share-gpus and --ray; the 1-process runs only --ray
+        on_ray = {name: value for name, value in launching.items() if name in RAY}
+        dist = harness.run(target, module, config.nproc, harness.Harness(str(many), imposed, **common), launching)
         samples = harness.step_samples(dist)
         # One process stands in for the N-process run's data-parallel ranks (tensor and pipeline ones share a batch).
         factor = dist[0]["data_parallel_size"]
@@ -191,7 +193,7 @@ def verify(config: VerifyConfig, target: list[str], module: bool = False) -> Ver
         layout = dict.fromkeys(("tp_size", "pp_size", "cp_size", "ep_size"))
         reference = {**plain, "strategy": "single", **layout, **both}
         one = _folder(tmp, "one")
-        ref = harness.run(target, module, 1, _reference(one, reference, factor, samples, common))
+        ref = harness.run(target, module, 1, _reference(one, reference, factor, samples, common), on_ray)
         ref_samples = harness.step_samples(ref)
         if samples is not None and ref_samples is not None and ref_samples != samples:
             # The script sized its batch by the world size: accumulate the 1-process batch as often as it takes.
@@ -203,7 +205,7 @@ def verify(config: VerifyConfig, target: list[str], module: bool = False) -> Ver
                     "script a global batch that is a multiple of its 1-process batch."
                 )
             one = _folder(tmp, "one-again")
-            ref = harness.run(target, module, 1, _reference(one, reference, factor, samples, common))
+            ref = harness.run(target, module, 1, _reference(one, reference, factor, samples, common), on_ray)
         return compare(config, ref, dist, _params(one), _params(many), factor)
 
 
