@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -39,9 +39,6 @@ from multigpu.launch.failures import first_failure, report_failure
 from multigpu.launch.ray_host import WorkerHost
 from multigpu.launch.stop import LAUNCHER_PID, checkpoint_note, raising_on_stop, report_stop
 from multigpu.launch.worker_env import lightning_environment, use_cpu_for_accelerate
-
-if TYPE_CHECKING:
-    from multigpu.launch.launcher import LaunchConfig
 
 INSTALL = "pip install 'multigpu[ray]'"
 #: The driver's variables every worker gets too (the actors' own environment is the node's): multigpu's, torch's,
@@ -55,7 +52,26 @@ PROBE_TIMEOUT_S = 5.0
 POLL_S = 0.1
 
 
-def check_settings(config: LaunchConfig) -> None:
+class RaySettings(Protocol):
+    """The launch settings a run on Ray reads: multigpu.launch.launcher's LaunchConfig, which calls this module."""
+
+    ray: str | None
+    ray_gpus_per_worker: int | None
+    ray_cpus_per_worker: int
+    nproc: int | None
+    max_restarts: int
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int | None
+    gpu_ids: str | None
+    share_gpus: bool
+    replica_groups: int
+    replica_id: int | None
+    lighthouse: str | None
+
+
+def check_settings(config: RaySettings) -> None:
     """Refuses, in one sentence, what does not go with --ray: Ray places the workers and names node 0 itself."""
     if config.ray is None:
         if config.ray_gpus_per_worker is not None or config.ray_cpus_per_worker != 1:
@@ -124,7 +140,7 @@ def connect(ray: Any, address: str) -> None:
         ) from None
 
 
-def resources_per_worker(ray: Any, config: LaunchConfig) -> tuple[int, int, int]:
+def resources_per_worker(ray: Any, config: RaySettings) -> tuple[int, int, int]:
     """(workers, CPUs each, GPUs each): the GPUs default to 1 where the cluster has any, else 0; the workers to one
     per GPU, or 1. Refuses what the cluster does not have in all, in one sentence, before any worker."""
     total = ray.cluster_resources()
@@ -183,7 +199,7 @@ def forwarded_environment() -> dict[str, str]:
     return env
 
 
-def worker_environment(worker: Placed, workers: list[Placed], restart: int, config: LaunchConfig) -> dict[str, str]:
+def worker_environment(worker: Placed, workers: list[Placed], restart: int, config: RaySettings) -> dict[str, str]:
     """torchrun's variables for `worker`, and what `multigpu run` adds (multigpu.launch.worker_env)."""
     node = [other for other in workers if other.node == worker.node]
     nodes = workers[-1].node_rank + 1
@@ -219,7 +235,7 @@ class Outcome:
     notes: Path
 
 
-def run_on_ray(config: LaunchConfig, target: list[str], module: bool, worker: Sequence[str]) -> int:
+def run_on_ray(config: RaySettings, target: list[str], module: bool, worker: Sequence[str]) -> int:
     """`launch` on the Ray cluster at config.ray: the exit code of the first worker that failed, 0 if none did."""
     ray = require_ray()
     connect(ray, config.ray)
@@ -239,7 +255,7 @@ def run_on_ray(config: LaunchConfig, target: list[str], module: bool, worker: Se
         ray.shutdown()
 
 
-def restarting(ray: Any, config: LaunchConfig, group: Any, bundle: dict, argv: list[str], notes: Path) -> int:
+def restarting(ray: Any, config: RaySettings, group: Any, bundle: dict, argv: list[str], notes: Path) -> int:
     """Starts the workers, and again after a failure, up to --max-restarts times; says how the run ended."""
     for restart in range(config.max_restarts + 1):
         outcome = start_workers(ray, config, group, bundle, argv, restart, notes / str(restart))
@@ -274,7 +290,7 @@ def restarting(ray: Any, config: LaunchConfig, group: Any, bundle: dict, argv: l
 
 
 def start_workers(
-    ray: Any, config: LaunchConfig, group: Any, bundle: dict, argv: list[str], restart: int, notes: Path
+    ray: Any, config: RaySettings, group: Any, bundle: dict, argv: list[str], restart: int, notes: Path
 ) -> Outcome:
     """One start of every worker: placed, ranked, run to the end or the first failure, their notes gathered."""
     placed = place_workers(ray, config, group, bundle)
@@ -295,7 +311,7 @@ def start_workers(
     return outcome
 
 
-def place_workers(ray: Any, config: LaunchConfig, group: Any, bundle: dict) -> list[Placed]:
+def place_workers(ray: Any, config: RaySettings, group: Any, bundle: dict) -> list[Placed]:
     """An actor in each bundle of the placement group, once Ray has placed them all; in rank order."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
