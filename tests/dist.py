@@ -55,13 +55,17 @@ def run_command(
     ) as process:
         try:
             output, _ = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except BaseException as error:
             # torchrun starts each worker in a session of its own: kill the whole tree, not only our group, or a
-            # surviving worker keeps the output pipe open and this test hangs after all.
+            # surviving worker keeps the output pipe open and this test hangs after all. On any exception, not only
+            # this timeout: pytest-timeout's alarm raises inside communicate(), and Popen's exit then waited forever
+            # for the command it had not killed (a hung fault-tolerance run held a suite run that way).
             for pid in [process.pid, *descendants(process.pid)]:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             output, _ = process.communicate()
+            if not isinstance(error, subprocess.TimeoutExpired):
+                raise
             raise AssertionError(f"{' '.join(argv)} did not finish within {timeout}s; output:\n{output}") from None
     _log_launch(argv, time.perf_counter() - started)
     return subprocess.CompletedProcess(argv, process.returncode, output, None)

@@ -71,7 +71,7 @@ def test_a_lost_group_restarts_alone_heals_and_the_run_ends_as_one_process(
     fault = f"kill,step=3,group=1,attempts={attempts}" if attempts > 1 else "kill-in-step,step=3,group=1"
     result = multigpu(
         "run", "--replica-groups", str(groups), "-n", str(nproc), "--max-restarts", str(attempts), SCRIPT,
-        strategy, str(STEPS), str(STEP_S), timeout=300, env={**CPU, "MULTIGPU_FAULT": fault},
+        strategy, str(STEPS), str(STEP_S), timeout=240, env={**CPU, "MULTIGPU_FAULT": fault},
     )  # fmt: skip
     assert result.returncode == 0, result.stdout
     out = result.stdout
