@@ -50,6 +50,17 @@ def check_groups_agree(output: str, groups: int) -> None:
     assert len(final_losses(output)) == groups, output
 
 
+def check_every_group_trains_after_healing(output: str, groups: int) -> None:
+    """Once the lost group healed for the last time, every group trained every step: none was kept out of a quorum
+    (a quorum that formed without a live group that was late would keep one out of every later one)."""
+    healed = max(int(step) for step in re.findall(r"healed from a live replica group at step (\d+)", output))
+    trained: dict[int, set[str]] = {}
+    for group, step in re.findall(r"hash group=(\d+) step=(\d+)", output):
+        trained.setdefault(int(step), set()).add(group)
+    short = {step: sorted(trained[step]) for step in range(healed + 1, STEPS + 1) if len(trained[step]) < groups}
+    assert not short, f"steps after the heal at step {healed} trained by fewer groups: {short}"
+
+
 def pids(output: str) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     for group, pid in re.findall(r"pid group=(\d+) pid=(\d+)", output):
@@ -82,10 +93,13 @@ def test_a_lost_group_restarts_alone_heals_and_the_run_ends_as_one_process(
     if attempts == 1:  # lost inside step 4: the others' collectives with it failed, and they ran it again
         assert "replica group 0: step 4 runs again on the same global batch" in out, out
     assert "replica group 1: healed from a live replica group at step" in out, out
+    check_every_group_trains_after_healing(out, groups)
     losses = final_losses(out)
     assert all(abs(loss - one_process_loss) <= 1e-5 for loss in losses.values()), (losses, one_process_loss)
-    # Group 0's first step after each loss came within 10 s of its step before (the heartbeat timeout is 5 s).
+    # Group 0 trained every step, its first after each loss within 10 s of its step before (the heartbeat timeout
+    # is 5 s).
     at = {int(step): float(t) for step, t in re.findall(r"hash group=0 step=(\d+) \S+ at=(\S+)", out)}
+    assert sorted(at) == list(range(1, STEPS + 1)), out
     assert max(at[step + 1] - at[step] for step in range(1, STEPS)) < 10, at
 
 

@@ -19,6 +19,7 @@ torchft is imported here only, and this module only where a run asks for fault t
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -45,6 +46,10 @@ from multigpu.core.tensor_trees import map_tensors
 
 BUCKET_BYTES = 25 * 2**20  # gradients averaged across groups a bucket at a time, as DDP's buckets
 QUORUM_TIMEOUT_S = 60.0  # a quorum waits this long for enough groups (the lighthouse's heartbeat timeout is 5 s)
+FIRST_QUORUM_POLL_S = 0.2
+# The first step waits for every group this many quorums (a minute at least), counted in quorums rather than seconds
+# because every rank of a group asks for each of them: its ranks stop waiting at the same one.
+FIRST_QUORUM_TRIES = int(QUORUM_TIMEOUT_S / FIRST_QUORUM_POLL_S)
 
 
 class Replicas:
@@ -129,24 +134,12 @@ class Replicas:
         """Forms this step's quorum (healing this group first if it is behind); returns this group's place among
         the groups in it and how many they are."""
         first = self.manager.current_step() == 0
-        deadline = time.monotonic() + QUORUM_TIMEOUT_S
-        while True:
+        for tries in itertools.count():
             self._start_quorum()
             alive = self.manager.num_participants()
-            # A run's first step waits for every group, so that none starts from other weights; a group started
-            # again after the others trained has healed past step 0 by now.
-            if not first or self.manager.current_step() > 0 or alive >= self.group.groups:
+            if not self._waits_for_every_group(first, alive, tries):
                 break
-            if attempt() > 0 and alive == 1:
-                raise UsageError(
-                    f"Replica group {self.group.group_id} started again, and no live replica group has trained to "
-                    "heal it from (they finished or are gone); restart the run from its last checkpoint."
-                )
-            if time.monotonic() > deadline:
-                break  # the groups that came train the whole global batch together
-            self.manager.report_error(RuntimeError("waiting for every replica group's first quorum"))
-            self.manager.should_commit()  # votes no: the quorum is asked again
-            time.sleep(0.2)
+            time.sleep(FIRST_QUORUM_POLL_S)
         step = self.manager.current_step()
         if step > 0 and first:
             self.healed_at = step
@@ -156,6 +149,20 @@ class Replicas:
         self.quorum, self.place = alive, self.manager.participating_rank() or 0
         faults.inject("quorum", step, self._env.rank)  # tests' MULTIGPU_FAULT: a group lost inside a step
         return self.place, alive
+
+    def _waits_for_every_group(self, first: bool, alive: int, tries: int) -> bool:
+        """Whether to ask for this step's quorum again. A run's first step waits for every group, so that none
+        starts from other weights; a group started again after the others trained has healed past step 0 by now.
+        Asked again without a vote in between: torchft copies the first group's weights to the others in every
+        quorum at step 0, and a vote stops serving them (a copy still under way would wait a minute for the next)."""
+        if not first or self.manager.current_step() > 0 or alive >= self.group.groups:
+            return False
+        if attempt() > 0 and alive == 1:
+            raise UsageError(
+                f"Replica group {self.group.group_id} started again, and no live replica group has trained to "
+                "heal it from (they finished or are gone); restart the run from its last checkpoint."
+            )
+        return tries < FIRST_QUORUM_TRIES  # then the groups that came train the whole global batch together
 
     def _start_quorum(self) -> None:
         try:

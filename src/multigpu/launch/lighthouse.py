@@ -29,9 +29,10 @@ class LighthouseConfig(Settings):
     # Not LaunchConfig's min_replicas: that one is checked against a launch's --replica-groups, which this has not.
     min_replicas: int = setting(1, "the fewest replica groups that may commit a step; fewer wait for more to join")
     join_timeout_ms: int = setting(
-        100,
-        "how long a quorum waits for replica groups that heartbeat but were not in the last quorum (a group starting "
-        "again): short, so that the others train on meanwhile and the group joins the quorum after, healed",
+        60000,
+        "how long a quorum missing one of the last quorum's groups waits for the live groups that have not asked to "
+        "join it yet (torchft's default); keep it above a step's time: shorter, a group that rejoined keeps one "
+        "group out of every later quorum, which then heals each step instead of training",
     )
     heartbeat_timeout_ms: int = setting(
         5000, "how long without a replica group's heartbeat before it counts as gone (torchft's default)"

@@ -31,7 +31,6 @@ from multigpu.launch.stop import handling_stops
 #: Set for the groups started here: their lighthouse ends with this process, so a run's record (config.yaml) keeps
 #: --replica-groups alone, not a --replica-id and --lighthouse that would rejoin one group to a gone lighthouse.
 STARTED_HERE = "MULTIGPU_REPLICA_GROUPS_HERE"
-JOIN_TIMEOUT_MS = 100  # the groups here start together: a quorum need not wait for a straggler
 LIGHTHOUSE_START_S = 60.0  # an interpreter importing the package, on a loaded machine
 
 
@@ -105,7 +104,7 @@ def serving_lighthouse(min_replicas: int) -> Iterator[str]:
     """A lighthouse on a free port of this machine for the block: its `127.0.0.1:PORT`, once it answers there."""
     port = free_port()
     argv = [sys.executable, "-m", "multigpu", "lighthouse", "--port", str(port), "--bind-address", "127.0.0.1"]
-    argv += ["--min-replicas", str(min_replicas), "--join-timeout-ms", str(JOIN_TIMEOUT_MS)]
+    argv += ["--min-replicas", str(min_replicas)]
     # Its quorum's every change is the workers' to say; the lighthouse's own log (torchft's, in Rust) says warnings.
     env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
     child = start(argv, env, "[lighthouse] ")
