@@ -85,10 +85,10 @@ CELLS: dict[str, tuple[int, dict]] = {
     ),
     # Pipelines: the schedule's micro-batches slice each batch; engine accumulation adds batches on top.
     "pp-gpipe-4-microbatches": (2, {"multi_gpu": "pp", "pp_schedule": "gpipe", "pp_microbatches": 4}),
-    "pp-gpipe-accumulate-4": (2, {"multi_gpu": "pp", "pp_schedule": "gpipe", "batch_size": 1, "grad_accum_steps": 4}),
     "pp-1f1b-4-microbatches": (2, {"multi_gpu": "pp", "pp_microbatches": 4}),
     "pp-1f1b-accumulate-2": (2, {"multi_gpu": "pp", "batch_size": 2, "grad_accum_steps": 2}),
-    # One row per batch: too few micro-batches for 1f1b's 2 stages, so each step runs in gpipe's order.
+    # One row per batch: too few micro-batches for 1f1b's 2 stages, so each step runs in gpipe's order (the cell
+    # of gpipe with accumulation, then: the same schedule class on the same micro-batches).
     "pp-1f1b-accumulate-4": (2, {"multi_gpu": "pp", "batch_size": 1, "grad_accum_steps": 4}),
     "pp-bf16-mixed": (2, {"multi_gpu": "pp", "precision": "bf16-mixed"}),
     "pp-lora": (2, {"multi_gpu": "pp", "method": "lora"}),
