@@ -146,8 +146,8 @@ CELLS: dict[str, tuple[int, dict]] = {
     # collectives (sequence parallelism's included), alone and inside zero3's shards, and with selective
     # recomputation (full cannot run compiled under tp: refused). aot_eager runs the very kernels of the eager model,
     # so these cells also stand for the same layouts uncompiled (tp with selective checkpointing among them): a
-    # failure there fails them too. (Compiled blocks inside pipeline stages: pp-compile-offload; pp x tp uncompiled:
-    # pp-x-tp-zbv and pp-x-tp-sequence-parallel. The three together cost 23 s on 4 processes.)
+    # failure there fails them too. (pp x tp compiled, 23 s on 4 processes, is left to its pairs: compiled blocks in
+    # pipeline stages, pp-compile-offload; pp x tp, pp-x-tp-zbv and pp-x-tp-sequence-parallel; tp compiled, here.)
     "tp-sequence-parallel-compile-selective": (
         2,
         {"multi_gpu": "tp", "sequence_parallel": True, **AOT, "activation_checkpointing": "selective"},

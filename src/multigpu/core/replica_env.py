@@ -34,8 +34,10 @@ class ReplicaGroup:
         }
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> ReplicaGroup | None:
-        """This worker's group, or None outside a fault-tolerant launch."""
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> ReplicaGroup | None:
+        """This worker's group, or None outside a fault-tolerant launch. By default the process's environment as it
+        is at the call (os.environ looked up then, not bound when this module was imported)."""
+        environ = os.environ if environ is None else environ
         if GROUPS not in environ:
             return None
         return cls(int(environ[GROUP_ID]), int(environ[GROUPS]), environ[LIGHTHOUSE], int(environ[MIN_REPLICAS]))
