@@ -30,8 +30,8 @@ from unittest import mock
 
 import torch
 
-from multigpu.core.env import free_port
 from multigpu.core.lazy import imported
+from multigpu.core.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).with_name("dist_worker.py")

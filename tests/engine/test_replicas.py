@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from multigpu.core.env import free_port
+from multigpu.core.ports import free_port
 from tests.dist import ROOT, multigpu, refusal, running
 
 pytest.importorskip("torchft")

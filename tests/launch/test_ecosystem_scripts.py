@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multigpu.core.env import free_port
+from multigpu.core.ports import free_port
 from tests.dist import multigpu, run_command, run_reference
 
 SCRIPTS = Path(__file__).parents[1] / "scripts"

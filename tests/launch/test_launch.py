@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import multigpu.launch.launcher as launching
-from multigpu.core.env import free_port
 from multigpu.core.errors import UsageError
 from multigpu.core.launcher_notes import LAST_CHECKPOINT, LAUNCHER_DIR, ScriptEnd, note_for_launcher
+from multigpu.core.ports import LOWEST_CHOSEN_PORT, free_port, lowest_ephemeral_port
 from multigpu.launch import exit_watch, failures
 from multigpu.launch.launcher import LaunchConfig
 from multigpu.launch.stop import report_stop
@@ -38,7 +38,8 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 total = torch.tensor([rank + 1.0])
 dist.all_reduce(total)
-print(f"rank {rank} of {world}, local {os.environ['LOCAL_RANK']}, sum {total.item():.0f}", flush=True)
+local, port = os.environ["LOCAL_RANK"], os.environ["MASTER_PORT"]
+print(f"rank {rank} of {world}, local {local}, sum {total.item():.0f}, store port {port}", flush=True)
 if len(sys.argv) > 1 and sys.argv[1] == "fail" and rank == 1:
     raise RuntimeError("rank one broke on purpose")
 if len(sys.argv) > 1 and sys.argv[1] == "exit3" and rank == 1:
@@ -66,6 +67,9 @@ def test_a_failing_worker_fails_the_run_with_its_traceback(tmp_path: Path) -> No
     assert "RuntimeError: rank one broke on purpose" in result.stdout
     assert result.stdout.count("RuntimeError: rank one broke on purpose") == 1
     assert "multigpu run: worker rank 1 " in result.stdout  # the originator, not the peer that failed after it
+    # The store's port, which rank 0 binds after its imports, from where no other process's connection takes it.
+    [port] = set(re.findall(r"store port (\d+)", result.stdout))
+    assert LOWEST_CHOSEN_PORT <= int(port) < lowest_ephemeral_port(), result.stdout
     assert "GLHF" not in result.stdout and "[rank0]" not in result.stdout  # nor the peer's echo, gloo's lost peer
     # The traceback starts at the script: the worker's and runpy's frames above it are not the user's business.
     # (torch's excepthook prefixes each line with the rank once the process group exists.)
@@ -80,7 +84,7 @@ def test_a_usage_error_in_the_script_is_one_line_and_exit_code_2(tmp_path: Path)
     assert result.returncode == 2, result.stdout
     # Rank 0 waits in a barrier and is stopped: the only words are rank 1's sentence, no traceback, no torchrun log.
     # (The ranks' own lines may land in one another, so they are taken out wherever they are.)
-    rest = re.sub(r"rank \d of 2, local \d, sum 3", "", result.stdout)
+    rest = re.sub(r"rank \d of 2, local \d, sum 3, store port \d+", "", result.stdout)
     lines = [line for line in rest.splitlines() if line.strip()]
     assert lines == ["multigpu: error: Rank one refuses this setting; pass another."], result.stdout
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from multigpu.core.env import free_port
+from multigpu.core.ports import free_port
 from multigpu.launch.stop import alive
 from tests.dist import ROOT, descendants, run_each_in_processes, run_reference
 from tests.nodes import Cluster, Node, NodesRefused, cluster

@@ -21,7 +21,7 @@ from unittest import mock
 import pytest
 from safetensors.torch import load_file
 
-from multigpu.core.env import free_port
+from multigpu.core.ports import free_port
 from tests.dist import descendants, multigpu, refusal, run_reference
 from tests.launch.test_ecosystem_scripts import NANOGPT, val_losses
 from tests.recipes.test_train import train_args, write_uci_har

@@ -18,8 +18,8 @@ from unittest import mock
 
 import pytest
 
-from multigpu.core.env import free_port
 from multigpu.core.errors import UsageError
+from multigpu.core.ports import free_port
 from multigpu.core.replica_env import GROUP_ID, GROUPS, LIGHTHOUSE, MIN_REPLICAS
 from multigpu.launch import replica_groups
 from multigpu.launch.launcher import LaunchConfig, replica_environment, usable_gpus

@@ -6,7 +6,6 @@ import atexit
 import gc
 import os
 import re
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -16,6 +15,7 @@ import torch.distributed as dist
 
 from multigpu.core.errors import UsageError
 from multigpu.core.network import interface_environment, route_to
+from multigpu.core.ports import free_port
 
 BACKENDS = ("nccl", "gloo")
 
@@ -142,12 +142,6 @@ def check_backend(backend: str, env: DistEnv) -> None:
             "refuses two ranks on one GPU; leave the backend unset (gloo is then the default) or start one process "
             "per GPU."
         )
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def init_process_group(env: DistEnv, backend: str, timeout: timedelta) -> None:

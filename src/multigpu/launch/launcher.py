@@ -12,20 +12,21 @@ import os
 import socket
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import api as rendezvous_api
 from torch.distributed.run import get_args_parser
 from torch.distributed.run import run as torch_run
 
 from multigpu.config.settings import Settings, setting
-from multigpu.core.env import free_port
 from multigpu.core.errors import UsageError
 from multigpu.core.launcher_notes import LAST_CHECKPOINT, LAUNCHER_DIR, LAUNCHER_STORE, launcher_note
+from multigpu.core.ports import free_port
 from multigpu.core.replica_env import GROUPS, MIN_REPLICAS, ReplicaGroup
 from multigpu.launch import lighthouse, ray_cluster, replica_groups
 from multigpu.launch.exit_watch import ending_stuck_workers, stuck_lines
@@ -376,6 +377,19 @@ def replica_environment(config: LaunchConfig) -> None:
     os.environ.update(group.environment())
 
 
+@contextlib.contextmanager
+def store_port_outside_ephemeral_range() -> Iterator[None]:
+    """The port torch's rendezvous gives the workers' store (their rank 0 binds it after its imports) chosen as
+    core/env.py's free_port chooses, not from the kernel's ephemeral range, where another process's connection
+    can take it first."""
+    torch_choice = rendezvous_api.get_free_port  # an AttributeError, not a silent no-op, if torch renames it
+    rendezvous_api.get_free_port = free_port
+    try:
+        yield
+    finally:
+        rendezvous_api.get_free_port = torch_choice
+
+
 def run_workers(
     args: argparse.Namespace,
     present: int,
@@ -399,6 +413,7 @@ def run_workers(
                 quiet_when_stopped(),
                 holding_failure_lines(held),  # the last filter: it holds only what the others let through
                 ending_stuck_workers(Path(exits), ranks),
+                store_port_outside_ephemeral_range(),
             ):
                 torch_run(args)
         except ChildFailedError as error:

@@ -10,7 +10,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from multigpu.core.launcher_notes import LAUNCHER_DIR
+from multigpu.core.ports import free_port
 
 STOP_GRACE_S = 10.0  # a stopped worker's SIGTERM, then SIGKILL
 
@@ -39,7 +39,7 @@ class WorkerHost:
             "node": ray.get_runtime_context().get_node_id(),
             "gpus": [str(gpu) for gpu in ray.get_gpu_ids()],
             "cwd": os.path.isdir(cwd),
-            "port": port_free_on_every_interface(),
+            "port": free_port(),  # free on every interface: rank 0's store listens on all of them
             "pid": os.getpid(),  # its workers die with it (multigpu.launch.stop.die_with_launcher)
         }
 
@@ -97,10 +97,3 @@ class WorkerHost:
                     found[path.name] = path.read_text()
         shutil.rmtree(folder, ignore_errors=True)
         return found
-
-
-def port_free_on_every_interface() -> int:
-    """A port free on every interface of this node: rank 0's store listens on all of them for the other nodes."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]

@@ -23,8 +23,8 @@ from typing import IO, Any
 
 from multigpu.config.flags import config_to_argv
 from multigpu.core.child_processes import die_with_parent
-from multigpu.core.env import free_port
 from multigpu.core.errors import UsageError
+from multigpu.core.ports import free_port
 from multigpu.launch import lighthouse
 from multigpu.launch.stop import handling_stops
 
