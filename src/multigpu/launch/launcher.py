@@ -380,7 +380,7 @@ def replica_environment(config: LaunchConfig) -> None:
 @contextlib.contextmanager
 def store_port_outside_ephemeral_range() -> Iterator[None]:
     """The port torch's rendezvous gives the workers' store (their rank 0 binds it after its imports) chosen as
-    core/env.py's free_port chooses, not from the kernel's ephemeral range, where another process's connection
+    core/ports.py's free_port chooses, not from the kernel's ephemeral range, where another process's connection
     can take it first."""
     torch_choice = rendezvous_api.get_free_port  # an AttributeError, not a silent no-op, if torch renames it
     rendezvous_api.get_free_port = free_port
