@@ -8,8 +8,9 @@ import random
 import socket
 from pathlib import Path
 
-# Where free_port looks first: below the kernel's ephemeral ports, down to this one.
-LOWEST_CHOSEN_PORT = 10000
+# Where free_port looks: from here up to the kernel's ephemeral ports. Above Ray's own defaults (10001 for clients,
+# 10002-19999 for its workers, which bind them as they start): a suite run's Ray head refused a port chosen there.
+LOWEST_CHOSEN_PORT = 20000
 
 
 def free_port() -> int:
