@@ -3,7 +3,8 @@
 `run_in_processes("tests.x:fn", 2, case=...)` starts 2 workers; each calls `fn(**kwargs)` and its return value
 (anything picklable) comes back in a list indexed by rank. A hang is killed, process group and all, at `timeout`.
 `run_reference(TARGET, ARGV)` is `multigpu run -n 2 TARGET ARGV` in such workers, for a run a test only compares
-with. `multigpu(ARGS)` runs a command as a user types it; `refusal(ARGS)` one that must be refused before any start.
+with. `multigpu(ARGS)` runs a command as a user types it (its process forked from the same server);
+`refusal(ARGS)` one that must be refused before any start.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -60,9 +62,7 @@ def run_command(
             # surviving worker keeps the output pipe open and this test hangs after all. On any exception, not only
             # this timeout: pytest-timeout's alarm raises inside communicate(), and Popen's exit then waited forever
             # for the command it had not killed (a hung fault-tolerance run held a suite run that way).
-            for pid in [process.pid, *descendants(process.pid)]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            kill_tree(process.pid)
             output, _ = process.communicate()
             if not isinstance(error, subprocess.TimeoutExpired):
                 raise
@@ -81,6 +81,13 @@ def _log_launch(argv: list[str], seconds: float) -> None:
             log.write(f"{seconds:.2f}\t{test}\t{' '.join(argv[1:6])}\n")
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL to `pid` and every process below it."""
+    for each in [pid, *descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, signal.SIGKILL)
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid`, children before grandchildren (read from /proc)."""
     parents = {}
@@ -96,8 +103,77 @@ def descendants(pid: int) -> list[int]:
 
 
 def multigpu(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`multigpu ARGS` as a user types it."""
+    """`multigpu ARGS` as a user types it: the command's own process, forked from the server that imported torch,
+    transformers and peft once (see forked_command), where the variables the test adds are read after start-up."""
+    if _FORKS.get_start_method() == "forkserver" and all(read_late(name) for name in env or {}):
+        return forked_command(list(args), timeout=timeout, env=env)
     return run_command([sys.executable, "-m", "multigpu", *args], timeout=timeout, env=env)
+
+
+def read_late(name: str) -> bool:
+    """Whether a variable is read where the command's code runs, not when Python or a library the server imported
+    starts (PYTHONPATH, OMP_*, CUDA_*, HF_* and the like): multigpu's own, torchrun's, Ray's and the scripts'."""
+    return name.startswith(("MULTIGPU_", "RAY_", "ACCELERATE_", "GLOO_"))
+
+
+def forked_command(args: list[str], timeout: float, env: dict[str, str] | None) -> subprocess.CompletedProcess:
+    """`python -m multigpu ARGS` without the interpreter's start: a process forked from the server run_in_processes
+    uses, which runs the CLI's main as `python -m multigpu` would (its own session, variables, working directory
+    and sys.argv, output to one file, exit handlers run at the end). Its workers start as under the command: each
+    its own interpreter. Saves the imports each command's process pays before it does anything (torch's, and
+    transformers' for the recipes' checks): tests/recipes/test_train.py took 116 CPU-seconds instead of 149. The
+    README's commands (tests/test_docs.py), `running` and a test that sets a variable read at start-up still start
+    `python -m multigpu` itself."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
+    started = time.perf_counter()
+    start_forkserver()
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp, "output.log")
+        process = _FORKS.Process(target=_command_main, args=(args, full_env, str(ROOT), log))
+        process.start()
+        try:
+            process.join(timeout)
+        finally:  # a hang, or pytest-timeout's alarm inside join: the whole tree goes (see run_command)
+            if process.exitcode is None:
+                kill_tree(process.pid)
+                process.join()
+                output = log.read_text() if log.exists() else ""
+                raise AssertionError(f"multigpu {' '.join(args)} did not finish within {timeout}s; output:\n{output}")
+        output = log.read_text() if log.exists() else ""
+    _log_launch(["", "multigpu", *args], time.perf_counter() - started)
+    return subprocess.CompletedProcess(["multigpu", *args], process.exitcode, output, None)
+
+
+def _command_main(args: list[str], env: dict[str, str], cwd: str, log: Path) -> None:
+    """In the forked process: what `python -m multigpu ARGS` does after its imports, then its exit."""
+    os.setsid()
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    for stream in (1, 2):
+        os.dup2(out, stream)
+    # Unbuffered, as PYTHONUNBUFFERED makes them: the two streams' lines in the order they were written.
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path.insert(0, cwd)  # `python -m` puts the working directory first
+    sys.argv = [str(ROOT / "src" / "multigpu" / "__main__.py"), *args]
+    faulthandler.enable()
+    from multigpu.__main__ import main
+
+    try:
+        code = main()
+    except SystemExit as exit_:
+        code = exit_.code
+    except BaseException:  # what the interpreter prints of an exception nothing caught
+        traceback.print_exc()
+        code = 1
+    if not isinstance(code, int):  # sys.exit("message") prints it and exits 1, as the interpreter does
+        if code is not None:
+            print(code, file=sys.stderr)
+        code = 0 if code is None else 1
+    atexit._run_exitfuncs()
+    os._exit(code)
 
 
 @contextlib.contextmanager
@@ -110,9 +186,7 @@ def running(*args: str) -> Iterator[subprocess.Popen]:
     try:
         yield process
     finally:
-        for pid in [process.pid, *descendants(process.pid)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_tree(process.pid)
         process.wait()
 
 
@@ -249,6 +323,7 @@ def start_forkserver() -> None:
 
 # What every rank imports, imported once in the server.
 PRELOAD = ["torch", "torch.distributed", "multigpu.launch.worker", "multigpu.engine.engine", "tests.dist"]
+PRELOAD += ["multigpu.cli"]  # and what a command's own process imports (forked_command)
 # ...and what a LoRA or QLoRA rank imports on top: peft (with transformers, accelerate and
 # bitsandbytes) and the Llama classes take ~3.4 s of CPU in each such rank otherwise (measured), and ~10 of the suite's
 # launches start them. Left out: datasets and deepspeed start a thread as they load (pyarrow's and DeepSpeed's
