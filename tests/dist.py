@@ -43,8 +43,7 @@ def run_command(
     argv: list[str], timeout: float = 120, env: dict[str, str] | None = None, cwd: Path = ROOT
 ) -> subprocess.CompletedProcess:
     """Runs argv in `cwd` with stdout+stderr captured; kills its whole process tree if it outlives `timeout`."""
-    # faulthandler prints every thread's Python stack if a worker dies of a signal (SIGABRT, SIGSEGV).
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
+    full_env = command_env(env)
     started = time.perf_counter()
     with subprocess.Popen(
         argv,
@@ -69,6 +68,13 @@ def run_command(
             raise AssertionError(f"{' '.join(argv)} did not finish within {timeout}s; output:\n{output}") from None
     _log_launch(argv, time.perf_counter() - started)
     return subprocess.CompletedProcess(argv, process.returncode, output, None)
+
+
+def command_env(env: dict[str, str] | None) -> dict[str, str]:
+    """A command's variables: this process's, one OpenMP thread and unbuffered output as `multigpu run` gives its
+    workers, then the test's own."""
+    # faulthandler prints every thread's Python stack if a worker dies of a signal (SIGABRT, SIGSEGV).
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
 
 
 def _log_launch(argv: list[str], seconds: float) -> None:
@@ -124,7 +130,7 @@ def forked_command(args: list[str], timeout: float, env: dict[str, str] | None) 
     transformers' for the recipes' checks): tests/recipes/test_train.py took 116 CPU-seconds instead of 149. The
     README's commands (tests/test_docs.py), `running` and a test that sets a variable read at start-up still start
     `python -m multigpu` itself."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
+    full_env = command_env(env)
     started = time.perf_counter()
     start_forkserver()
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,22 +140,20 @@ def forked_command(args: list[str], timeout: float, env: dict[str, str] | None) 
         try:
             process.join(timeout)
         finally:  # a hang, or pytest-timeout's alarm inside join: the whole tree goes (see run_command)
-            if process.exitcode is None:
+            hung = process.exitcode is None
+            if hung:
                 kill_tree(process.pid)
                 process.join()
-                output = log.read_text() if log.exists() else ""
-                raise AssertionError(f"multigpu {' '.join(args)} did not finish within {timeout}s; output:\n{output}")
         output = log.read_text() if log.exists() else ""
+    if hung:
+        raise AssertionError(f"multigpu {' '.join(args)} did not finish within {timeout}s; output:\n{output}")
     _log_launch(["", "multigpu", *args], time.perf_counter() - started)
     return subprocess.CompletedProcess(["multigpu", *args], process.exitcode, output, None)
 
 
 def _command_main(args: list[str], env: dict[str, str], cwd: str, log: Path) -> None:
     """In the forked process: what `python -m multigpu ARGS` does after its imports, then its exit."""
-    os.setsid()
-    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    for stream in (1, 2):
-        os.dup2(out, stream)
+    _own_session_writing_to(log)
     # Unbuffered, as PYTHONUNBUFFERED makes them: the two streams' lines in the order they were written.
     sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
     sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
@@ -287,10 +291,7 @@ def _wait(ranks: list[multiprocessing.process.BaseProcess], deadline: float) -> 
 
 def _rank_main(target: str, folder: Path, rank: int, nproc: int, port: int, nodes: tuple[str, ...] = ()) -> None:
     """One rank: its output to rank<R>.log, torchrun's variables, then multigpu's worker runs tests/dist_worker.py."""
-    os.setsid()
-    log = os.open(folder / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    for stream in (1, 2):
-        os.dup2(log, stream)
+    _own_session_writing_to(folder / f"rank{rank}.log")
     per_node, master = nproc // max(1, len(nodes)), "127.0.0.1"
     if nodes:
         from tests.nodes import enter, node_address
@@ -307,6 +308,14 @@ def _rank_main(target: str, folder: Path, rank: int, nproc: int, port: int, node
     with contextlib.suppress(SystemExit):
         worker.main([str(WORKER), target, str(folder)])
     atexit._run_exitfuncs()  # ends the process: the worker's last exit handler ends it without finalising
+
+
+def _own_session_writing_to(log: Path) -> None:
+    """In a forked process: a session of its own, as a launched process has, and stdout and stderr to `log`."""
+    os.setsid()
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    for stream in (1, 2):
+        os.dup2(out, stream)
 
 
 def start_forkserver() -> None:
