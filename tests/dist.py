@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ import torch
 
 from multigpu.core.lazy import imported
 from multigpu.core.ports import free_port
+from tests.forked_workers import exit_as_python, fork_workers, unbuffered
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -109,8 +109,9 @@ def descendants(pid: int) -> list[int]:
 
 
 def multigpu(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`multigpu ARGS` as a user types it: the command's own process, forked from the server that imported torch,
-    transformers and peft once (see forked_command), where the variables the test adds are read after start-up."""
+    """`multigpu ARGS` as a user types it: the command's own process and its workers forked from the server that
+    imported torch, transformers and peft once (see forked_command), where the variables the test adds are read
+    after start-up."""
     if _FORKS.get_start_method() == "forkserver" and all(read_late(name) for name in env or {}):
         return forked_command(list(args), timeout=timeout, env=env)
     return run_command([sys.executable, "-m", "multigpu", *args], timeout=timeout, env=env)
@@ -125,11 +126,12 @@ def read_late(name: str) -> bool:
 def forked_command(args: list[str], timeout: float, env: dict[str, str] | None) -> subprocess.CompletedProcess:
     """`python -m multigpu ARGS` without the interpreter's start: a process forked from the server run_in_processes
     uses, which runs the CLI's main as `python -m multigpu` would (its own session, variables, working directory
-    and sys.argv, output to one file, exit handlers run at the end). Its workers start as under the command: each
-    its own interpreter. Saves the imports each command's process pays before it does anything (torch's, and
-    transformers' for the recipes' checks): tests/recipes/test_train.py took 116 CPU-seconds instead of 149. The
-    README's commands (tests/test_docs.py), `running` and a test that sets a variable read at start-up still start
-    `python -m multigpu` itself."""
+    and sys.argv, output to one file, exit handlers run at the end), and whose workers are forked too, each as
+    `python -u -m multigpu.launch.worker` would run (tests/forked_workers.py). Saves the imports each process
+    pays before it does anything (torch's, and transformers' and peft's for the recipes): tests/recipes/test_train.py
+    took 78 CPU-seconds instead of 150 (116 with only the command's process forked). The README's commands
+    (tests/test_docs.py), `running` and a test that sets a variable read at start-up still start `python -m
+    multigpu` itself, and their workers are fresh interpreters."""
     full_env = command_env(env)
     started = time.perf_counter()
     start_forkserver()
@@ -152,11 +154,11 @@ def forked_command(args: list[str], timeout: float, env: dict[str, str] | None) 
 
 
 def _command_main(args: list[str], env: dict[str, str], cwd: str, log: Path) -> None:
-    """In the forked process: what `python -m multigpu ARGS` does after its imports, then its exit."""
+    """In the forked process: what `python -m multigpu ARGS` does after its imports, then its exit; its workers
+    forked too (tests/forked_workers.py)."""
     _own_session_writing_to(log)
-    # Unbuffered, as PYTHONUNBUFFERED makes them: the two streams' lines in the order they were written.
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+    fork_workers()
+    unbuffered()
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -165,19 +167,7 @@ def _command_main(args: list[str], env: dict[str, str], cwd: str, log: Path) -> 
     faulthandler.enable()
     from multigpu.__main__ import main
 
-    try:
-        code = main()
-    except SystemExit as exit_:
-        code = exit_.code
-    except BaseException:  # what the interpreter prints of an exception nothing caught
-        traceback.print_exc()
-        code = 1
-    if not isinstance(code, int):  # sys.exit("message") prints it and exits 1, as the interpreter does
-        if code is not None:
-            print(code, file=sys.stderr)
-        code = 0 if code is None else 1
-    atexit._run_exitfuncs()
-    os._exit(code)
+    exit_as_python(main)
 
 
 @contextlib.contextmanager

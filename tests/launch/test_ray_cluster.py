@@ -195,3 +195,14 @@ def test_what_ray_places_itself_is_refused(args: list[str], message: str) -> Non
 def test_ray_sizes_without_ray_are_refused() -> None:
     printed = sentence(refusal("run", "--ray-cpus-per-worker", "2", "-m", "multigpu.recipes.demo"))
     assert "add --ray" in printed
+
+
+def test_the_hosts_of_one_node_share_its_notes_and_the_last_to_read_finds_them_gone(tmp_path: Path) -> None:
+    """Each worker's host reads and removes the node's notes folder as the run ends: the first takes every note,
+    and one listing it as the first removes it finds it gone mid-listing (as scandir raises), which is no error."""
+    from multigpu.launch.ray_host import WorkerHost
+
+    (tmp_path / "rank1").write_text("stuck")
+    assert WorkerHost().notes(str(tmp_path)) == {"rank1": "stuck"} and not tmp_path.exists()
+    with mock.patch.object(Path, "glob", side_effect=FileNotFoundError(2, "No such file or directory")):
+        assert WorkerHost().notes(str(tmp_path)) == {}

@@ -89,11 +89,13 @@ class WorkerHost:
         return True
 
     def notes(self, folder: str) -> dict[str, str]:
-        """The notes this node's workers left (multigpu.core.launcher_notes), the folder then removed."""
-        found = {}
-        for path in Path(folder).glob("*"):
-            if path.is_file() and not path.name.startswith("."):
-                with contextlib.suppress(OSError, UnicodeDecodeError):
-                    found[path.name] = path.read_text()
+        """The notes this node's workers left (multigpu.core.launcher_notes), the folder then removed. The workers
+        of one node share the folder: the host that reads it first takes every note, the others find it gone."""
+        found: dict[str, str] = {}
+        with contextlib.suppress(FileNotFoundError):  # read and removed by another host on this node
+            for path in Path(folder).glob("*"):
+                if path.is_file() and not path.name.startswith("."):
+                    with contextlib.suppress(OSError, UnicodeDecodeError):
+                        found[path.name] = path.read_text()
         shutil.rmtree(folder, ignore_errors=True)
         return found

@@ -143,6 +143,16 @@ class AccelerateOnCpu(importlib.abc.MetaPathFinder):
         return spec
 
 
+def honour_accelerate_use_cpu() -> None:
+    """PartialState() honours ACCELERATE_USE_CPU (AccelerateOnCpu): patched now where accelerate.state was imported
+    before this worker ran (a process this one was forked from had imported it), else as the script imports it."""
+    imported = sys.modules.get("accelerate.state")
+    if imported is not None:
+        use_cpu_in_partial_state(imported)
+    else:
+        sys.meta_path.insert(0, AccelerateOnCpu())
+
+
 def use_cpu_in_partial_state(state: ModuleType) -> None:
     init = state.PartialState.__init__
 
@@ -233,7 +243,7 @@ def main(argv: list[str] | None = None, after: Callable[[], None] | None = None)
         return  # a restart after every script had finished: nothing to do again (multigpu.launch.exit_watch)
     stop.die_with_launcher()
     stop.end_at_once_on_stop()
-    sys.meta_path.insert(0, AccelerateOnCpu())
+    honour_accelerate_use_cpu()
     keep_destroyed_groups()
     refuse_own_processes(int(os.environ.get("WORLD_SIZE", "1")))
     atexit.register(end_process)  # registered first, so it runs after every other exit handler
