@@ -108,13 +108,15 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def multigpu(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def multigpu(
+    *args: str, timeout: float = 120, env: dict[str, str] | None = None, cwd: Path = ROOT
+) -> subprocess.CompletedProcess:
     """`multigpu ARGS` as a user types it: the command's own process and its workers forked from the server that
     imported torch, transformers and peft once (see forked_command), where the variables the test adds are read
     after start-up."""
     if _FORKS.get_start_method() == "forkserver" and all(read_late(name) for name in env or {}):
-        return forked_command(list(args), timeout=timeout, env=env)
-    return run_command([sys.executable, "-m", "multigpu", *args], timeout=timeout, env=env)
+        return forked_command(list(args), timeout=timeout, env=env, cwd=cwd)
+    return run_command([sys.executable, "-m", "multigpu", *args], timeout=timeout, env=env, cwd=cwd)
 
 
 def read_late(name: str) -> bool:
@@ -123,21 +125,24 @@ def read_late(name: str) -> bool:
     return name.startswith(("MULTIGPU_", "RAY_", "ACCELERATE_", "GLOO_"))
 
 
-def forked_command(args: list[str], timeout: float, env: dict[str, str] | None) -> subprocess.CompletedProcess:
+def forked_command(
+    args: list[str], timeout: float, env: dict[str, str] | None, cwd: Path = ROOT
+) -> subprocess.CompletedProcess:
     """`python -m multigpu ARGS` without the interpreter's start: a process forked from the server run_in_processes
     uses, which runs the CLI's main as `python -m multigpu` would (its own session, variables, working directory
     and sys.argv, output to one file, exit handlers run at the end), and whose workers are forked too, each as
     `python -u -m multigpu.launch.worker` would run (tests/forked_workers.py). Saves the imports each process
     pays before it does anything (torch's, and transformers' and peft's for the recipes): tests/recipes/test_train.py
-    took 78 CPU-seconds instead of 150 (116 with only the command's process forked). The README's commands
-    (tests/test_docs.py), `running` and a test that sets a variable read at start-up still start `python -m
-    multigpu` itself, and their workers are fresh interpreters."""
+    took 78 CPU-seconds instead of 150 (116 with only the command's process forked). `running`, the
+    launches tests/launch/test_launch.py stops or kills, the nodes of tests/launch/test_nodes.py and a test that
+    sets a variable read at start-up still start `python -m multigpu` itself, and their workers are fresh
+    interpreters."""
     full_env = command_env(env)
     started = time.perf_counter()
     start_forkserver()
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp, "output.log")
-        process = _FORKS.Process(target=_command_main, args=(args, full_env, str(ROOT), log))
+        process = _FORKS.Process(target=_command_main, args=(args, full_env, str(cwd), log))
         process.start()
         try:
             process.join(timeout)

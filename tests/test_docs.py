@@ -6,7 +6,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from multigpu.cli import build_parser
 from multigpu.config import config_file, config_writer
 from multigpu.config.cli_reference import reference
 from multigpu.config.config_file import verb_parsers
-from tests.dist import ROOT, run_command
+from tests.dist import ROOT, multigpu
 
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
@@ -71,8 +70,12 @@ COMMANDS = readme_commands()
 
 
 def run_in(cwd: Path, command: str) -> subprocess.CompletedProcess:
-    """Runs a README command as typed, in `cwd`, with a hard timeout."""
-    return run_command([sys.executable, "-m", *shlex.split(command, comments=True)], COMMAND_TIMEOUT, cwd=cwd)
+    """Runs a README command as typed, in `cwd`, with a hard timeout: its process and workers forked, as the tests'
+    commands are (tests/dist.py's `multigpu`). `python -m multigpu` and fresh workers start in the launches of
+    tests/launch/test_launch.py that stop or kill a launcher, and in tests/launch/test_nodes.py's nodes."""
+    name, *args = shlex.split(command, comments=True)
+    assert name == "multigpu", command
+    return multigpu(*args, timeout=COMMAND_TIMEOUT, cwd=cwd)
 
 
 class ReadmeSession:
