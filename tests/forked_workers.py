@@ -1,8 +1,9 @@
 """A test's command whose workers are forked, not started: in the process tests/dist.py's `multigpu(...)` forks for
-a command, torch elastic's start of each worker (`python -u -m multigpu.launch.worker ...`) becomes a fork of a
-process that has already imported what a worker imports (torch, transformers, peft), as the command's own process
-has. A fresh worker spends 2-6 CPU-seconds on those imports before its script's first line (measured: a small
-finetune's workers 9 CPU-seconds each, 6 of them imports), and the suite starts hundreds of workers.
+a command, torch elastic's start of each worker (`python -u -m multigpu.launch.worker ...`, or verify's and
+bench's `python -u -m multigpu.tools.harness ...`) becomes a fork of a process that has already imported what
+a worker imports (torch, transformers, peft), as the command's own process has. A fresh worker spends 2-6
+CPU-seconds on those imports before its script's first line (measured: a small finetune's workers 9 CPU-seconds
+each, 6 of them imports), and the suite starts hundreds of workers.
 
 The command's process forks, before its CLI runs, a server that only forks workers: single-threaded, as a process
 one forks from must be (the launcher runs threads by the time its workers start), and below the command, so that a
@@ -37,12 +38,10 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import subproc
 
 from multigpu.core.child_processes import die_with_parent
 
-WORKER = "multigpu.launch.worker"
-
 
 def fork_workers() -> None:
     """In a command's process, before its CLI runs: starts the server its workers fork from, and has torch elastic
-    ask it for each worker that would run `python -u -m multigpu.launch.worker` (anything else starts as before)."""
+    ask it for each worker that would run `python -u -m MODULE ...` (anything else starts as before)."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     if os.fork() == 0:
         ours.close()
@@ -57,7 +56,7 @@ def fork_workers() -> None:
     popen = subprocess_handler.SubprocessHandler._popen
 
     def fork_or_popen(handler: subprocess_handler.SubprocessHandler, args: tuple, env: dict[str, str]) -> object:
-        if list(args[:4]) != [sys.executable, "-u", "-m", WORKER]:
+        if len(args) < 4 or list(args[:3]) != [sys.executable, "-u", "-m"]:
             return popen(handler, args, env)
         # stdin, stdout and stderr as Popen gives them: the launcher's, where torch elastic opened no file.
         streams = [None, handler._stdout, handler._stderr]
@@ -76,9 +75,9 @@ class WorkerServer:
         self.lock = threading.Lock()  # the agent's thread and multigpu's watchers may ask at once
 
     def start(self, argv: list[str], env: dict[str, str], fds: list[int]) -> int:
-        """Forks a worker that runs argv[4:] as `python -u -m multigpu.launch.worker` would: its pid."""
+        """Forks a worker that runs argv (`python -u -m MODULE ARGS`) as the interpreter would: its pid."""
         with self.lock:
-            socket.send_fds(self.channel, [pickle.dumps((argv[4:], env, os.getcwd()))], fds)
+            socket.send_fds(self.channel, [pickle.dumps((argv[3], argv[4:], env, os.getcwd()))], fds)
             while (message := self._receive())[0] != "started":
                 pass
             return message[1]
@@ -147,7 +146,9 @@ def _serve(channel: socket.socket) -> None:
             channel.send(pickle.dumps(("exited", pid, os.waitstatus_to_exitcode(status))))
 
 
-def _fork_worker(channel: socket.socket, args: list[str], env: dict[str, str], cwd: str, fds: list[int]) -> int:
+def _fork_worker(
+    channel: socket.socket, module: str, args: list[str], env: dict[str, str], cwd: str, fds: list[int]
+) -> int:
     """Forks one worker; returns once it leads a session of its own (torch elastic signals the session)."""
     ready, led = os.pipe()
     pid = os.fork()
@@ -156,7 +157,7 @@ def _fork_worker(channel: socket.socket, args: list[str], env: dict[str, str], c
         os.close(ready)
         os.setsid()
         os.close(led)
-        exit_as_python(lambda: _run_worker(args, env, cwd, fds))
+        exit_as_python(lambda: _run_worker(module, args, env, cwd, fds))
     os.close(led)
     os.read(ready, 1)  # end of file once the worker closed `led`, after setsid
     os.close(ready)
@@ -165,8 +166,8 @@ def _fork_worker(channel: socket.socket, args: list[str], env: dict[str, str], c
     return pid
 
 
-def _run_worker(args: list[str], env: dict[str, str], cwd: str, fds: list[int]) -> None:
-    """In the forked worker: what `python -u -m multigpu.launch.worker ARGS` does after its imports."""
+def _run_worker(module: str, args: list[str], env: dict[str, str], cwd: str, fds: list[int]) -> None:
+    """In the forked worker: what `python -u -m MODULE ARGS` does after its imports."""
     for stream, fd in enumerate(fds):
         os.dup2(fd, stream)
     for fd in set(fds) - {0, 1, 2}:
@@ -178,9 +179,9 @@ def _run_worker(args: list[str], env: dict[str, str], cwd: str, fds: list[int]) 
     sys.path.insert(0, cwd)  # `python -m` puts the working directory first
     if env.get("PYTHONFAULTHANDLER"):
         faulthandler.enable()
-    sys.argv = [WORKER, *args]
-    sys.modules.pop(WORKER)  # imported in the server; `python -m` runs it as __main__ alone
-    runpy.run_module(WORKER, run_name="__main__", alter_sys=True)
+    sys.argv = [module, *args]
+    sys.modules.pop(module, None)  # imported in the server, maybe; `python -m` runs it as __main__ alone
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def unbuffered() -> None:
