@@ -131,7 +131,7 @@ def forked_command(
     """`python -m multigpu ARGS` without the interpreter's start: a process forked from the server run_in_processes
     uses, which runs the CLI's main as `python -m multigpu` would (its own session, variables, working directory
     and sys.argv, output to one file, exit handlers run at the end), and whose workers are forked too, each as
-    `python -u -m multigpu.launch.worker` would run (tests/forked_workers.py). Saves the imports each process
+    `python -u -m MODULE` would run (tests/forked_workers.py). Saves the imports each process
     pays before it does anything (torch's, and transformers' and peft's for the recipes): tests/recipes/test_train.py
     took 78 CPU-seconds instead of 150 (116 with only the command's process forked). `running`, the
     launches tests/launch/test_launch.py stops or kills, the nodes of tests/launch/test_nodes.py and a test that

@@ -10,8 +10,10 @@ one forks from must be (the launcher runs threads by the time its workers start)
 timeout that kills the command's tree kills its workers, and a worker that dies with its launcher (PR_SET_PDEATHSIG
 on its parent) dies with this server, which dies with the launcher. Each worker is otherwise what Popen starts: a
 session of its own, the variables, working directory, stdin, stdout and stderr torch elastic gives it, `-u`'s
-unbuffered output and the interpreter's exit; the server reaps it and says its exit code, which torch elastic reads
-through poll and wait as from a Popen. What a fresh interpreter reads as it starts is the server's, which is why
+unbuffered output and the interpreter's exit; the server says its exit code, which torch elastic reads through
+poll and wait as from a Popen, and reaps it only once the launcher has read that code: until then it stays a zombie,
+as a Popen's child does, so that a signal sent to a worker that has just ended (torch elastic's killpg of the
+survivors) meets a process, not an error. What a fresh interpreter reads as it starts is the server's, which is why
 tests/dist.py forks only commands whose variables are read later.
 """
 
@@ -77,7 +79,7 @@ class WorkerServer:
     def start(self, argv: list[str], env: dict[str, str], fds: list[int]) -> int:
         """Forks a worker that runs argv (`python -u -m MODULE ARGS`) as the interpreter would: its pid."""
         with self.lock:
-            socket.send_fds(self.channel, [pickle.dumps((argv[3], argv[4:], env, os.getcwd()))], fds)
+            socket.send_fds(self.channel, [pickle.dumps(("start", argv[3], argv[4:], env, os.getcwd()))], fds)
             while (message := self._receive())[0] != "started":
                 pass
             return message[1]
@@ -93,6 +95,7 @@ class WorkerServer:
         message = pickle.loads(self.channel.recv(4096))
         if message[0] == "exited":
             self.exits[message[1]] = message[2]
+            self.channel.send(pickle.dumps(("reap", message[1])))  # read: the zombie can go, as Popen's would
         return message
 
 
@@ -127,23 +130,27 @@ class ForkedWorker:
 
 
 def _serve(channel: socket.socket) -> None:
-    """The server: forks a worker for each request, and says when each ends, until the launcher's process ends."""
+    """The server: forks a worker for each request and says when each ends, until the launcher's process ends."""
     die_with_parent()  # the command's process (its main thread forked this one)
+    running: set[int] = set()
     while True:
         if select.select([channel], [], [], 0.05)[0]:
             message, fds, _, _ = socket.recv_fds(channel, 1 << 20, 3)
             if not message:
                 return  # the command's process ended
-            pid = _fork_worker(channel, *pickle.loads(message), fds)
-            channel.send(pickle.dumps(("started", pid, None)))
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            channel.send(pickle.dumps(("exited", pid, os.waitstatus_to_exitcode(status))))
+            request, *details = pickle.loads(message)
+            if request == "reap":
+                os.waitpid(details[0], 0)
+            else:
+                running.add(pid := _fork_worker(channel, *details, fds))
+                channel.send(pickle.dumps(("started", pid, None)))
+        for pid in list(running):
+            # WNOWAIT: the worker stays a zombie until the launcher has read its code (the "reap" request above).
+            ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            if ended is not None:
+                running.remove(pid)
+                code = ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status
+                channel.send(pickle.dumps(("exited", pid, code)))
 
 
 def _fork_worker(
